@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install run demo serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the machine's CPU wheel, so the `worker` extra's range installs nothing more.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,postgres,worker]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/kvplane migrate
+	$(VENV)/bin/kvplane serve --host $(HOST) --port $(PORT) --demo-fleet
+
+demo: install
+	$(VENV)/bin/kvplane demo
+
+test: install
+	$(VENV)/bin/pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check api workers tests bench
+	$(VENV)/bin/mypy api workers
+
+bench: install
+	$(PY) bench/plan.py
+
+clean:
+	rm -rf $(VENV) var
