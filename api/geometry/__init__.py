@@ -1,0 +1,49 @@
+"""The planning core: pure data in, data out (no FastAPI, SQLAlchemy or torch).
+
+Pipeline: :func:`parse_instance` / :func:`parse_rank` check registered page tables;
+:func:`validate_pairing` explains every incompatibility; :func:`compile_plan` builds the rank map,
+elects senders and emits strided transfer templates; :func:`expand` applies a plan to one request's
+block lists. Module docstrings state the formulas: :mod:`.heads` (shards, replicas, head ranges),
+:mod:`.match` (view matching), :mod:`.validate` (error codes), :mod:`.plan` (election, templates),
+:mod:`.expand` (block alignment).
+"""
+
+from api.geometry.errors import GeometryError, Problem
+from api.geometry.expand import Expansion, expand
+from api.geometry.heads import ViewGeometry, view_geometry
+from api.geometry.model import Buffer, Instance, Pool, RankTable, View, parse_instance, parse_rank
+from api.geometry.plan import (
+    Plan,
+    ReceiverPlan,
+    Route,
+    Segment,
+    active_ranks,
+    compile_plan,
+    validate_pairing,
+)
+from api.geometry.validate import Issue, Report
+
+__all__ = [
+    "Buffer",
+    "Expansion",
+    "GeometryError",
+    "Instance",
+    "Issue",
+    "Plan",
+    "Pool",
+    "Problem",
+    "RankTable",
+    "ReceiverPlan",
+    "Report",
+    "Route",
+    "Segment",
+    "View",
+    "ViewGeometry",
+    "active_ranks",
+    "compile_plan",
+    "expand",
+    "parse_instance",
+    "parse_rank",
+    "validate_pairing",
+    "view_geometry",
+]

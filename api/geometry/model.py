@@ -1,0 +1,490 @@
+"""Registered page tables as frozen data, and the parser that checks them.
+
+An *instance* has ``tp × pp × cp`` ranks; rank ``r`` decomposes CP-minor as
+``r = pp_rank × (tp × cp) + tp_rank × cp + cp_rank``. Each rank reports its *pools*
+(``num_slots`` slots of ``slot_bytes``, ``slot_stride_bytes`` apart) and the *views* inside them.
+A view is one class of buffers (owner, roles, layout, head geometry) with rows
+``{layer, offset, size}``: byte ranges inside one slot.
+
+Page-table rules enforced here (each violation names its field):
+
+- every buffer lies inside ``[0, slot_bytes)`` of its pool, and no two buffers of one pool overlap;
+- within a view every layer has the same number of buffers and every buffer the same ``size``;
+- one rank never holds the same ``(owner, roles, layer)`` in two views;
+- the view's head geometry (see :mod:`api.geometry.heads`) is consistent with the TP group and
+  divides the registered bytes exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from api.geometry.errors import GeometryError, Loc, ProblemSink
+
+OWNERS = ("target", "draft")
+LAYOUTS = ("HND", "NHD", "REPLICATED")
+ROLES = ("context", "generation")
+MAX_PARALLEL = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One byte range of a slot: ``size`` bytes at ``offset``, holding (part of) ``layer``."""
+
+    layer: int
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """One registered memory region of a rank."""
+
+    id: int
+    layer_group: int
+    slot_bytes: int
+    slot_stride_bytes: int
+    num_slots: int
+    base_address: int = 0
+
+
+@dataclass(frozen=True)
+class View:
+    """One class of buffers inside one pool, with its own head geometry.
+
+    ``buffers_by_layer[layer]`` keeps registration order (K before V for a K/V view).
+    """
+
+    index: int
+    pool: int
+    owner: str
+    roles: frozenset[str]
+    layout: str
+    num_kv_heads: int | None
+    total_kv_heads: int | None
+    head_dim: int | None
+    dtype: str
+    buffers: tuple[Buffer, ...]
+    buffers_by_layer: Mapping[int, tuple[Buffer, ...]] = field(repr=False, compare=False)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.buffers_by_layer)
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return len(next(iter(self.buffers_by_layer.values())))
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.buffers[0].size
+
+    @property
+    def roles_key(self) -> tuple[str, ...]:
+        return tuple(sorted(self.roles))
+
+    def label(self) -> str:
+        """Short human name: ``target[key,value]@pool0``."""
+        return f"{self.owner}[{','.join(self.roles_key)}]@pool{self.pool}"
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """One rank's page table."""
+
+    rank: int
+    pools: Mapping[int, Pool]
+    views: tuple[View, ...]
+    kv_heads_per_rank: int | None = None
+    agent_metadata: str | None = None
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One model replica and the page tables its ranks reported so far."""
+
+    name: str
+    role: str
+    tp: int
+    pp: int
+    cp: int
+    attention_dp: bool
+    tokens_per_block: int
+    model: str | None = None
+    kv_heads_per_rank: int | None = None
+    total_kv_heads: int | None = None
+    ranks: tuple[RankTable | None, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def is_complete(self) -> bool:
+        return all(table is not None for table in self.ranks)
+
+    @property
+    def missing_ranks(self) -> tuple[int, ...]:
+        return tuple(rank for rank, table in enumerate(self.ranks) if table is None)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, tp_rank, cp_rank)`` of a flat rank (CP-minor order)."""
+        pp_rank, rest = divmod(rank, self.tp * self.cp)
+        tp_rank, cp_rank = divmod(rest, self.cp)
+        return pp_rank, tp_rank, cp_rank
+
+    def flat_rank(self, pp_rank: int, tp_rank: int, cp_rank: int) -> int:
+        return pp_rank * (self.tp * self.cp) + tp_rank * self.cp + cp_rank
+
+    @property
+    def group_size(self) -> int:
+        """``G``: attention TP group size (1 under attention-DP, where KV is not TP-sharded)."""
+        return 1 if self.attention_dp else self.tp
+
+    def group_index(self, rank: int) -> int:
+        """``g``: the rank's index inside its attention TP group."""
+        return 0 if self.attention_dp else self.coords(rank)[1]
+
+    def table(self, rank: int) -> RankTable:
+        table = self.ranks[rank]
+        if table is None:
+            raise GeometryError.single(
+                ("ranks", rank), "rank has not reported", "instance_not_ready"
+            )
+        return table
+
+    def with_rank(self, table: RankTable) -> Instance:
+        """A copy with ``table`` stored at its rank (replacing an earlier report)."""
+        ranks = list(self.ranks)
+        ranks[table.rank] = table
+        return replace(self, ranks=tuple(ranks))
+
+
+# --------------------------------------------------------------------------------------------
+# parsing
+
+
+def _int(
+    sink: ProblemSink,
+    data: Mapping[str, Any],
+    key: str,
+    loc: Loc,
+    *,
+    minimum: int = 0,
+    maximum: int | None = None,
+    default: int | None = None,
+    required: bool = True,
+) -> int | None:
+    value = data.get(key)
+    if value is None:
+        if default is not None or not required:
+            return default
+        sink.add((*loc, key), "field required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        sink.add((*loc, key), f"must be an integer, got {type(value).__name__}")
+        return None
+    if value < minimum:
+        sink.add((*loc, key), f"must be ≥ {minimum}, got {value}")
+        return None
+    if maximum is not None and value > maximum:
+        sink.add((*loc, key), f"must be ≤ {maximum}, got {value}")
+        return None
+    return value
+
+
+def _choice(
+    sink: ProblemSink, data: Mapping[str, Any], key: str, loc: Loc, choices: Sequence[str]
+) -> str | None:
+    value = data.get(key)
+    if value not in choices:
+        sink.add((*loc, key), f"must be one of {', '.join(choices)}, got {value!r}")
+        return None
+    return str(value)
+
+
+def parse_instance(body: Mapping[str, Any], name: str) -> Instance:
+    """Check an instance body (``ranks`` may be partial or absent) and return it as data."""
+    sink = ProblemSink()
+    role = _choice(sink, body, "role", (), ROLES)
+    tp = _int(sink, body, "tp", (), minimum=1, maximum=MAX_PARALLEL, default=1)
+    pp = _int(sink, body, "pp", (), minimum=1, maximum=MAX_PARALLEL, default=1)
+    cp = _int(sink, body, "cp", (), minimum=1, maximum=MAX_PARALLEL, default=1)
+    tokens = _int(sink, body, "tokens_per_block", (), minimum=1, maximum=1 << 20)
+    kv_heads = _int(sink, body, "kv_heads_per_rank", (), minimum=1, required=False)
+    total_heads = _int(sink, body, "total_kv_heads", (), minimum=1, required=False)
+    attention_dp = body.get("attention_dp", False)
+    if not isinstance(attention_dp, bool):
+        sink.add(("attention_dp",), "must be a boolean")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        sink.add(("model",), "must be a string")
+    sink.raise_if_any()
+    assert role and tp and pp and cp and tokens  # for the type checker: checked above
+    if tp * pp * cp > MAX_PARALLEL:
+        sink.add(("tp",), f"world size tp×pp×cp = {tp * pp * cp} exceeds {MAX_PARALLEL}")
+        sink.raise_if_any()
+    instance = Instance(
+        name=name,
+        role=role,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        attention_dp=bool(attention_dp),
+        tokens_per_block=tokens,
+        model=model,
+        kv_heads_per_rank=kv_heads,
+        total_kv_heads=total_heads,
+        ranks=(None,) * (tp * pp * cp),
+    )
+    raw_ranks = body.get("ranks") or []
+    if not isinstance(raw_ranks, list):
+        sink.add(("ranks",), "must be a list")
+        sink.raise_if_any()
+    seen: dict[int, int] = {}
+    tables: list[RankTable] = []
+    for position, raw in enumerate(raw_ranks):
+        loc: Loc = ("ranks", position)
+        if not isinstance(raw, Mapping):
+            sink.add(loc, "must be an object")
+            continue
+        rank = raw.get("rank")
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank in seen:
+            sink.add((*loc, "rank"), f"rank {rank} appears twice (also at ranks.{seen[rank]})")
+            continue
+        try:
+            table = _parse_rank(instance, raw, loc)
+        except GeometryError as error:
+            sink.problems.extend(error.problems)
+            continue
+        seen[table.rank] = position
+        tables.append(table)
+    sink.raise_if_any()
+    for table in tables:
+        instance = instance.with_rank(table)
+    return instance
+
+
+def parse_rank(instance: Instance, body: Mapping[str, Any]) -> RankTable:
+    """Check one rank's page table against the instance it belongs to."""
+    return _parse_rank(instance, body, ())
+
+
+def _parse_rank(instance: Instance, body: Mapping[str, Any], loc: Loc) -> RankTable:
+    from api.geometry.heads import view_geometry  # the head formulas live beside, not here
+
+    sink = ProblemSink()
+    rank = _int(sink, body, "rank", loc, maximum=instance.world_size - 1)
+    kv_heads = _int(sink, body, "kv_heads_per_rank", loc, minimum=1, required=False)
+    metadata = body.get("agent_metadata")
+    if metadata is not None and not isinstance(metadata, str):
+        sink.add((*loc, "agent_metadata"), "must be a string")
+    pools = _parse_pools(sink, body.get("pools"), (*loc, "pools"))
+    views = _parse_views(sink, body.get("views"), (*loc, "views"), pools)
+    sink.raise_if_any()
+    assert rank is not None
+    _check_overlaps(sink, views, pools, loc)
+    _check_duplicate_layers(sink, views, loc)
+    table = RankTable(
+        rank=rank,
+        pools=pools,
+        views=tuple(views),
+        kv_heads_per_rank=kv_heads,
+        agent_metadata=metadata,
+    )
+    for view in views:
+        try:
+            view_geometry(instance, table, view)
+        except GeometryError as error:
+            for problem in error.problems:
+                sink.add((*loc, "views", view.index, *problem.loc), problem.message, problem.code)
+    sink.raise_if_any()
+    return table
+
+
+def _parse_pools(sink: ProblemSink, raw: Any, loc: Loc) -> dict[int, Pool]:
+    pools: dict[int, Pool] = {}
+    if not isinstance(raw, list) or not raw:
+        sink.add(loc, "must be a non-empty list of pools")
+        return pools
+    for position, item in enumerate(raw):
+        here: Loc = (*loc, position)
+        if not isinstance(item, Mapping):
+            sink.add(here, "must be an object")
+            continue
+        before = len(sink.problems)
+        pool_id = _int(sink, item, "id", here)
+        group = _int(sink, item, "layer_group", here, default=0)
+        slot_bytes = _int(sink, item, "slot_bytes", here, minimum=1, maximum=1 << 40)
+        stride = _int(
+            sink, item, "slot_stride_bytes", here, minimum=1, maximum=1 << 40, required=False
+        )
+        slots = _int(sink, item, "num_slots", here, minimum=1, maximum=1 << 32)
+        base = _int(sink, item, "base_address", here, maximum=(1 << 64) - 1, default=0)
+        if len(sink.problems) > before:
+            continue
+        assert pool_id is not None and slot_bytes and slots and group is not None
+        stride = slot_bytes if stride is None else stride
+        if stride < slot_bytes:
+            sink.add(
+                (*here, "slot_stride_bytes"),
+                f"slot_stride_bytes {stride} is smaller than slot_bytes {slot_bytes}",
+            )
+            continue
+        if pool_id in pools:
+            sink.add((*here, "id"), f"pool id {pool_id} appears twice")
+            continue
+        pools[pool_id] = Pool(pool_id, group, slot_bytes, stride, slots, base or 0)
+    return pools
+
+
+def _parse_views(sink: ProblemSink, raw: Any, loc: Loc, pools: Mapping[int, Pool]) -> list[View]:
+    views: list[View] = []
+    if not isinstance(raw, list) or not raw:
+        sink.add(loc, "must be a non-empty list of views")
+        return views
+    for position, item in enumerate(raw):
+        here: Loc = (*loc, position)
+        if not isinstance(item, Mapping):
+            sink.add(here, "must be an object")
+            continue
+        view = _parse_view(sink, item, here, position, pools)
+        if view is not None:
+            views.append(view)
+    return views
+
+
+def _parse_view(
+    sink: ProblemSink, item: Mapping[str, Any], here: Loc, index: int, pools: Mapping[int, Pool]
+) -> View | None:
+    before = len(sink.problems)
+    pool_id = _int(sink, item, "pool", here)
+    owner = _choice(sink, item, "owner", here, OWNERS)
+    layout = _choice(sink, item, "layout", here, LAYOUTS)
+    num_heads = _int(sink, item, "num_kv_heads", here, minimum=1, required=False)
+    total_heads = _int(sink, item, "total_kv_heads", here, minimum=1, required=False)
+    head_dim = _int(sink, item, "head_dim", here, minimum=1, required=False)
+    dtype = item.get("dtype")
+    if not isinstance(dtype, str) or not dtype:
+        sink.add((*here, "dtype"), "must be a non-empty string")
+    roles = item.get("roles")
+    if (
+        not isinstance(roles, list)
+        or not roles
+        or not all(isinstance(role, str) and role for role in roles)
+    ):
+        sink.add((*here, "roles"), "must be a non-empty list of strings")
+    elif len(set(roles)) != len(roles):
+        sink.add((*here, "roles"), f"roles repeat: {roles}")
+    if pool_id is not None and pool_id not in pools:
+        sink.add((*here, "pool"), f"pool {pool_id} is not one of this rank's pools {sorted(pools)}")
+    buffers = _parse_buffers(sink, item.get("buffers"), (*here, "buffers"))
+    if len(sink.problems) > before:
+        return None
+    assert pool_id is not None and owner and layout and isinstance(dtype, str)
+    pool = pools[pool_id]
+    for position, buffer in enumerate(buffers):
+        if buffer.offset + buffer.size > pool.slot_bytes:
+            sink.add(
+                (*here, "buffers", position),
+                f"buffer [{buffer.offset}, {buffer.offset + buffer.size}) lies outside the "
+                f"slot of pool {pool_id} (slot_bytes {pool.slot_bytes})",
+            )
+    by_layer: dict[int, list[Buffer]] = {}
+    for buffer in buffers:
+        by_layer.setdefault(buffer.layer, []).append(buffer)
+    counts = {layer: len(rows) for layer, rows in by_layer.items()}
+    if len(set(counts.values())) > 1:
+        first_layer = next(iter(counts))
+        odd = next(layer for layer, count in counts.items() if count != counts[first_layer])
+        sink.add(
+            (*here, "buffers"),
+            f"layer {odd} has {counts[odd]} buffers but layer {first_layer} has "
+            f"{counts[first_layer]}: every layer of a view needs the same number",
+        )
+    sizes = sorted({buffer.size for buffer in buffers})
+    if len(sizes) > 1:
+        odd_row = next(i for i, b in enumerate(buffers) if b.size != buffers[0].size)
+        sink.add(
+            (*here, "buffers", odd_row, "size"),
+            f"buffer size {buffers[odd_row].size} differs from the view's {buffers[0].size}: "
+            "every buffer of a view must have the same size",
+        )
+    if len(sink.problems) > before:
+        return None
+    ordered = {layer: tuple(by_layer[layer]) for layer in sorted(by_layer)}
+    return View(
+        index=index,
+        pool=pool_id,
+        owner=owner,
+        roles=frozenset(roles),  # type: ignore[arg-type]
+        layout=layout,
+        num_kv_heads=num_heads,
+        total_kv_heads=total_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        buffers=tuple(buffers),
+        buffers_by_layer=ordered,
+    )
+
+
+def _parse_buffers(sink: ProblemSink, raw: Any, loc: Loc) -> list[Buffer]:
+    buffers: list[Buffer] = []
+    if not isinstance(raw, list) or not raw:
+        sink.add(loc, "must be a non-empty list of {layer, offset, size}")
+        return buffers
+    for position, item in enumerate(raw):
+        here: Loc = (*loc, position)
+        if not isinstance(item, Mapping):
+            sink.add(here, "must be an object")
+            continue
+        before = len(sink.problems)
+        layer = _int(sink, item, "layer", here, maximum=1 << 20)
+        offset = _int(sink, item, "offset", here, maximum=1 << 40)
+        size = _int(sink, item, "size", here, minimum=1, maximum=1 << 40)
+        if len(sink.problems) == before:
+            assert layer is not None and offset is not None and size is not None
+            buffers.append(Buffer(layer, offset, size))
+    return buffers
+
+
+def _check_overlaps(
+    sink: ProblemSink, views: Iterable[View], pools: Mapping[int, Pool], loc: Loc
+) -> None:
+    """No two buffers of one pool may share a byte (across all views of the pool)."""
+    rows: dict[int, list[tuple[int, int, int, int]]] = {}
+    for view in views:
+        for position, buffer in enumerate(view.buffers):
+            rows.setdefault(view.pool, []).append(
+                (buffer.offset, buffer.offset + buffer.size, view.index, position)
+            )
+    for pool_id, intervals in rows.items():
+        intervals.sort()
+        for (start_a, end_a, view_a, row_a), (start_b, _end_b, view_b, row_b) in zip(
+            intervals, intervals[1:], strict=False
+        ):
+            if start_b < end_a:
+                sink.add(
+                    (*loc, "views", view_b, "buffers", row_b),
+                    f"buffer at offset {start_b} overlaps views.{view_a}.buffers.{row_a} "
+                    f"[{start_a}, {end_a}) in pool {pool_id}",
+                )
+
+
+def _check_duplicate_layers(sink: ProblemSink, views: Sequence[View], loc: Loc) -> None:
+    """Two views of one rank must not hold the same (owner, roles, layer)."""
+    holder: dict[tuple[str, tuple[str, ...], int], int] = {}
+    for view in views:
+        for layer in view.layers:
+            key = (view.owner, view.roles_key, layer)
+            if key in holder:
+                sink.add(
+                    (*loc, "views", view.index),
+                    f"layer {layer} ({view.owner}, roles {list(view.roles_key)}) is already held "
+                    f"by views.{holder[key]} of this rank",
+                    "ambiguous_peer_view",
+                )
+            else:
+                holder[key] = view.index

@@ -1,0 +1,630 @@
+"""Rank map, sender election and transfer templates.
+
+**Active ranks.** Without attention-DP every rank of a side takes part. Under attention-DP each TP
+rank is its own attention group (``dp_rank = tp_rank``): only the ranks with
+``tp_rank == context_dp_rank`` send, only those with ``tp_rank == generation_dp_rank`` receive.
+
+**Head ranges.** A receiver view on rank ``r`` needs the global heads ``[a, b)`` (see
+:mod:`api.geometry.heads`). With sender heads per rank ``h_s``, the sender shards ``i`` with
+``i × h_s < b`` and ``(i + 1) × h_s > a`` cover it: several shards when the sender is finer (each
+fills a sub-range of the receiver), one shard when it is coarser (a sub-range of it is sent).
+
+**Election.** A sender shard may be held by several replicas (``G > H``). For every
+``(stage, cp_rank, owner, roles, layers, shard)`` the receivers that need it, in rank order, take
+the holders round-robin: the ``k``-th such receiver is served by holder ``k mod n``. Hence every
+receiver byte is written exactly once, by a rank that holds exactly that data; no holder sends more
+than ``ceil(receivers / n)`` copies (balanced); and the result depends only on the inputs.
+
+**Templates.** Per route (sender rank → receiver rank) and pool pair, strided runs ``{src, dst,
+len, count, src_step, dst_step}`` (offsets inside one slot). HND head slices are one run per
+(layer, buffer); NHD slices one run with ``count = tokens_per_block``; full-width and REPLICATED
+copies whole regions; runs contiguous on both sides are merged. Template size depends on the layer
+count, never on the number of blocks or tokens.
+
+**Staging.** A receiver with several writers gets each writer's exact staging offset (prefix sum of
+the writers' bytes in sender-rank order). ``equal_split_safe`` says whether the legacy equal-split
+staging would have been right: only when every overlapping sender rank writes, all write the same
+bytes, and neither CP nor a pipelined sender is involved. kvplane itself never equal-splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from api.geometry.errors import GeometryError, Problem
+from api.geometry.heads import ViewGeometry
+from api.geometry.match import Match, SenderIndex
+from api.geometry.model import Instance, View
+from api.geometry.validate import (
+    Findings,
+    Report,
+    check_draft_layers,
+    check_instances,
+    check_layer_counts,
+    check_match,
+    geometry_of,
+    report_unmatched,
+)
+
+RUN_FIELDS = ("src", "dst", "len", "count", "src_step", "dst_step")
+
+
+# --------------------------------------------------------------------------------------------
+# active ranks and validation
+
+
+def active_ranks(instance: Instance, dp_rank: int | None, field: str) -> tuple[int, ...]:
+    """The ranks of ``instance`` taking part for one request's DP rank."""
+    if not instance.attention_dp:
+        if dp_rank not in (None, 0):
+            raise GeometryError(
+                Problem(
+                    (field,),
+                    f"{instance.name} does not use attention-DP; {field} must be "
+                    f"absent or 0, got {dp_rank}",
+                    "dp_rank_out_of_range",
+                )
+            )
+        return tuple(range(instance.world_size))
+    if dp_rank is None:
+        raise GeometryError(
+            Problem(
+                (field,),
+                f"{instance.name} uses attention-DP: {field} is required",
+                "dp_rank_required",
+            )
+        )
+    if not 0 <= dp_rank < instance.tp:
+        raise GeometryError(
+            Problem(
+                (field,),
+                f"{field} must be in [0, {instance.tp}), got {dp_rank}",
+                "dp_rank_out_of_range",
+            )
+        )
+    return tuple(r for r in range(instance.world_size) if instance.coords(r)[1] == dp_rank)
+
+
+def _dp_choices(instance: Instance) -> list[int | None]:
+    return list(range(instance.tp)) if instance.attention_dp else [None]
+
+
+def validate_pairing(context: Instance, generation: Instance) -> Report:
+    """Validate a pairing for every DP combination; return all errors and warnings."""
+    findings = Findings()
+    if not check_instances(context, generation, findings):
+        return findings.report()
+    check_draft_layers(context, generation, findings)
+    check_layer_counts(context, generation, findings)
+    cache: dict[Any, ViewGeometry] = {}
+    for context_dp in _dp_choices(context):
+        senders = active_ranks(context, context_dp, "context_dp_rank")
+        index = SenderIndex(context, senders)
+        for generation_dp in _dp_choices(generation):
+            receivers = active_ranks(generation, generation_dp, "generation_dp_rank")
+            _match_all(context, generation, index, receivers, findings, cache)
+    return findings.report()
+
+
+def _match_all(
+    context: Instance,
+    generation: Instance,
+    index: SenderIndex,
+    receivers: Sequence[int],
+    findings: Findings,
+    cache: dict[Any, ViewGeometry],
+) -> list[Match]:
+    matches: list[Match] = []
+    for rank in receivers:
+        for view in generation.table(rank).views:
+            found, unmatched = index.match_view(rank, view)
+            report_unmatched(unmatched, findings)
+            for match in found:
+                check_match(context, generation, match, findings, cache)
+            matches.extend(found)
+    return matches
+
+
+# --------------------------------------------------------------------------------------------
+# plan data
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The runs of one route between one sender pool and one receiver pool."""
+
+    src_pool: int
+    dst_pool: int
+    layer_group: int
+    runs: np.ndarray  # int64 [n, 6]: src, dst, len, count, src_step, dst_step
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int((self.runs[:, 2] * self.runs[:, 3]).sum())
+
+    @property
+    def fragments_per_block(self) -> int:
+        return int(self.runs[:, 3].sum())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "src_pool": self.src_pool,
+            "dst_pool": self.dst_pool,
+            "layer_group": self.layer_group,
+            "runs": [dict(zip(RUN_FIELDS, map(int, row), strict=True)) for row in self.runs],
+        }
+
+
+@dataclass(frozen=True)
+class Route:
+    """Everything sender rank ``sender_rank`` writes into receiver rank ``receiver_rank``.
+
+    With CP on one side, the route carries only the logical block positions ``j`` with
+    ``j % cp_modulus == cp_remainder`` (block ``j`` of a CP side lives on ``cp_rank = j % cp``).
+    """
+
+    sender_rank: int
+    receiver_rank: int
+    segments: tuple[Segment, ...]
+    slices: tuple[dict[str, Any], ...]
+    cp_modulus: int = 1
+    cp_remainder: int = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(segment.bytes_per_block for segment in self.segments)
+
+    @property
+    def runs(self) -> int:
+        return sum(len(segment.runs) for segment in self.segments)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sender_rank": self.sender_rank,
+            "receiver_rank": self.receiver_rank,
+            "bytes_per_block": self.bytes_per_block,
+            "cp_modulus": self.cp_modulus,
+            "cp_remainder": self.cp_remainder,
+            "segments": [segment.to_dict() for segment in self.segments],
+            "slices": list(self.slices),
+        }
+
+
+@dataclass(frozen=True)
+class ReceiverPlan:
+    """Who writes into one receiver rank, and where each writer's bytes go in staging."""
+
+    rank: int
+    writers: tuple[int, ...]
+    overlapping: tuple[int, ...]
+    staging_offsets: tuple[int, ...]  # per block, aligned with ``writers``
+    writer_bytes: tuple[int, ...]  # per block, aligned with ``writers``
+    equal_split_safe: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "writers": len(self.writers),
+            "writer_ranks": list(self.writers),
+            "overlapping_ranks": list(self.overlapping),
+            "equal_split_safe": self.equal_split_safe,
+            "staging": [
+                {"sender_rank": s, "offset_per_block": o, "bytes_per_block": b}
+                for s, o, b in zip(
+                    self.writers, self.staging_offsets, self.writer_bytes, strict=True
+                )
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """What expansion needs of a pool: stride, slot count and layer group."""
+
+    stride: int
+    num_slots: int
+    layer_group: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled plan for one pairing and one ``(context_dp_rank, generation_dp_rank)``."""
+
+    context: str
+    generation: str
+    context_dp_rank: int | None
+    generation_dp_rank: int | None
+    tokens_per_block: int
+    routes: tuple[Route, ...]
+    receivers: tuple[ReceiverPlan, ...]
+    warnings: tuple[dict[str, Any], ...]
+    # (side, rank, pool id) -> PoolRef, side in {"context", "generation"}
+    pools: Mapping[tuple[str, int, int], PoolRef]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(route.bytes_per_block for route in self.routes)
+
+    @property
+    def runs(self) -> int:
+        return sum(route.runs for route in self.routes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context": self.context,
+            "generation": self.generation,
+            "context_dp_rank": self.context_dp_rank,
+            "generation_dp_rank": self.generation_dp_rank,
+            "tokens_per_block": self.tokens_per_block,
+            "bytes_per_block": self.bytes_per_block,
+            "runs": self.runs,
+            "routes": [route.to_dict() for route in self.routes],
+            "receivers": [receiver.to_dict() for receiver in self.receivers],
+            "warnings": list(self.warnings),
+            "pools": [
+                {
+                    "side": side,
+                    "rank": rank,
+                    "pool": pool,
+                    "stride": ref.stride,
+                    "num_slots": ref.num_slots,
+                    "layer_group": ref.layer_group,
+                }
+                for (side, rank, pool), ref in sorted(self.pools.items())
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output (e.g. a cached plan in the database)."""
+        routes = tuple(
+            Route(
+                sender_rank=route["sender_rank"],
+                receiver_rank=route["receiver_rank"],
+                segments=tuple(
+                    Segment(
+                        segment["src_pool"],
+                        segment["dst_pool"],
+                        segment["layer_group"],
+                        _runs_array([[run[f] for f in RUN_FIELDS] for run in segment["runs"]]),
+                    )
+                    for segment in route["segments"]
+                ),
+                slices=tuple(route.get("slices", ())),
+                cp_modulus=route.get("cp_modulus", 1),
+                cp_remainder=route.get("cp_remainder", 0),
+            )
+            for route in data["routes"]
+        )
+        receivers = tuple(
+            ReceiverPlan(
+                rank=receiver["rank"],
+                writers=tuple(receiver["writer_ranks"]),
+                overlapping=tuple(receiver["overlapping_ranks"]),
+                staging_offsets=tuple(s["offset_per_block"] for s in receiver["staging"]),
+                writer_bytes=tuple(s["bytes_per_block"] for s in receiver["staging"]),
+                equal_split_safe=receiver["equal_split_safe"],
+            )
+            for receiver in data["receivers"]
+        )
+        pools = {
+            (p["side"], p["rank"], p["pool"]): PoolRef(
+                p["stride"], p["num_slots"], p["layer_group"]
+            )
+            for p in data["pools"]
+        }
+        return cls(
+            data["context"],
+            data["generation"],
+            data["context_dp_rank"],
+            data["generation_dp_rank"],
+            data["tokens_per_block"],
+            routes,
+            receivers,
+            tuple(data.get("warnings", ())),
+            pools,
+        )
+
+
+def _runs_array(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    array = np.asarray(rows, dtype=np.int64)
+    return array.reshape(-1, len(RUN_FIELDS))
+
+
+# --------------------------------------------------------------------------------------------
+# compilation
+
+
+def compile_plan(
+    context: Instance,
+    generation: Instance,
+    context_dp_rank: int | None = None,
+    generation_dp_rank: int | None = None,
+) -> Plan:
+    """Compile the rank map and templates; raises :class:`GeometryError` when incompatible."""
+    findings = Findings()
+    if not check_instances(context, generation, findings):
+        _raise_incompatible(findings.report())
+    check_draft_layers(context, generation, findings)
+    senders = active_ranks(context, context_dp_rank, "context_dp_rank")
+    receivers = active_ranks(generation, generation_dp_rank, "generation_dp_rank")
+    cache: dict[Any, ViewGeometry] = {}
+    index = SenderIndex(context, senders)
+    matches = _match_all(context, generation, index, receivers, findings, cache)
+    report = findings.report()
+    if not report.compatible:
+        _raise_incompatible(report)
+
+    builder = _RouteBuilder(context, generation, cache)
+    counters: dict[tuple[Any, ...], int] = {}
+    overlapping: dict[int, set[int]] = {rank: set() for rank in receivers}
+    # Receivers in rank order: the round-robin election depends on it.
+    for match in sorted(matches, key=lambda m: (m.receiver_rank, m.receiver_view.index)):
+        local = geometry_of(generation, match.receiver_rank, match.receiver_view, cache)
+        by_cp: dict[int, list[tuple[int, View, ViewGeometry]]] = {}
+        for holder in match.holders:
+            peer = geometry_of(context, holder.rank, holder.view, cache)
+            by_cp.setdefault(context.coords(holder.rank)[2], []).append(
+                (holder.rank, holder.view, peer)
+            )
+        for cp_rank, holders in sorted(by_cp.items()):
+            for lo, hi, shard in _covering_shards(local, holders[0][2]):
+                replicas = [h for h in holders if h[2].shard == shard]
+                overlapping[match.receiver_rank].update(rank for rank, _, _ in replicas)
+                key = (
+                    match.stage,
+                    cp_rank,
+                    match.receiver_view.owner,
+                    match.receiver_view.roles_key,
+                    match.layers,
+                    shard,
+                )
+                turn = counters.get(key, 0)
+                counters[key] = turn + 1
+                rank, view, peer = replicas[turn % len(replicas)]
+                builder.add(match, rank, view, peer, local, lo, hi)
+
+    routes = builder.routes()
+    receiver_plans = _receiver_plans(context, generation, routes, receivers, overlapping)
+    warnings = tuple(issue.to_dict() for issue in report.warnings)
+    return Plan(
+        context.name,
+        generation.name,
+        context_dp_rank,
+        generation_dp_rank,
+        context.tokens_per_block,
+        routes,
+        receiver_plans,
+        warnings,
+        _pool_refs(context, generation, senders, receivers),
+    )
+
+
+def _raise_incompatible(report: Report) -> None:
+    raise GeometryError(
+        [
+            Problem(("pairing",), f"{issue.code}: {issue.message}", "incompatible")
+            for issue in report.errors
+        ]
+    )
+
+
+def _covering_shards(local: ViewGeometry, peer: ViewGeometry) -> list[tuple[int, int, int]]:
+    """Global head sub-ranges ``[lo, hi)`` of the receiver and the sender shard holding each."""
+    if local.layout == "REPLICATED":
+        return [(0, 1, 0)]
+    start, stop = local.head_range
+    first, last = start // peer.heads, (stop - 1) // peer.heads
+    return [
+        (max(start, shard * peer.heads), min(stop, (shard + 1) * peer.heads), shard)
+        for shard in range(first, last + 1)
+    ]
+
+
+class _RouteBuilder:
+    """Accumulates runs per (sender, receiver, src pool, dst pool) and merges them."""
+
+    def __init__(
+        self, context: Instance, generation: Instance, cache: dict[Any, ViewGeometry]
+    ) -> None:
+        self.context = context
+        self.generation = generation
+        self.cache = cache
+        self.parts: dict[tuple[int, int], dict[tuple[int, int, int], list[np.ndarray]]] = {}
+        self.slices: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        self.offsets: dict[tuple[str, int, int], np.ndarray] = {}
+
+    def _offsets(
+        self, side: str, instance: Instance, rank: int, view: View, layers: tuple[int, ...]
+    ) -> np.ndarray:
+        """Buffer offsets ``[len(layers), buffers_per_layer]`` of a view, memoized per view."""
+        key = (side, rank, view.index)
+        table = self.offsets.get(key)
+        if table is None:
+            table = np.array(
+                [[b.offset for b in view.buffers_by_layer[layer]] for layer in view.layers],
+                dtype=np.int64,
+            )
+            self.offsets[key] = table
+        if len(layers) == len(view.layers):
+            return table
+        positions = np.searchsorted(np.asarray(view.layers), np.asarray(layers))
+        return table[positions]
+
+    def add(
+        self,
+        match: Match,
+        sender_rank: int,
+        sender: View,
+        peer: ViewGeometry,
+        local: ViewGeometry,
+        lo: int,
+        hi: int,
+    ) -> None:
+        receiver = match.receiver_view
+        src = self._offsets("context", self.context, sender_rank, sender, match.layers).ravel()
+        dst = self._offsets(
+            "generation", self.generation, match.receiver_rank, receiver, match.layers
+        ).ravel()
+        size = receiver.buffer_bytes
+        n_runs = src.size
+        if receiver.layout == "REPLICATED":
+            runs = _stack(src, dst, size, 1, 0, 0)
+            sender_heads = receiver_heads = None
+        else:
+            heads = hi - lo
+            src_head = lo - peer.shard * peer.heads
+            dst_head = lo - local.shard * local.heads
+            unit = local.unit_bytes
+            full = heads == peer.heads == local.heads
+            if receiver.layout == "HND" or full:
+                length = size if full else heads * unit
+                runs = _stack(src + src_head * unit, dst + dst_head * unit, length, 1, 0, 0)
+            else:
+                runs = _stack(
+                    src + src_head * unit,
+                    dst + dst_head * unit,
+                    heads * unit,
+                    self.context.tokens_per_block,
+                    peer.token_bytes,
+                    local.token_bytes,
+                )
+            sender_heads = [src_head, src_head + heads]
+            receiver_heads = [dst_head, dst_head + heads]
+        assert runs.shape[0] == n_runs
+        sender_pool = self.context.table(sender_rank).pools[sender.pool]
+        route_key = (sender_rank, match.receiver_rank)
+        pool_key = (sender.pool, receiver.pool, sender_pool.layer_group)
+        self.parts.setdefault(route_key, {}).setdefault(pool_key, []).append(runs)
+        self.slices.setdefault(route_key, []).append(
+            {
+                "receiver_view": receiver.index,
+                "sender_view": sender.index,
+                "owner": receiver.owner,
+                "roles": list(receiver.roles_key),
+                "layout": receiver.layout,
+                "layers": [match.layers[0], match.layers[-1], len(match.layers)],
+                "global_heads": None if sender_heads is None else [lo, hi],
+                "sender_local_heads": sender_heads,
+                "receiver_local_heads": receiver_heads,
+                "bytes_per_block": int((runs[:, 2] * runs[:, 3]).sum()),
+            }
+        )
+
+    def routes(self) -> tuple[Route, ...]:
+        routes = []
+        for (sender_rank, receiver_rank), pools in sorted(self.parts.items()):
+            segments = tuple(
+                Segment(src_pool, dst_pool, group, merge_runs(np.concatenate(parts)))
+                for (src_pool, dst_pool, group), parts in sorted(pools.items())
+            )
+            modulus, remainder = self._cp_filter(sender_rank, receiver_rank)
+            routes.append(
+                Route(
+                    sender_rank,
+                    receiver_rank,
+                    segments,
+                    tuple(self.slices[(sender_rank, receiver_rank)]),
+                    modulus,
+                    remainder,
+                )
+            )
+        return tuple(routes)
+
+    def _cp_filter(self, sender_rank: int, receiver_rank: int) -> tuple[int, int]:
+        if self.context.cp > 1:
+            return self.context.cp, self.context.coords(sender_rank)[2]
+        if self.generation.cp > 1:
+            return self.generation.cp, self.generation.coords(receiver_rank)[2]
+        return 1, 0
+
+
+def _stack(
+    src: np.ndarray, dst: np.ndarray, length: int, count: int, src_step: int, dst_step: int
+) -> np.ndarray:
+    runs = np.empty((src.size, 6), dtype=np.int64)
+    runs[:, 0] = src
+    runs[:, 1] = dst
+    runs[:, 2] = length
+    runs[:, 3] = count
+    runs[:, 4] = src_step
+    runs[:, 5] = dst_step
+    return runs
+
+
+def merge_runs(runs: np.ndarray) -> np.ndarray:
+    """Sort runs by source offset and merge neighbours contiguous on both sides.
+
+    Two runs merge when they have the same ``count`` and steps, and the second starts where the
+    first ends on both the source and the destination side (for ``count > 1`` only when each
+    repetition is contiguous too, i.e. the run already spans the whole step).
+    """
+    if len(runs) < 2:
+        return runs
+    runs = runs[np.lexsort((runs[:, 1], runs[:, 0]))]
+    merged = [runs[0].copy()]
+    for row in runs[1:]:
+        last = merged[-1]
+        if (
+            row[3] == last[3]
+            and row[4] == last[4]
+            and row[5] == last[5]
+            and row[0] == last[0] + last[2]
+            and row[1] == last[1] + last[2]
+            and (row[3] == 1 or (last[2] + row[2] <= min(row[4], row[5])))
+        ):
+            last[2] += row[2]
+        else:
+            merged.append(row.copy())
+    return np.array(merged, dtype=np.int64)
+
+
+def _receiver_plans(
+    context: Instance,
+    generation: Instance,
+    routes: Sequence[Route],
+    receivers: Sequence[int],
+    overlapping: Mapping[int, set[int]],
+) -> tuple[ReceiverPlan, ...]:
+    plans = []
+    for rank in receivers:
+        mine = [route for route in routes if route.receiver_rank == rank]
+        writers = tuple(route.sender_rank for route in mine)
+        sizes = tuple(route.bytes_per_block for route in mine)
+        offsets = (
+            tuple(int(x) for x in np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist())
+            if sizes
+            else ()
+        )
+        safe = (
+            bool(writers)
+            and set(writers) == overlapping[rank]
+            and len(set(sizes)) == 1
+            and context.cp == 1
+            and generation.cp == 1
+            and (context.pp == 1 or len(writers) == 1)
+        )
+        plans.append(
+            ReceiverPlan(rank, writers, tuple(sorted(overlapping[rank])), offsets, sizes, safe)
+        )
+    return tuple(plans)
+
+
+def _pool_refs(
+    context: Instance, generation: Instance, senders: Sequence[int], receivers: Sequence[int]
+) -> dict[tuple[str, int, int], PoolRef]:
+    refs: dict[tuple[str, int, int], PoolRef] = {}
+    for side, instance, ranks in (
+        ("context", context, senders),
+        ("generation", generation, receivers),
+    ):
+        for rank in ranks:
+            for pool in instance.table(rank).pools.values():
+                refs[(side, rank, pool.id)] = PoolRef(
+                    pool.slot_stride_bytes, pool.num_slots, pool.layer_group
+                )
+    return refs
