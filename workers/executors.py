@@ -1,0 +1,611 @@
+"""Execute one route's transfer template over torch pools: gather, scatter, direct copy.
+
+A route (sender rank → receiver rank) carries segments ``{src_pool, dst_pool, layer_group, runs}``;
+for every aligned block pair ``(bs[j], bd[j])`` of the segment's layer group and every run,
+
+    for c in range(count):
+        dst[bd·stride_d + run.dst + c·dst_step : +len] = src[bs·stride_s + run.src + c·src_step : +len]
+
+**Staging layout** (what :func:`gather` produces and :func:`scatter` consumes, and what travels in
+one NIXL WRITE): layer groups in ascending order; inside a layer group block-major (``j`` = index
+into the block lists), then the group's segments in route order, then runs in order, then ``c``,
+then bytes. A layer group's area is ``n_blocks × bytes_per_block(group)`` bytes, so any block range
+``[j0, j1)`` of a group is one contiguous byte range: chunks of blocks pipeline naturally.
+
+**How bytes move.** Consecutive runs with the same ``len``/``count``/steps and constant offset
+deltas form a *family* (an HND or NHD head slice over all layers is one family). Block pairs are cut
+into maximal arithmetic progressions (a contiguous allocation is one). Each (progression × family)
+is then a single ``copy_`` between two 4-D ``as_strided`` views ``[blocks, runs, count, len]`` —
+no Python work per block, run, token or byte in the regular case. Measured on the 2-core dev CPU,
+a strided ``copy_`` moves 0.96× (HND) and 0.77× (NHD, 512-byte runs) of a plain contiguous
+``copy_``, while ``index_select`` on strided uint8 views moves 0.1–0.2×; so on CPU the
+progression path is the default. On CUDA the default is the *index* path: per family one
+``index_select``/``index_copy_`` over all blocks (bytes widened to 8/4/2-byte words when every
+offset allows), i.e. a fixed number of kernel launches per route regardless of block count.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from workers.pools import Pool
+
+if TYPE_CHECKING:
+    import torch
+
+Method = Literal["auto", "strided", "index"]
+Blocks = Mapping[int, Sequence[int] | np.ndarray | Any] | Sequence[int] | np.ndarray
+
+
+class TemplateError(ValueError):
+    """The route's template does not fit the pools it is applied to."""
+
+
+class BlockRangeError(ValueError):
+    """A block list is unusable (id out of range, duplicate destination, length mismatch)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    src: int
+    dst: int
+    len: int
+    count: int = 1
+    src_step: int = 0
+    dst_step: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.len * self.count
+
+
+@dataclass(frozen=True)
+class Segment:
+    src_pool: int
+    dst_pool: int
+    runs: tuple[Run, ...]
+    layer_group: int = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(r.nbytes for r in self.runs)
+
+
+@dataclass(frozen=True)
+class Route:
+    sender_rank: int
+    receiver_rank: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def layer_groups(self) -> tuple[int, ...]:
+        return tuple(sorted({s.layer_group for s in self.segments}))
+
+    def bytes_per_block(self, layer_group: int) -> int:
+        """Staged bytes per aligned block pair of ``layer_group``."""
+        return sum(s.bytes_per_block for s in self.segments if s.layer_group == layer_group)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Route:
+        """Parse the plan's JSON route (``GET /v1/pairings/{id}/plan`` → ``routes[]``)."""
+        segs = []
+        for s in d["segments"]:
+            runs = tuple(
+                Run(
+                    src=int(r["src"]),
+                    dst=int(r["dst"]),
+                    len=int(r["len"]),
+                    count=int(r.get("count", 1)),
+                    src_step=int(r.get("src_step", 0)),
+                    dst_step=int(r.get("dst_step", 0)),
+                )
+                for r in s["runs"]
+            )
+            segs.append(
+                Segment(int(s["src_pool"]), int(s["dst_pool"]), runs, int(s.get("layer_group", 0)))
+            )
+        return cls(int(d.get("sender_rank", 0)), int(d.get("receiver_rank", 0)), tuple(segs))
+
+
+def as_route(route: Route | Mapping[str, Any]) -> Route:
+    return route if isinstance(route, Route) else Route.from_dict(route)
+
+
+# --- compiled templates ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Family:
+    """``n`` runs spaced ``src_delta``/``dst_delta`` apart, each ``count × len`` bytes."""
+
+    src0: int
+    dst0: int
+    stage0: int  # offset of the first run inside the segment's per-block staging bytes
+    len: int
+    count: int
+    src_step: int
+    dst_step: int
+    n: int
+    src_delta: int
+    dst_delta: int
+
+    @property
+    def src_extent(self) -> int:
+        return self.src0 + (self.n - 1) * self.src_delta + (self.count - 1) * self.src_step + self.len
+
+    @property
+    def dst_extent(self) -> int:
+        return self.dst0 + (self.n - 1) * self.dst_delta + (self.count - 1) * self.dst_step + self.len
+
+
+@functools.lru_cache(maxsize=1024)
+def _families(seg: Segment) -> tuple[_Family, ...]:
+    fams: list[_Family] = []
+    stage = 0
+    for r in seg.runs:
+        if r.len <= 0 or r.count <= 0 or r.src < 0 or r.dst < 0:
+            raise TemplateError(f"run {r}: len/count must be positive and offsets non-negative")
+        if r.count > 1 and (r.src_step < 0 or r.dst_step <= 0):
+            raise TemplateError(f"run {r}: steps must be non-negative (dst_step positive)")
+        # Steps are meaningless for count == 1; normalising them lets such runs merge.
+        ss, ds = (r.src_step, r.dst_step) if r.count > 1 else (0, 0)
+        f = fams[-1] if fams else None
+        if (
+            f is not None
+            and (f.len, f.count, f.src_step, f.dst_step) == (r.len, r.count, ss, ds)
+            and (
+                (f.n == 1 and r.src >= f.src0 and r.dst > f.dst0)
+                or (
+                    f.n > 1
+                    and r.src - f.src0 == f.n * f.src_delta
+                    and r.dst - f.dst0 == f.n * f.dst_delta
+                )
+            )
+        ):
+            fams[-1] = _Family(
+                f.src0, f.dst0, f.stage0, f.len, f.count, f.src_step, f.dst_step, f.n + 1,
+                r.src - f.src0 if f.n == 1 else f.src_delta,
+                r.dst - f.dst0 if f.n == 1 else f.dst_delta,
+            )  # fmt: skip
+        else:
+            fams.append(_Family(r.src, r.dst, stage, r.len, r.count, ss, ds, 1, 0, 0))
+        stage += r.nbytes
+    return tuple(fams)
+
+
+# --- staging layout -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagingChunk:
+    """Blocks ``[start, stop)`` of one layer group: staging bytes ``[offset, offset + nbytes)``."""
+
+    layer_group: int
+    start: int
+    stop: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StagingLayout:
+    """Where each layer group's staged bytes live (offsets relative to the route's area)."""
+
+    groups: tuple[tuple[int, int, int, int], ...]  # (layer_group, offset, bytes_per_block, n)
+    nbytes: int
+
+    def group(self, layer_group: int) -> tuple[int, int, int]:
+        """``(offset, bytes_per_block, n_blocks)`` of ``layer_group``."""
+        for g, off, bpb, n in self.groups:
+            if g == layer_group:
+                return off, bpb, n
+        raise KeyError(layer_group)
+
+    def chunks(self, chunk_blocks: int | None = None) -> list[StagingChunk]:
+        """Split into chunks of at most ``chunk_blocks`` blocks (None: one chunk per group)."""
+        out = []
+        for g, off, bpb, n in self.groups:
+            step = n if not chunk_blocks else chunk_blocks
+            for j0 in range(0, n, max(step, 1)):
+                j1 = min(n, j0 + step)
+                out.append(StagingChunk(g, j0, j1, off + j0 * bpb, (j1 - j0) * bpb))
+        return out
+
+
+def _normalize_blocks(route: Route, blocks: Blocks, what: str) -> dict[int, np.ndarray]:
+    if isinstance(blocks, Mapping):
+        got = {int(g): v for g, v in blocks.items()}
+        missing = [g for g in route.layer_groups if g not in got]
+        if missing:
+            raise BlockRangeError(f"{what}: no block list for layer group(s) {missing}")
+    else:
+        got = {g: blocks for g in route.layer_groups}
+    out = {}
+    for g in route.layer_groups:
+        v = got[g]
+        if hasattr(v, "detach"):  # a torch tensor
+            v = v.detach().cpu().numpy()
+        arr = np.asarray(v, dtype=np.int64).reshape(-1)
+        out[g] = arr
+    return out
+
+
+def staging_layout(route: Route | Mapping[str, Any], blocks: Blocks) -> StagingLayout:
+    """Layout of the staged bytes of ``route`` for these (aligned) block lists."""
+    route = as_route(route)
+    ids = _normalize_blocks(route, blocks, "blocks")
+    groups, off = [], 0
+    for g in route.layer_groups:
+        bpb, n = route.bytes_per_block(g), len(ids[g])
+        groups.append((g, off, bpb, n))
+        off += bpb * n
+    return StagingLayout(tuple(groups), off)
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def _check_ids(ids: np.ndarray, pool: Pool, g: int, side: str, unique: bool) -> None:
+    if ids.size == 0:
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= pool.spec.num_slots))
+    if bad.size:
+        j = int(bad[0])
+        raise BlockRangeError(
+            f"layer group {g}: {side} block id {int(ids[j])} at index {j} is out of range for "
+            f"pool {pool.id} (num_slots {pool.spec.num_slots})"
+        )
+    if unique and np.unique(ids).size != ids.size:
+        raise BlockRangeError(
+            f"layer group {g}: {side} block ids repeat; every destination slot is written once"
+        )
+
+
+def _check_template(seg: Segment, src: Pool | None, dst: Pool | None) -> tuple[_Family, ...]:
+    fams = _families(seg)
+    for f in fams:
+        if src is not None and f.src_extent > src.spec.slot_bytes:
+            raise TemplateError(
+                f"segment {seg.src_pool}->{seg.dst_pool}: run at src offset {f.src0} reaches byte "
+                f"{f.src_extent} of the slot, pool {src.id} has slot_bytes {src.spec.slot_bytes}"
+            )
+        if dst is not None and f.dst_extent > dst.spec.slot_bytes:
+            raise TemplateError(
+                f"segment {seg.src_pool}->{seg.dst_pool}: run at dst offset {f.dst0} reaches byte "
+                f"{f.dst_extent} of the slot, pool {dst.id} has slot_bytes {dst.spec.slot_bytes}"
+            )
+    return fams
+
+
+def _pool(pools: Mapping[int, Pool], pid: int, side: str) -> Pool:
+    try:
+        return pools[pid]
+    except KeyError:
+        raise TemplateError(f"{side} pool {pid} is not among this rank's pools") from None
+
+
+# --- block progressions ---------------------------------------------------------------------
+
+
+def _progressions(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Cut paired id lists into ``(start, length, step_a, step_b)`` arithmetic progressions.
+
+    Greedy over runs of equal consecutive differences (Python work per progression, not per
+    block). A lone differing step between two progressions is left as a break rather than
+    pairing two blocks, so ``0,1,2,10,11,12`` gives two progressions, not three. Steps are
+    non-negative on both sides; a descending progression is returned reversed.
+    """
+    n = int(a.size)
+    if n == 0:
+        return []
+    if n == 1:
+        return [(0, 1, 0, 0)]
+    da, db = np.diff(a), np.diff(b)
+    cut = np.flatnonzero((da[1:] != da[:-1]) | (db[1:] != db[:-1])) + 1
+    starts = np.concatenate(([0], cut)).tolist()
+    ends = np.concatenate((cut, [n - 1])).tolist()
+    out: list[tuple[int, int, int, int]] = []
+    pos = 0
+    for k, (ds, de) in enumerate(zip(starts, ends, strict=True)):
+        s = max(pos, ds)
+        links = de - s
+        if links <= 0:
+            continue
+        sa, sb = int(da[ds]), int(db[ds])
+        if links == 1 and k + 1 < len(starts):
+            out.append((s, 1, 0, 0))
+            pos = s + 1
+            continue
+        out.append((s, links + 1, sa, sb))
+        pos = de + 1
+    if pos < n:
+        out.extend((p, 1, 0, 0) for p in range(pos, n))
+    fixed: list[tuple[int, int, int, int]] = []
+    for s, m, sa, sb in out:
+        if sa >= 0 and sb >= 0:
+            fixed.append((s, m, sa, sb))
+        elif sa <= 0 and sb <= 0:
+            fixed.append((s + m - 1, m, -sa, -sb))  # walk it backwards: same pairs
+        else:
+            fixed.extend((s + i, 1, 0, 0) for i in range(m))  # opposite directions: no view
+    return fixed
+
+
+# --- sides ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One end of a copy: a tensor, bytes per block id, base byte offset, and the id list."""
+
+    tensor: torch.Tensor
+    block_stride: int
+    base: int
+    ids: np.ndarray
+    is_pool: bool
+    rows: int = 0  # addressable block ids (pool sides)
+
+    def view(self, f: _Family, src: bool, first: int, m: int, step: int) -> torch.Tensor:
+        """``[m, n, count, len]`` view at progression ``first, first+step, ...`` of this side."""
+        t = self.tensor
+        if self.is_pool:
+            off0, delta, cstep = (f.src0, f.src_delta, f.src_step) if src else (
+                f.dst0, f.dst_delta, f.dst_step
+            )
+        else:
+            off0, delta, cstep = f.stage0, f.count * f.len, f.len
+        return t.as_strided(
+            (m, f.n, f.count, f.len),
+            (step * self.block_stride, delta, cstep, 1),
+            t.storage_offset() + self.base + first * self.block_stride + off0,
+        )
+
+
+def _pool_side(pool: Pool, ids: np.ndarray) -> _Side:
+    return _Side(pool.tensor, pool.spec.slot_stride_bytes, 0, ids, True, pool.spec.num_slots)
+
+
+def _stage_side(staging: torch.Tensor, base: int, bpb: int, j0: int, j1: int) -> _Side:
+    return _Side(staging, bpb, base, np.arange(j0, j1, dtype=np.int64), False)
+
+
+def _copy_strided(src: _Side, dst: _Side, fams: Sequence[_Family]) -> None:
+    for s, m, sa, sb in _progressions(src.ids, dst.ids):
+        a0, b0 = int(src.ids[s]), int(dst.ids[s])
+        for f in fams:
+            dst.view(f, False, b0, m, sb).copy_(src.view(f, True, a0, m, sa))
+
+
+def _word_bytes(src: _Side, dst: _Side, fams: Sequence[_Family]) -> int:
+    vals = [src.block_stride, dst.block_stride, src.base, dst.base]
+    vals += [src.tensor.storage_offset(), dst.tensor.storage_offset()]
+    vals += [src.tensor.numel(), dst.tensor.numel()]
+    vals += [src.tensor.data_ptr(), dst.tensor.data_ptr()]
+    for f in fams:
+        vals += [f.src0, f.dst0, f.stage0, f.len, f.src_step, f.dst_step, f.src_delta, f.dst_delta]
+    for w in (8, 4, 2):
+        if all(v % w == 0 for v in vals):
+            return w
+    return 1
+
+
+def _copy_indexed(src: _Side, dst: _Side, fams: Sequence[_Family]) -> None:
+    """Per family one gather and/or one scatter kernel over all blocks (CUDA default)."""
+    import torch
+
+    w = _word_bytes(src, dst, fams)
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[w]
+    dev = src.tensor.device
+
+    def full(side: _Side, f: _Family, is_src: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = side.tensor.view(dtype) if w > 1 else side.tensor
+        if side.is_pool:
+            off0, delta, cstep = (f.src0, f.src_delta, f.src_step) if is_src else (
+                f.dst0, f.dst_delta, f.dst_step
+            )
+            v = t.as_strided(
+                (side.rows, f.n, f.count, f.len // w),
+                (side.block_stride // w, delta // w, cstep // w, 1),
+                t.storage_offset() + off0 // w,
+            )
+            return v, torch.from_numpy(side.ids).to(dev)
+        first = int(side.ids[0]) if side.ids.size else 0
+        v = t.as_strided(
+            (side.ids.size, f.n, f.count, f.len // w),
+            (side.block_stride // w, f.count * f.len // w, f.len // w, 1),
+            t.storage_offset() + (side.base + first * side.block_stride + f.stage0) // w,
+        )
+        return v, None
+
+    for f in fams:
+        sv, si = full(src, f, True)
+        dv, di = full(dst, f, False)
+        data = sv.index_select(0, si) if si is not None else sv
+        if di is not None:
+            dv.index_copy_(0, di, data)
+        else:
+            dv.copy_(data)
+
+
+def _run(src: _Side, dst: _Side, fams: Sequence[_Family], method: Method) -> None:
+    if src.ids.size != dst.ids.size:
+        raise BlockRangeError(f"{src.ids.size} source blocks vs {dst.ids.size} destination blocks")
+    if src.ids.size == 0:
+        return
+    if method == "auto":
+        method = "index" if src.tensor.device.type == "cuda" else "strided"
+    if method == "index":
+        _copy_indexed(src, dst, fams)
+    else:
+        _copy_strided(src, dst, fams)
+
+
+def _chunk_filter(layout: StagingLayout, chunk: StagingChunk | None) -> list[StagingChunk]:
+    return [chunk] if chunk is not None else layout.chunks(None)
+
+
+def _check_staging(staging: torch.Tensor, offset: int, layout: StagingLayout) -> None:
+    import torch
+
+    if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous():
+        raise TemplateError("staging must be a contiguous 1-D uint8 tensor")
+    if offset < 0 or offset + layout.nbytes > staging.numel():
+        raise TemplateError(
+            f"staging area [{offset}, {offset + layout.nbytes}) exceeds the staging buffer "
+            f"of {staging.numel()} bytes"
+        )
+
+
+# --- public API -----------------------------------------------------------------------------
+
+
+def gather(
+    route: Route | Mapping[str, Any],
+    src_pools: Mapping[int, Pool],
+    src_blocks: Blocks,
+    *,
+    out: torch.Tensor | None = None,
+    offset: int = 0,
+    chunk: StagingChunk | None = None,
+    method: Method = "auto",
+) -> torch.Tensor:
+    """Copy the route's bytes of ``src_blocks`` into staging (see the module's layout).
+
+    Without ``out`` a fresh tensor of exactly the staged size is returned. With ``out`` the bytes
+    land at ``out[offset:]``; with ``chunk`` only that chunk's blocks are gathered.
+    """
+    import torch
+
+    route = as_route(route)
+    ids = _normalize_blocks(route, src_blocks, "src_blocks")
+    layout = staging_layout(route, ids)
+    if out is None:
+        dev = next(iter(src_pools.values())).device if src_pools else "cpu"
+        out = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
+    _check_staging(out, offset, layout)
+    for ch in _chunk_filter(layout, chunk):
+        g_off, bpb, _ = layout.group(ch.layer_group)
+        seg_off = 0
+        for seg in route.segments:
+            if seg.layer_group != ch.layer_group:
+                continue
+            pool = _pool(src_pools, seg.src_pool, "source")
+            fams = _check_template(seg, pool, None)
+            sub = ids[seg.layer_group][ch.start : ch.stop]
+            _check_ids(sub, pool, seg.layer_group, "source", unique=False)
+            stage = _stage_side(out, offset + g_off + seg_off, bpb, ch.start, ch.stop)
+            _run(_pool_side(pool, sub), stage, fams, method)
+            seg_off += seg.bytes_per_block
+    return out
+
+
+def scatter(
+    route: Route | Mapping[str, Any],
+    staging: torch.Tensor,
+    dst_pools: Mapping[int, Pool],
+    dst_blocks: Blocks,
+    *,
+    offset: int = 0,
+    chunk: StagingChunk | None = None,
+    method: Method = "auto",
+) -> None:
+    """Copy staged bytes at ``staging[offset:]`` into ``dst_blocks`` of the receiver's pools."""
+    route = as_route(route)
+    ids = _normalize_blocks(route, dst_blocks, "dst_blocks")
+    layout = staging_layout(route, ids)
+    _check_staging(staging, offset, layout)
+    for g in route.layer_groups:  # validate all ids before writing a byte
+        for seg in route.segments:
+            if seg.layer_group == g:
+                _check_ids(ids[g], _pool(dst_pools, seg.dst_pool, "destination"), g,
+                           "destination", unique=True)  # fmt: skip
+    for ch in _chunk_filter(layout, chunk):
+        g_off, bpb, _ = layout.group(ch.layer_group)
+        seg_off = 0
+        for seg in route.segments:
+            if seg.layer_group != ch.layer_group:
+                continue
+            pool = _pool(dst_pools, seg.dst_pool, "destination")
+            fams = _check_template(seg, None, pool)
+            sub = ids[seg.layer_group][ch.start : ch.stop]
+            stage = _stage_side(staging, offset + g_off + seg_off, bpb, ch.start, ch.stop)
+            _run(stage, _pool_side(pool, sub), fams, method)
+            seg_off += seg.bytes_per_block
+
+
+def copy_local(
+    route: Route | Mapping[str, Any],
+    src_pools: Mapping[int, Pool],
+    dst_pools: Mapping[int, Pool],
+    src_blocks: Blocks,
+    dst_blocks: Blocks,
+    *,
+    method: Method = "auto",
+) -> int:
+    """Copy the route's bytes straight from source to destination pools; returns bytes moved."""
+    route = as_route(route)
+    bs = _normalize_blocks(route, src_blocks, "src_blocks")
+    bd = _normalize_blocks(route, dst_blocks, "dst_blocks")
+    work = []
+    for seg in route.segments:
+        g = seg.layer_group
+        if bs[g].size != bd[g].size:
+            raise BlockRangeError(
+                f"layer group {g}: {bs[g].size} source blocks vs {bd[g].size} destination blocks"
+            )
+        sp = _pool(src_pools, seg.src_pool, "source")
+        dp = _pool(dst_pools, seg.dst_pool, "destination")
+        fams = _check_template(seg, sp, dp)
+        _check_ids(bs[g], sp, g, "source", unique=False)
+        _check_ids(bd[g], dp, g, "destination", unique=True)
+        work.append((_pool_side(sp, bs[g]), _pool_side(dp, bd[g]), fams))
+    for src, dst, fams in work:
+        _run(src, dst, fams, method)
+    return sum(seg.bytes_per_block * bs[seg.layer_group].size for seg in route.segments)
+
+
+def expand_fragments(
+    route: Route | Mapping[str, Any],
+    src_pools: Mapping[int, Any],
+    dst_pools: Mapping[int, Any],
+    src_blocks: Blocks,
+    dst_blocks: Blocks,
+) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every fragment, per (src_pool, dst_pool): ``(src_offsets, dst_offsets, lengths)``.
+
+    Offsets are relative to each pool's base. Pools may be :class:`Pool` or bare
+    :class:`~workers.pools.PoolSpec` (the peer's pools are only known by spec). Vectorized over
+    blocks × fragments; the per-fragment NIXL path is the only user.
+    """
+    route = as_route(route)
+    bs = _normalize_blocks(route, src_blocks, "src_blocks")
+    bd = _normalize_blocks(route, dst_blocks, "dst_blocks")
+    acc: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for seg in route.segments:
+        g = seg.layer_group
+        sspec = getattr(src_pools[seg.src_pool], "spec", src_pools[seg.src_pool])
+        dspec = getattr(dst_pools[seg.dst_pool], "spec", dst_pools[seg.dst_pool])
+        runs = seg.runs
+        cnt = np.array([r.count for r in runs], dtype=np.int64)
+        rep = np.repeat(np.arange(len(runs)), cnt)
+        c = np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        fsrc = np.array([r.src for r in runs])[rep] + c * np.array([r.src_step for r in runs])[rep]
+        fdst = np.array([r.dst for r in runs])[rep] + c * np.array([r.dst_step for r in runs])[rep]
+        flen = np.array([r.len for r in runs], dtype=np.int64)[rep]
+        so = (bs[g][:, None] * sspec.slot_stride_bytes + fsrc[None, :]).reshape(-1)
+        do = (bd[g][:, None] * dspec.slot_stride_bytes + fdst[None, :]).reshape(-1)
+        ln = np.broadcast_to(flen, (bs[g].size, flen.size)).reshape(-1)
+        acc.setdefault((seg.src_pool, seg.dst_pool), []).append((so, do, ln))
+    return {
+        k: (
+            np.concatenate([p[0] for p in v]),
+            np.concatenate([p[1] for p in v]),
+            np.concatenate([p[2] for p in v]),
+        )
+        for k, v in acc.items()
+    }

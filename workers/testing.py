@@ -1,0 +1,125 @@
+"""Helpers for tests and benchmarks: hand-built head-slice templates and naive oracles.
+
+The naive oracles walk every fragment in Python; they are slow by design and exist only to check
+the executors byte for byte. The template builders follow DESIGN.md ("Transfer templates"): a slot
+holds ``layers × buffers`` buffers (K then V per layer), each ``heads × tokens × head_dim`` elements,
+in HND (head-major) or NHD (token-major) order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from workers.executors import Route, Run, Segment, as_route, staging_layout
+from workers.pools import Pool, PoolSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Geometry of one sender→receiver head slice (same layout, dtype and head_dim both sides)."""
+
+    layout: Literal["HND", "NHD"]
+    layers: int
+    tokens_per_block: int
+    head_dim: int
+    elem_bytes: int
+    sender_heads: int  # heads per rank on the sender
+    receiver_heads: int  # heads per rank on the receiver
+    src_head: int  # first sender-local head copied
+    dst_head: int  # first receiver-local head written
+    heads: int  # heads copied
+    buffers_per_layer: int = 2
+
+    def slot_bytes(self, heads: int) -> int:
+        return self.layers * self.buffers_per_layer * self.buffer_bytes(heads)
+
+    def buffer_bytes(self, heads: int) -> int:
+        return heads * self.tokens_per_block * self.head_dim * self.elem_bytes
+
+    def sender_spec(self, num_slots: int, pool_id: int = 0, pad: int = 0) -> PoolSpec:
+        b = self.slot_bytes(self.sender_heads)
+        return PoolSpec(pool_id, b, b + pad, num_slots)
+
+    def receiver_spec(self, num_slots: int, pool_id: int = 0, pad: int = 0) -> PoolSpec:
+        b = self.slot_bytes(self.receiver_heads)
+        return PoolSpec(pool_id, b, b + pad, num_slots)
+
+    def route(self, src_pool: int = 0, dst_pool: int = 0, layer_group: int = 0) -> Route:
+        """The template: one run per (layer, buffer); NHD runs repeat per token."""
+        hb = self.head_dim * self.elem_bytes
+        sbuf, dbuf = self.buffer_bytes(self.sender_heads), self.buffer_bytes(self.receiver_heads)
+        runs = []
+        for i in range(self.layers * self.buffers_per_layer):
+            if self.layout == "HND":
+                tb = self.tokens_per_block * hb
+                runs.append(
+                    Run(i * sbuf + self.src_head * tb, i * dbuf + self.dst_head * tb, self.heads * tb)
+                )
+            else:
+                runs.append(
+                    Run(
+                        i * sbuf + self.src_head * hb,
+                        i * dbuf + self.dst_head * hb,
+                        self.heads * hb,
+                        count=self.tokens_per_block,
+                        src_step=self.sender_heads * hb,
+                        dst_step=self.receiver_heads * hb,
+                    )
+                )
+        return Route(0, 0, (Segment(src_pool, dst_pool, tuple(runs), layer_group),))
+
+
+def _ids(blocks: Mapping[int, object] | object, g: int) -> list[int]:
+    v = blocks[g] if isinstance(blocks, Mapping) else blocks
+    return [int(x) for x in np.asarray(v).reshape(-1)]
+
+
+def reference_copy(
+    route: Route | Mapping,
+    src_pools: Mapping[int, Pool],
+    dst_pools: Mapping[int, Pool],
+    src_blocks: object,
+    dst_blocks: object,
+) -> None:
+    """Naive oracle of :func:`workers.executors.copy_local`: one slice copy per fragment."""
+    route = as_route(route)
+    for seg in route.segments:
+        sp, dp = src_pools[seg.src_pool], dst_pools[seg.dst_pool]
+        for bs, bd in zip(
+            _ids(src_blocks, seg.layer_group), _ids(dst_blocks, seg.layer_group), strict=True
+        ):
+            for r in seg.runs:
+                for c in range(r.count):
+                    s = bs * sp.spec.slot_stride_bytes + r.src + c * r.src_step
+                    d = bd * dp.spec.slot_stride_bytes + r.dst + c * r.dst_step
+                    dp.tensor[d : d + r.len] = sp.tensor[s : s + r.len]
+
+
+def reference_staging(
+    route: Route | Mapping, src_pools: Mapping[int, Pool], src_blocks: object
+) -> torch.Tensor:
+    """Naive oracle of :func:`workers.executors.gather`: fragments appended in layout order."""
+    import torch
+
+    route = as_route(route)
+    parts = []
+    for g in route.layer_groups:
+        for bs in _ids(src_blocks, g):
+            for seg in route.segments:
+                if seg.layer_group != g:
+                    continue
+                sp = src_pools[seg.src_pool]
+                for r in seg.runs:
+                    for c in range(r.count):
+                        s = bs * sp.spec.slot_stride_bytes + r.src + c * r.src_step
+                        parts.append(sp.tensor[s : s + r.len].cpu())
+    out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    assert out.numel() == staging_layout(route, src_blocks).nbytes
+    return out
