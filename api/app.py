@@ -2,21 +2,90 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
+from sqlalchemy.exc import IntegrityError
 
 from api import __version__
+from api.db import Database
+from api.errors import Conflict, install_error_handlers
+from api.limits import BodyLimitMiddleware
+from api.metrics import Metrics, TimingMiddleware
+from api.migrate import head_revisions, upgrade
+from api.routers import health, instances, pairings, transfers
 from api.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = (
+    "Control plane for disaggregated LLM serving: instance registration, pairing validation "
+    "and KV-cache transfer plans. Errors are RFC 9457 `application/problem+json` with a stable "
+    "`code`."
+)
+OPENAPI_TAGS = [
+    {"name": "instances", "description": "Register context/generation instances and page tables"},
+    {"name": "pairings", "description": "Validated (context, generation) pairs and their plans"},
+    {"name": "compatibility", "description": "Compile-only checks of two inline instance bodies"},
+    {"name": "transfers", "description": "Planned KV transfers of single requests"},
+    {"name": "health", "description": "Liveness, readiness and Prometheus metrics"},
+]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build one kvplane app bound to ``settings`` (no import-time side effects)."""
     settings = settings or Settings()
-    app = FastAPI(title="kvplane", version=__version__)
+    if settings.migrate_on_startup:
+        upgrade(settings.database_url)
+    db = Database(settings.database_url, sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+
+    def _pairing_counts() -> dict[str, int]:
+        from api.services.pairings import count_pairings_by_status
+
+        with db.read() as session:
+            return count_pairings_by_status(session=session)
+
+    metrics = Metrics(_pairing_counts)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.demo_fleet:
+            from api.demo import register_demo_fleet
+
+            register_demo_fleet(db)
+        yield
+        db.dispose()
+
+    app = FastAPI(
+        title="kvplane",
+        version=__version__,
+        description=DESCRIPTION,
+        openapi_tags=OPENAPI_TAGS,
+        lifespan=lifespan,
+    )
     app.state.settings = settings
+    app.state.db = db
+    app.state.metrics = metrics
+    app.state.migration_heads = head_revisions()
 
-    @app.get("/healthz", tags=["health"], operation_id="healthz")
-    def healthz() -> dict[str, str]:
-        """Liveness: the process answers."""
-        return {"status": "ok"}
+    install_error_handlers(app)
 
+    @app.exception_handler(IntegrityError)
+    async def _integrity_error(request, exc):  # type: ignore[no-untyped-def]
+        # Two writers raced on a unique key (PostgreSQL, READ COMMITTED); the client may retry.
+        log.warning("integrity error on %s: %s", request.url.path, exc.orig)
+        handler = app.exception_handlers[Conflict.__mro__[1]]
+        return await handler(
+            request, Conflict("a concurrent request changed the same resource; retry", code="conflict")
+        )
+
+    app.include_router(health.router)
+    app.include_router(instances.router)
+    app.include_router(pairings.router)
+    app.include_router(pairings.compatibility_router)
+    app.include_router(transfers.router)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(TimingMiddleware, metrics=metrics)
     return app

@@ -18,3 +18,11 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     log_json: bool = False
+    #: Largest accepted request body; larger ones get 413 problem+json.
+    max_body_bytes: int = 1 << 20
+    #: How long a SQLite writer waits for the lock before the request answers 503.
+    sqlite_busy_timeout_ms: int = 5000
+    #: Run ``alembic upgrade head`` when the app is created.
+    migrate_on_startup: bool = False
+    #: Register a small demo fleet (through the services) at startup if it is not there yet.
+    demo_fleet: bool = False

@@ -1,0 +1,295 @@
+"""Errors as RFC 9457 ``application/problem+json``, from one place.
+
+Services raise the domain exceptions below; ``install_error_handlers`` turns them (and request
+validation, malformed JSON, unknown routes and a locked/unreachable database) into problem
+documents with a stable ``code``. Routes never build error JSON by hand; a 500 is a bug.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+PROBLEM_TYPE_PREFIX = "https://kvplane.dev/problems/"
+RETRY_AFTER_S = 1
+
+log = logging.getLogger(__name__)
+
+
+class FieldError(BaseModel):
+    """One offending field: where (``loc``), what is wrong, and a machine code."""
+
+    loc: list[str | int]
+    msg: str
+    code: str | None = None
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details with kvplane's stable ``code`` and optional field errors."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(description="URI naming the problem type")
+    title: str
+    status: int
+    code: str = Field(description="Stable machine-readable error code")
+    detail: str | None = None
+    errors: list[FieldError] | None = None
+
+
+class KvplaneError(Exception):
+    """Base of every error kvplane reports to a client."""
+
+    status = 500
+    code = "internal_error"
+    title = "Internal error"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        code: str | None = None,
+        errors: list[dict[str, Any]] | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if code is not None:
+            self.code = code
+        self.errors = errors
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+class BadRequest(KvplaneError):
+    """The request is well-formed JSON but not acceptable (400 or 422)."""
+
+    status = 422
+    code = "bad_request"
+    title = "Unprocessable request"
+
+
+class NotFound(KvplaneError):
+    """The named resource does not exist."""
+
+    status = 404
+    code = "not_found"
+    title = "Not found"
+
+
+class Conflict(KvplaneError):
+    """The request conflicts with the resource's current state."""
+
+    status = 409
+    code = "conflict"
+    title = "Conflict"
+
+
+class Incompatible(Conflict):
+    """The pairing is not compatible (or stale), so no plan can be compiled."""
+
+    code = "incompatible"
+    title = "Incompatible pairing"
+
+
+class LeaseLost(Conflict):
+    """A worker's lease token is no longer current (fencing)."""
+
+    code = "lease_lost"
+    title = "Lease lost"
+
+
+class PreconditionFailed(KvplaneError):
+    """An ``If-Match`` precondition did not hold."""
+
+    status = 412
+    code = "precondition_failed"
+    title = "Precondition failed"
+
+
+class PayloadTooLarge(KvplaneError):
+    """The request body exceeds the configured limit."""
+
+    status = 413
+    code = "payload_too_large"
+    title = "Payload too large"
+
+
+class Unavailable(KvplaneError):
+    """A dependency (the database) is busy or unreachable; retry later."""
+
+    status = 503
+    code = "unavailable"
+    title = "Service unavailable"
+
+
+class NotImplementedYet(KvplaneError):
+    """The feature exists in the API but not in this release."""
+
+    status = 501
+    code = "not_implemented"
+    title = "Not implemented"
+
+
+#: Stable codes and where they come from; the README's error table is generated from this.
+ERROR_CODES: dict[str, tuple[int, str]] = {
+    "validation_error": (422, "A field has the wrong type, range or format; see `errors[].loc`."),
+    "malformed_json": (400, "The body is not valid JSON."),
+    "invalid_geometry": (422, "The registration breaks a page-table rule; see `errors[].loc`."),
+    "payload_too_large": (413, "The body exceeds `KVPLANE_MAX_BODY_BYTES`."),
+    "instance_not_found": (404, "No instance with that name."),
+    "rank_out_of_range": (422, "The rank is not below the instance's world size."),
+    "pairing_not_found": (404, "No pairing with that id (or for that context/generation)."),
+    "transfer_not_found": (404, "No transfer with that id."),
+    "not_found": (404, "Unknown route."),
+    "method_not_allowed": (405, "The route does not accept this method."),
+    "precondition_failed": (412, "`If-Match` does not equal the instance's `generation`."),
+    "wrong_role": (409, "A pairing's context must have role context, its generation role generation."),
+    "pairing_stale": (409, "An instance re-registered since validation; POST .../validate."),
+    "pairing_incompatible": (409, "The pairing's last validation found errors."),
+    "incompatible": (409, "The planning core refused to compile a plan."),
+    "dp_rank_required": (422, "The instance uses attention DP: name the dp rank."),
+    "dp_rank_out_of_range": (422, "The dp rank is not below the instance's tp."),
+    "invalid_blocks": (422, "A block id is out of range or a layer group is unknown."),
+    "idempotency_key_reused": (409, "The Idempotency-Key was used with a different body."),
+    "plan_gone": (409, "The transfer's plan was deleted with its pairing."),
+    "not_implemented": (501, "`execute=true` is not available yet."),
+    "database_busy": (503, "The database is locked or unreachable; honour `Retry-After`."),
+    "internal_error": (500, "A bug: please report it."),
+}
+
+
+def problem_response(
+    status: int,
+    code: str,
+    title: str,
+    detail: str | None = None,
+    *,
+    errors: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> JSONResponse:
+    """A problem+json response (the one place error JSON is built)."""
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE_PREFIX + code,
+        "title": title,
+        "status": status,
+        "code": code,
+    }
+    if detail is not None:
+        body["detail"] = detail
+    if errors is not None:
+        body["errors"] = errors
+    if extra:
+        body.update(extra)
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+
+
+def _jsonable_loc(loc: Any) -> list[str | int]:
+    return [part if isinstance(part, int) else str(part) for part in loc]
+
+
+def validation_problem(exc: RequestValidationError) -> JSONResponse:
+    """422 naming each offending field, or 400 when the body is not JSON at all."""
+    raw = exc.errors()
+    if any(err.get("type") == "json_invalid" for err in raw):
+        return problem_response(
+            400,
+            "malformed_json",
+            "Malformed JSON",
+            "The request body is not valid JSON.",
+            errors=[
+                {"loc": _jsonable_loc(err.get("loc", ())), "msg": str(err.get("msg", ""))}
+                for err in raw
+            ],
+        )
+    errors = [
+        {
+            "loc": _jsonable_loc(err.get("loc", ())),
+            "msg": str(err.get("msg", "")),
+            "code": str(err.get("type", "invalid")),
+        }
+        for err in raw
+    ]
+    fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in errors[:5])
+    return problem_response(
+        422, "validation_error", "Invalid request", f"Invalid field(s): {fields}", errors=errors
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the problem+json handlers on ``app``."""
+
+    @app.exception_handler(KvplaneError)
+    async def _kvplane_error(_request: Request, exc: KvplaneError) -> JSONResponse:
+        return problem_response(
+            exc.status,
+            exc.code,
+            exc.title,
+            exc.detail,
+            errors=exc.errors,
+            headers=exc.headers,
+            extra=exc.extra,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_problem(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return problem_response(
+            exc.status_code,
+            code,
+            str(exc.detail),
+            None,
+            headers=dict(exc.headers or {}),
+        )
+
+    @app.exception_handler(OperationalError)
+    async def _database_error(_request: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        return problem_response(
+            503,
+            "database_busy",
+            "Database unavailable",
+            "The database is locked or unreachable; retry.",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return problem_response(500, "internal_error", "Internal error", "A bug: please report it.")
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` entries documenting problem+json for ``statuses``."""
+    descriptions = {
+        400: "Malformed request (problem+json)",
+        404: "Not found (problem+json)",
+        409: "Conflict (problem+json)",
+        412: "Precondition failed (problem+json)",
+        413: "Payload too large (problem+json)",
+        422: "Invalid request: field errors in `errors` (problem+json)",
+        501: "Not implemented (problem+json)",
+        503: "Database busy or unreachable; see Retry-After (problem+json)",
+    }
+    return {
+        status: {
+            "model": Problem,
+            "description": descriptions.get(status, "Problem"),
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        }
+        for status in statuses
+    }

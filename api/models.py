@@ -1,0 +1,151 @@
+"""SQLAlchemy models. The schema only ever changes through Alembic migrations (``migrations/``).
+
+Registrations are stored as the raw JSON the instance sent (header + one row per rank) and
+re-parsed by ``api.geometry`` when needed, so the planning core stays the single source of truth.
+Compiled plans are cached per (pairing, context epoch, generation epoch, dp ranks): a new epoch
+can never hit an old plan. A later migration adds the ``jobs`` table, referencing ``transfers.id``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    ForeignKey,
+    Integer,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from api.db import Base, UTCDateTime, utcnow
+
+NAME_LENGTH = 128
+EPOCH_LENGTH = 32
+ID_LENGTH = 32
+# A dp rank of None is stored as -1 so the plan-cache key can be a plain unique constraint.
+NO_DP_RANK = -1
+
+
+class InstanceRow(Base):
+    """One registered instance: its header JSON, counters and readiness."""
+
+    __tablename__ = "instances"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
+    role: Mapped[str] = mapped_column(String(16), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    generation: Mapped[int] = mapped_column(Integer, default=1)
+    epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    world_size: Mapped[int] = mapped_column(Integer)
+    header: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    ranks: Mapped[list[RankRow]] = relationship(
+        back_populates="instance",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="RankRow.rank",
+    )
+
+
+class RankRow(Base):
+    """One rank's reported page table (raw JSON, as sent)."""
+
+    __tablename__ = "instance_ranks"
+
+    instance_id: Mapped[int] = mapped_column(
+        ForeignKey("instances.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    instance: Mapped[InstanceRow] = relationship(back_populates="ranks")
+
+
+class PairingRow(Base):
+    """A validated (context, generation) pair and the report of its last validation."""
+
+    __tablename__ = "pairings"
+    __table_args__ = (UniqueConstraint("context_id", "generation_id"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    context_id: Mapped[int] = mapped_column(
+        ForeignKey("instances.id", ondelete="CASCADE"), index=True
+    )
+    generation_id: Mapped[int] = mapped_column(
+        ForeignKey("instances.id", ondelete="CASCADE"), index=True
+    )
+    context_epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    generation_epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    compatible: Mapped[bool] = mapped_column(Boolean)
+    report: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    validated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    context: Mapped[InstanceRow] = relationship(foreign_keys=[context_id])
+    generation: Mapped[InstanceRow] = relationship(foreign_keys=[generation_id])
+
+
+class PlanRow(Base):
+    """A compiled plan, cached under both instance epochs and both dp ranks (immutable)."""
+
+    __tablename__ = "plans"
+    __table_args__ = (
+        UniqueConstraint(
+            "pairing_id",
+            "context_epoch",
+            "generation_epoch",
+            "context_dp_rank",
+            "generation_dp_rank",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    pairing_id: Mapped[str] = mapped_column(
+        ForeignKey("pairings.id", ondelete="CASCADE"), index=True
+    )
+    context_epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    generation_epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    context_dp_rank: Mapped[int] = mapped_column(Integer)
+    generation_dp_rank: Mapped[int] = mapped_column(Integer)
+    stale: Mapped[bool] = mapped_column(Boolean, default=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class TransferRow(Base):
+    """One request's planned transfer: block lists, plan reference and the expansion summary."""
+
+    __tablename__ = "transfers"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    pairing_id: Mapped[str | None] = mapped_column(
+        ForeignKey("pairings.id", ondelete="SET NULL"), index=True, nullable=True
+    )
+    plan_id: Mapped[int | None] = mapped_column(
+        ForeignKey("plans.id", ondelete="SET NULL"), nullable=True
+    )
+    context_name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    generation_name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    request_id: Mapped[str] = mapped_column(String(256), index=True)
+    context_dp_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    generation_dp_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    execute: Mapped[bool] = mapped_column(Boolean, default=False)
+    blocks: Mapped[dict[str, Any]] = mapped_column(JSON)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    fragments: Mapped[int] = mapped_column(BigInteger)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

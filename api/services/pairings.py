@@ -1,0 +1,347 @@
+"""Pairings: validate a (context, generation) pair, store its report, compile and cache plans.
+
+A pairing's ``status`` is ``compatible`` or ``incompatible`` after validation and ``stale`` once
+either instance re-registers (new epoch); ``validate_pairing_by_id`` re-validates and clears it.
+Plans are cached in ``plans`` under (pairing, both epochs, both dp ranks) and, because such a row
+never changes, also in a small in-process LRU keyed by the same (globally unique) values.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, aliased
+
+from api import schemas
+from api.db import utcnow
+from api.errors import BadRequest, Conflict, Incompatible, NotFound
+from api.geometry import GeometryError, Instance, Plan, compile_plan, parse_instance
+from api.geometry import validate_pairing as validate_geometry
+from api.models import NO_DP_RANK, InstanceRow, PairingRow, PlanRow
+
+PLAN_MEMO_SIZE = 256
+
+PlanKey = tuple[str, str, str, int, int]
+_memo: OrderedDict[PlanKey, tuple[int, Plan]] = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+def _memo_get(key: PlanKey) -> tuple[int, Plan] | None:
+    with _memo_lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            _memo.move_to_end(key)
+        return hit
+
+
+def _memo_put(key: PlanKey, value: tuple[int, Plan]) -> None:
+    with _memo_lock:
+        _memo[key] = value
+        _memo.move_to_end(key)
+        while len(_memo) > PLAN_MEMO_SIZE:
+            _memo.popitem(last=False)
+
+
+def mark_stale_for_instance(*, session: Session, instance_id: int) -> int:
+    """Mark every pairing (and cached plan) using ``instance_id`` stale; returns pairings touched."""
+    uses = or_(PairingRow.context_id == instance_id, PairingRow.generation_id == instance_id)
+    result = session.execute(
+        update(PairingRow).where(uses).values(status="stale").execution_options(
+            synchronize_session=False
+        )
+    )
+    ids = select(PairingRow.id).where(uses).scalar_subquery()
+    session.execute(
+        update(PlanRow)
+        .where(PlanRow.pairing_id.in_(ids))
+        .values(stale=True)
+        .execution_options(synchronize_session=False)
+    )
+    session.expire_all()
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def _instance_by_name(session: Session, name: str) -> InstanceRow:
+    row = session.scalars(select(InstanceRow).where(InstanceRow.name == name)).one_or_none()
+    if row is None:
+        raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
+    return row
+
+
+def _geometry(row: InstanceRow) -> Instance:
+    return parse_instance({**row.header, "ranks": [rank.body for rank in row.ranks]}, row.name)
+
+
+def _check_roles(context: InstanceRow, generation: InstanceRow) -> None:
+    wrong = [
+        f"{side} {row.name!r} has role {row.role!r}"
+        for side, row in (("context", context), ("generation", generation))
+        if row.role != side
+    ]
+    if wrong:
+        raise Conflict("; ".join(wrong), code="wrong_role")
+
+
+def _apply_validation(row: PairingRow, context: InstanceRow, generation: InstanceRow) -> None:
+    report = validate_geometry(_geometry(context), _geometry(generation)).to_dict()
+    row.context_epoch = context.epoch
+    row.generation_epoch = generation.epoch
+    row.compatible = bool(report["compatible"])
+    row.status = "compatible" if row.compatible else "incompatible"
+    row.report = report
+    row.validated_at = utcnow()
+
+
+def create_pairing(*, session: Session, context: str, generation: str) -> tuple[PairingRow, bool]:
+    """Validate and store the pairing of two registered instances; returns ``(row, created)``.
+
+    An incompatible pairing is stored with its report (not an error). Posting an existing pair
+    re-validates it.
+    """
+    ctx = _instance_by_name(session, context)
+    gen = _instance_by_name(session, generation)
+    _check_roles(ctx, gen)
+    row = session.scalars(
+        select(PairingRow)
+        .where(PairingRow.context_id == ctx.id, PairingRow.generation_id == gen.id)
+        .with_for_update()
+    ).one_or_none()
+    created = row is None
+    if row is None:
+        row = PairingRow(id=uuid.uuid4().hex, context_id=ctx.id, generation_id=gen.id)
+        row.created_at = utcnow()
+    _apply_validation(row, ctx, gen)
+    if created:
+        session.add(row)
+    row.context = ctx
+    row.generation = gen
+    session.flush()
+    return row, created
+
+
+def get_pairing(*, session: Session, pairing_id: str) -> PairingRow:
+    """The pairing ``pairing_id`` or 404."""
+    row = session.get(PairingRow, pairing_id)
+    if row is None:
+        raise NotFound(f"pairing {pairing_id!r} does not exist", code="pairing_not_found")
+    return row
+
+
+def list_pairings(
+    *,
+    session: Session,
+    status: str | None = None,
+    instance: str | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> tuple[list[PairingRow], int]:
+    """One page of pairings (newest first), optionally filtered by status or instance name."""
+    query = select(PairingRow)
+    if status is not None:
+        query = query.where(PairingRow.status == status)
+    if instance is not None:
+        ctx, gen = aliased(InstanceRow), aliased(InstanceRow)
+        query = (
+            query.join(ctx, PairingRow.context_id == ctx.id)
+            .join(gen, PairingRow.generation_id == gen.id)
+            .where(or_(ctx.name == instance, gen.name == instance))
+        )
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.scalars(
+        query.order_by(PairingRow.created_at.desc(), PairingRow.id).limit(limit).offset(offset)
+    ).all()
+    return list(rows), total
+
+
+def count_pairings_by_status(*, session: Session) -> dict[str, int]:
+    """``{status: count}`` over every pairing (for metrics and the dashboard)."""
+    rows = session.execute(select(PairingRow.status, func.count()).group_by(PairingRow.status))
+    return {status: int(count) for status, count in rows}
+
+
+def validate_pairing_by_id(*, session: Session, pairing_id: str) -> PairingRow:
+    """Re-validate a pairing against the instances' current registrations (clears ``stale``)."""
+    row = session.scalars(
+        select(PairingRow).where(PairingRow.id == pairing_id).with_for_update()
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"pairing {pairing_id!r} does not exist", code="pairing_not_found")
+    _apply_validation(row, row.context, row.generation)
+    session.flush()
+    return row
+
+
+def _require_current(row: PairingRow) -> None:
+    if (
+        row.status == "stale"
+        or row.context.epoch != row.context_epoch
+        or row.generation.epoch != row.generation_epoch
+    ):
+        raise Conflict(
+            f"pairing {row.id} is stale: an instance re-registered since validation; "
+            f"POST /v1/pairings/{row.id}/validate",
+            code="pairing_stale",
+        )
+    if not row.compatible:
+        raise Incompatible(
+            f"pairing {row.id} is incompatible ({len(row.report.get('errors', []))} errors)",
+            code="pairing_incompatible",
+            extra={"report": row.report},
+        )
+
+
+def plan_problem(error: GeometryError) -> BadRequest | Incompatible:
+    """The problem for a ``compile_plan`` refusal: 409 when incompatible, else 422 naming fields."""
+    errors = [
+        {"loc": ["query", *problem.loc], "msg": problem.message, "code": problem.code}
+        for problem in error.problems
+    ]
+    if error.code == "incompatible":
+        return Incompatible(str(error), code="incompatible", errors=errors)
+    return BadRequest(str(error), code=error.code, errors=errors)
+
+
+def get_plan(
+    *,
+    session: Session,
+    pairing_id: str,
+    context_dp_rank: int | None = None,
+    generation_dp_rank: int | None = None,
+) -> tuple[int, Plan]:
+    """The compiled plan of a current, compatible pairing: ``(plan_row_id, plan)``, cached."""
+    return plan_for_pairing(
+        session=session,
+        pairing=get_pairing(session=session, pairing_id=pairing_id),
+        context_dp_rank=context_dp_rank,
+        generation_dp_rank=generation_dp_rank,
+    )
+
+
+def plan_for_pairing(
+    *,
+    session: Session,
+    pairing: PairingRow,
+    context_dp_rank: int | None,
+    generation_dp_rank: int | None,
+) -> tuple[int, Plan]:
+    """Like :func:`get_plan` for a loaded pairing row (compiles and stores on a cache miss)."""
+    _require_current(pairing)
+    cdp = NO_DP_RANK if context_dp_rank is None else context_dp_rank
+    gdp = NO_DP_RANK if generation_dp_rank is None else generation_dp_rank
+    key: PlanKey = (pairing.id, pairing.context_epoch, pairing.generation_epoch, cdp, gdp)
+    hit = _memo_get(key)
+    if hit is not None:
+        return hit
+    where = (
+        PlanRow.pairing_id == pairing.id,
+        PlanRow.context_epoch == pairing.context_epoch,
+        PlanRow.generation_epoch == pairing.generation_epoch,
+        PlanRow.context_dp_rank == cdp,
+        PlanRow.generation_dp_rank == gdp,
+    )
+    stored = session.scalars(select(PlanRow).where(*where)).one_or_none()
+    if stored is not None:
+        value = (stored.id, Plan.from_dict(stored.body))
+        _memo_put(key, value)
+        return value
+    try:
+        plan = compile_plan(
+            _geometry(pairing.context),
+            _geometry(pairing.generation),
+            context_dp_rank,
+            generation_dp_rank,
+        )
+    except GeometryError as error:
+        raise plan_problem(error) from None
+    row = PlanRow(
+        pairing_id=pairing.id,
+        context_epoch=pairing.context_epoch,
+        generation_epoch=pairing.generation_epoch,
+        context_dp_rank=cdp,
+        generation_dp_rank=gdp,
+        stale=False,
+        body=plan.to_dict(),
+        created_at=utcnow(),
+    )
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except IntegrityError:
+        # Another process compiled the same plan first; theirs is identical.
+        row = session.scalars(select(PlanRow).where(*where)).one()
+    value = (row.id, plan)
+    _memo_put(key, value)
+    return value
+
+
+def load_plan(*, session: Session, plan_id: int) -> Plan | None:
+    """A stored plan by row id (``None`` when it was deleted with its pairing)."""
+    row = session.get(PlanRow, plan_id)
+    return None if row is None else Plan.from_dict(row.body)
+
+
+def plan_summary(plan: Plan) -> schemas.PlanSummary:
+    """Route, segment and run counts of a plan and its bytes per block."""
+    return schemas.PlanSummary(
+        routes=len(plan.routes),
+        segments=sum(len(route.segments) for route in plan.routes),
+        runs=plan.runs,
+        bytes_per_block=plan.bytes_per_block,
+    )
+
+
+def check_compatibility(
+    *,
+    context: schemas.InstanceInline,
+    generation: schemas.InstanceInline,
+    context_dp_rank: int | None = None,
+    generation_dp_rank: int | None = None,
+) -> schemas.CompatibilityRead:
+    """Validate two inline instance bodies (nothing stored); a plan summary when compatible."""
+    from api.services.instances import geometry_problem
+
+    instances: list[Instance] = []
+    for side, body in (("context", context), ("generation", generation)):
+        if body.role != side:
+            raise BadRequest(
+                f"{side} body has role {body.role!r}",
+                code="wrong_role",
+                errors=[{"loc": ["body", side, "role"], "msg": f"must be {side!r}"}],
+            )
+        data = body.model_dump(mode="json", exclude={"name"})
+        try:
+            instances.append(parse_instance(data, body.name))
+        except GeometryError as error:
+            raise geometry_problem(error, ("body", side)) from None
+    report: dict[str, Any] = validate_geometry(instances[0], instances[1]).to_dict()
+    result = schemas.CompatibilityRead.model_validate(report)
+    if result.compatible:
+        try:
+            plan = compile_plan(instances[0], instances[1], context_dp_rank, generation_dp_rank)
+        except GeometryError as error:
+            raise plan_problem(error) from None
+        result.plan = plan_summary(plan)
+    return result
+
+
+def pairing_read(row: PairingRow) -> schemas.PairingRead:
+    """The wire schema of a stored pairing."""
+    report = row.report
+    return schemas.PairingRead(
+        id=row.id,
+        context=row.context.name,
+        generation=row.generation.name,
+        status=row.status,  # type: ignore[arg-type]
+        compatible=row.compatible,
+        errors=report.get("errors", []),
+        warnings=report.get("warnings", []),
+        context_epoch=row.context_epoch,
+        generation_epoch=row.generation_epoch,
+        created_at=row.created_at,
+        validated_at=row.validated_at,
+    )
