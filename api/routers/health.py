@@ -14,7 +14,9 @@ from api.routers.deps import DbDep, MetricsDep
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", operation_id="healthz", response_model=schemas.Health)
+@router.get(
+    "/healthz", operation_id="healthz", response_model=schemas.Health, response_model_exclude_none=True
+)
 def healthz() -> schemas.Health:
     """Liveness: the process answers."""
     return schemas.Health(status="ok")
@@ -24,6 +26,7 @@ def healthz() -> schemas.Health:
     "/readyz",
     operation_id="readyz",
     response_model=schemas.Health,
+    response_model_exclude_none=True,
     responses=problem_responses(503),
 )
 def readyz(request: Request, db: DbDep) -> schemas.Health:
