@@ -64,45 +64,70 @@ class SenderIndex:
 
     def __init__(self, sender: Instance, ranks: Sequence[int]) -> None:
         self.instance = sender
-        self.by_key: dict[Key, list[Holder]] = {}
-        self.by_layer: dict[int, list[Holder]] = {}
-        for rank in ranks:
-            table = sender.table(rank)
+        # Ranks of one stage usually hold identical view classes: group them first so the
+        # per-layer index is built once per class, not once per rank.
+        classes: dict[tuple[str, tuple[str, ...], tuple[int, ...]], list[Holder]] = {}
+        for rank in sorted(ranks):
             stage = sender.coords(rank)[0]
-            for view in table.views:
-                for layer in view.layers:
-                    holder = Holder(rank, stage, view)
-                    self.by_key.setdefault((view.owner, view.roles_key, layer), []).append(holder)
-                    self.by_layer.setdefault(layer, []).append(holder)
+            for view in sender.table(rank).views:
+                key = (view.owner, view.roles_key, view.layers)
+                classes.setdefault(key, []).append(Holder(rank, stage, view))
+        by_key: dict[Key, list[int]] = {}
+        holders_of_class = list(classes.values())
+        for number, ((owner, roles, layers), _holders) in enumerate(classes.items()):
+            for layer in layers:
+                by_key.setdefault((owner, roles, layer), []).append(number)
+        # Per key: the holders (rank order), their stages, and a signature that groups the
+        # layers held by the very same sender views (so matching is one lookup per layer).
+        self.by_key: dict[Key, tuple[tuple[Holder, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        memo: dict[tuple[int, ...], tuple[tuple[Holder, ...], tuple[int, ...]]] = {}
+        for key, numbers in by_key.items():
+            signature = tuple(numbers)
+            if signature not in memo:
+                holders = [h for number in numbers for h in holders_of_class[number]]
+                holders.sort(key=lambda holder: holder.rank)
+                stages = tuple(sorted({holder.stage for holder in holders}))
+                memo[signature] = (tuple(holders), stages)
+            holders_tuple, stages = memo[signature]
+            self.by_key[key] = (holders_tuple, stages, signature)
 
     def match_view(self, receiver_rank: int, view: View) -> tuple[list[Match], list[Unmatched]]:
-        """Match every layer of one receiver view; consecutive equal outcomes are grouped."""
-        matches: dict[tuple[int, tuple[tuple[int, int], ...]], list[int]] = {}
-        holders_of: dict[tuple[int, tuple[tuple[int, int], ...]], tuple[Holder, ...]] = {}
+        """Match every layer of one receiver view; layers with the same sender views group."""
+        layers_of: dict[tuple[int, ...], list[int]] = {}
+        holders_of: dict[tuple[int, ...], tuple[tuple[Holder, ...], int]] = {}
         unmatched: list[Unmatched] = []
+        roles = view.roles_key
         for layer in view.layers:
-            found = self.by_key.get((view.owner, view.roles_key, layer))
-            if not found:
+            entry = self.by_key.get((view.owner, roles, layer))
+            if entry is None:
                 unmatched.append(self._explain_missing(receiver_rank, view, layer))
                 continue
-            stages = sorted({holder.stage for holder in found})
+            holders, stages, signature = entry
             if len(stages) > 1:
-                unmatched.append(
-                    Unmatched("ambiguous", receiver_rank, view, layer, stages=tuple(stages))
-                )
+                unmatched.append(Unmatched("ambiguous", receiver_rank, view, layer, stages=stages))
                 continue
-            ordered = tuple(sorted(found, key=lambda holder: holder.rank))
-            signature = (stages[0], tuple((h.rank, h.view.index) for h in ordered))
-            matches.setdefault(signature, []).append(layer)
-            holders_of[signature] = ordered
+            group = layers_of.get(signature)
+            if group is None:
+                layers_of[signature] = [layer]
+                holders_of[signature] = (holders, stages[0])
+            else:
+                group.append(layer)
         result = [
-            Match(receiver_rank, view, signature[0], tuple(layers), holders_of[signature])
-            for signature, layers in matches.items()
+            Match(receiver_rank, view, holders_of[sig][1], tuple(layers), holders_of[sig][0])
+            for sig, layers in layers_of.items()
         ]
         return result, unmatched
 
+    def _holders_of_layer(self, layer: int) -> list[Holder]:
+        return [
+            holder
+            for holders, _stages, _signature in self.by_key.values()
+            for holder in holders
+            if layer in holder.view.buffers_by_layer
+        ]
+
     def _explain_missing(self, receiver_rank: int, view: View, layer: int) -> Unmatched:
-        others = self.by_layer.get(layer, [])
+        others = self._holders_of_layer(layer)
         other_owner = sorted(
             {
                 h.view.label()

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
+
+import numpy as np
 
 from api.geometry.errors import GeometryError, Loc, ProblemSink
 
@@ -69,9 +72,17 @@ class View:
     buffers: tuple[Buffer, ...]
     buffers_by_layer: Mapping[int, tuple[Buffer, ...]] = field(repr=False, compare=False)
 
-    @property
+    @cached_property
     def layers(self) -> tuple[int, ...]:
         return tuple(self.buffers_by_layer)
+
+    @cached_property
+    def offset_table(self) -> np.ndarray:
+        """Buffer offsets as int64 ``[layers, buffers_per_layer]`` (rows in ``layers`` order)."""
+        return np.array(
+            [[b.offset for b in self.buffers_by_layer[layer]] for layer in self.layers],
+            dtype=np.int64,
+        )
 
     @property
     def buffers_per_layer(self) -> int:
@@ -81,7 +92,7 @@ class View:
     def buffer_bytes(self) -> int:
         return self.buffers[0].size
 
-    @property
+    @cached_property
     def roles_key(self) -> tuple[str, ...]:
         return tuple(sorted(self.roles))
 

@@ -436,20 +436,11 @@ class _RouteBuilder:
         self.cache = cache
         self.parts: dict[tuple[int, int], dict[tuple[int, int, int], list[np.ndarray]]] = {}
         self.slices: dict[tuple[int, int], list[dict[str, Any]]] = {}
-        self.offsets: dict[tuple[str, int, int], np.ndarray] = {}
 
-    def _offsets(
-        self, side: str, instance: Instance, rank: int, view: View, layers: tuple[int, ...]
-    ) -> np.ndarray:
-        """Buffer offsets ``[len(layers), buffers_per_layer]`` of a view, memoized per view."""
-        key = (side, rank, view.index)
-        table = self.offsets.get(key)
-        if table is None:
-            table = np.array(
-                [[b.offset for b in view.buffers_by_layer[layer]] for layer in view.layers],
-                dtype=np.int64,
-            )
-            self.offsets[key] = table
+    @staticmethod
+    def _offsets(view: View, layers: tuple[int, ...]) -> np.ndarray:
+        """Buffer offsets ``[len(layers), buffers_per_layer]`` of a view."""
+        table = view.offset_table
         if len(layers) == len(view.layers):
             return table
         positions = np.searchsorted(np.asarray(view.layers), np.asarray(layers))
@@ -466,10 +457,8 @@ class _RouteBuilder:
         hi: int,
     ) -> None:
         receiver = match.receiver_view
-        src = self._offsets("context", self.context, sender_rank, sender, match.layers).ravel()
-        dst = self._offsets(
-            "generation", self.generation, match.receiver_rank, receiver, match.layers
-        ).ravel()
+        src = self._offsets(sender, match.layers).ravel()
+        dst = self._offsets(receiver, match.layers).ravel()
         size = receiver.buffer_bytes
         n_runs = src.size
         if receiver.layout == "REPLICATED":
@@ -559,28 +548,26 @@ def _stack(
 def merge_runs(runs: np.ndarray) -> np.ndarray:
     """Sort runs by source offset and merge neighbours contiguous on both sides.
 
-    Two runs merge when they have the same ``count`` and steps, and the second starts where the
-    first ends on both the source and the destination side (for ``count > 1`` only when each
-    repetition is contiguous too, i.e. the run already spans the whole step).
+    Only single runs (``count == 1``) merge: a run starting where the previous one ends on the
+    source *and* the destination side extends it. Strided NHD runs of one route belong to
+    different (layer, buffer) rows and are never contiguous.
     """
     if len(runs) < 2:
         return runs
     runs = runs[np.lexsort((runs[:, 1], runs[:, 0]))]
-    merged = [runs[0].copy()]
-    for row in runs[1:]:
-        last = merged[-1]
-        if (
-            row[3] == last[3]
-            and row[4] == last[4]
-            and row[5] == last[5]
-            and row[0] == last[0] + last[2]
-            and row[1] == last[1] + last[2]
-            and (row[3] == 1 or (last[2] + row[2] <= min(row[4], row[5])))
-        ):
-            last[2] += row[2]
-        else:
-            merged.append(row.copy())
-    return np.array(merged, dtype=np.int64)
+    prev, cur = runs[:-1], runs[1:]
+    joins = (
+        (prev[:, 3] == 1)
+        & (cur[:, 3] == 1)
+        & (cur[:, 0] == prev[:, 0] + prev[:, 2])
+        & (cur[:, 1] == prev[:, 1] + prev[:, 2])
+    )
+    if not joins.any():
+        return runs
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = runs[starts].copy()
+    merged[:, 2] = np.add.reduceat(runs[:, 2], starts)
+    return merged
 
 
 def _receiver_plans(

@@ -1,0 +1,90 @@
+"""Planning-core benchmark: compile time, template size, expansion time (prints a table).
+
+Model: 80 target layers with 8 KV heads (head_dim 128, bf16, 32 tokens per block) plus one draft
+layer with 2 KV heads in the same pool. Scenarios: TP 8→2, TP 2→8, PP 4→1 and attention-DP 8→TP 2.
+For each: time to validate the pairing, time to compile the rank map and templates, template runs,
+and for 1,000 and 10,000 blocks the time of ``expand`` (align and check block lists, per-route
+counts) and of materializing every fragment as arrays, HND and NHD.
+
+Run: ``.venv/bin/python bench/plan.py [--repeat N]``. Timings are medians of N runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from api.geometry import compile_plan, expand, parse_instance, validate_pairing  # noqa: E402
+from api.geometry.builders import ViewSpec, instance_body  # noqa: E402
+
+SCENARIOS = {
+    "TP8 -> TP2": ({"tp": 8}, {"tp": 2}, None),
+    "TP2 -> TP8": ({"tp": 2}, {"tp": 8}, None),
+    "PP4 -> PP1": ({"pp": 4}, {"tp": 1}, None),
+    "ADP8 -> TP2": ({"tp": 8, "attention_dp": True}, {"tp": 2}, 3),
+}
+
+
+def median_ms(fn: Callable[[], object], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    args = parser.parse_args()
+    header = (
+        f"| {'scenario':<12} | {'layout':<6} | {'validate ms':>11} | {'compile ms':>10} | "
+        f"{'routes':>6} | {'runs':>5} | {'blocks':>6} | {'expand ms':>9} | "
+        f"{'fragments':>10} | {'materialize ms':>14} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    for layout in ("HND", "NHD"):
+        views = [
+            ViewSpec("target", 80, 8, 128, layout=layout),
+            ViewSpec("draft", 1, 2, 128, layout=layout),
+        ]
+        for name, (ctx_par, gen_par, ctx_dp) in SCENARIOS.items():
+            ctx = parse_instance(
+                instance_body(role="context", views=views, num_slots=20_000, **ctx_par), "ctx"
+            )
+            gen = parse_instance(
+                instance_body(role="generation", views=views, num_slots=20_000, **gen_par), "gen"
+            )
+            validate_ms = median_ms(lambda c=ctx, g=gen: validate_pairing(c, g), args.repeat)
+            compile_ms = median_ms(
+                lambda c=ctx, g=gen, d=ctx_dp: compile_plan(c, g, d, None), args.repeat
+            )
+            plan = compile_plan(ctx, gen, ctx_dp, None)
+            for blocks in (1_000, 10_000):
+                ids = (list(range(blocks)), list(range(blocks)))
+                expand_ms = median_ms(lambda p=plan, i=ids: expand(p, {0: i}), args.repeat)
+                expansion = expand(plan, {0: ids})
+
+                def materialize(e=expansion) -> None:
+                    for route in e.routes:
+                        for part in route.parts:
+                            part.fragment_arrays()
+
+                materialize_ms = median_ms(materialize, max(3, args.repeat // 3))
+                print(
+                    f"| {name:<12} | {layout:<6} | {validate_ms:>11.2f} | {compile_ms:>10.2f} | "
+                    f"{len(plan.routes):>6} | {plan.runs:>5} | {blocks:>6} | {expand_ms:>9.3f} | "
+                    f"{expansion.fragments:>10,} | {materialize_ms:>14.1f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()
