@@ -1,0 +1,507 @@
+"""NIXL transport: one agent per worker (UCX), pools and a staging buffer registered with it.
+
+Lifecycle of a worker's :class:`NixlTransport`:
+
+1. construct with the rank's pools: the agent registers every pool tensor and a staging buffer
+   (same device as the pools, so VRAM pools stay VRAM end to end);
+2. publish :meth:`NixlTransport.peer_info` (agent metadata, base64 in JSON, plus pool and staging
+   addresses) through the control plane; peers :meth:`add_peer` it. Re-registering memory
+   changes the metadata, so publish after construction and never before;
+3. staged path: the sender :meth:`write_staged` — gather a chunk of blocks into its own staging
+   buffer, one NIXL WRITE of that chunk into the receiver's staging area at the writer's exact
+   offset with a notification ``<tag>|<chunk>|<chunks>``, gather the next chunk while it flies; the
+   receiver :meth:`receive_staged` scatters each chunk as its notification arrives;
+4. per-fragment path: :meth:`write_fragments` posts one descriptor per fragment straight into
+   the receiver's pools (no staging, no receiver work) — the comparison baseline;
+5. a restarted peer comes back with a new agent: :meth:`remove_peer` the old one, add the new;
+6. :meth:`close` releases handles, drops peers and deregisters memory.
+
+Every wait has a deadline and raises :class:`~workers.transport.TransferTimeout`; a transfer in
+NIXL's error state raises :class:`~workers.transport.TransportError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from workers.executors import (
+    Blocks,
+    BlockRangeError,
+    Route,
+    StagingChunk,
+    _check_ids,
+    _check_template,
+    _normalize_blocks,
+    as_route,
+    expand_fragments,
+    gather,
+    scatter,
+    staging_layout,
+)
+from workers.pools import Pool, PoolSpec
+from workers.transport import TransferTimeout, TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_TIMEOUT_S = 30.0
+_SPIN_S = 0.002  # busy-poll this long before sleeping between polls: small transfers finish fast
+_POLL_SLEEP_S = 0.0002
+
+
+@dataclass(frozen=True)
+class PeerPool:
+    """A remote pool as the peer published it: its spec and base address."""
+
+    spec: PoolSpec
+    base_address: int
+
+    @property
+    def id(self) -> int:
+        return self.spec.id
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a worker publishes about its NIXL endpoint (travels through the control plane)."""
+
+    agent: str
+    metadata: bytes
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int
+    pools: Mapping[int, PeerPool]
+    staging_address: int
+    staging_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form; the agent metadata is base64."""
+        return {
+            "agent": self.agent,
+            "metadata_b64": base64.b64encode(self.metadata).decode("ascii"),
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+            "pools": [
+                {
+                    "id": p.spec.id,
+                    "layer_group": p.spec.layer_group,
+                    "slot_bytes": p.spec.slot_bytes,
+                    "slot_stride_bytes": p.spec.slot_stride_bytes,
+                    "num_slots": p.spec.num_slots,
+                    "base_address": p.base_address,
+                }
+                for p in self.pools.values()
+            ],
+            "staging": {"address": self.staging_address, "bytes": self.staging_bytes},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PeerInfo:
+        pools = {
+            int(p["id"]): PeerPool(PoolSpec.from_dict(p), int(p["base_address"]))
+            for p in d["pools"]
+        }
+        return cls(
+            agent=str(d["agent"]),
+            metadata=base64.b64decode(d["metadata_b64"]),
+            mem_type=str(d["mem_type"]),
+            device_id=int(d["device_id"]),
+            pools=pools,
+            staging_address=int(d["staging"]["address"]),
+            staging_bytes=int(d["staging"]["bytes"]),
+        )
+
+
+@dataclass
+class _Pending:
+    handle: Any
+    what: str
+    nbytes: int = 0
+    done: bool = field(default=False)
+
+
+def _device_of(t: torch.Tensor) -> tuple[str, int]:
+    if t.device.type == "cuda":
+        return "VRAM", int(t.device.index or 0)
+    return "DRAM", 0
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+class NixlTransport:
+    """A worker's NIXL endpoint: registered pools + staging, peers, staged and fragment writes."""
+
+    def __init__(
+        self,
+        name: str,
+        pools: Mapping[int, Pool],
+        *,
+        staging_bytes: int,
+        backends: Iterable[str] = ("UCX",),
+        num_threads: int = 0,
+    ) -> None:
+        import torch
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if not pools:
+            raise ValueError("a NIXL transport needs at least one pool")
+        self.name = name
+        self.pools = dict(pools)
+        devices = {p.device for p in self.pools.values()}
+        if len(devices) != 1:
+            raise ValueError(f"pools span several devices: {sorted(map(str, devices))}")
+        device = devices.pop()
+        self.staging = torch.zeros(max(int(staging_bytes), 1), dtype=torch.uint8, device=device)
+        self.mem_type, self.device_id = _device_of(self.staging)
+        cfg = nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        self._agent = nixl_agent(name, cfg)
+        self._regs = [self._agent.register_memory(p.tensor) for p in self.pools.values()]
+        self._regs.append(self._agent.register_memory(self.staging))
+        self._peers: dict[str, PeerInfo] = {}
+        self._inbox: dict[str, list[bytes]] = {}
+        self._closed = False
+
+    # --- peers ---------------------------------------------------------------------------
+
+    def peer_info(self) -> PeerInfo:
+        """This endpoint as peers need it (call after construction; metadata covers all regs)."""
+        return PeerInfo(
+            agent=self.name,
+            metadata=bytes(self._agent.get_agent_metadata()),
+            mem_type=self.mem_type,
+            device_id=self.device_id,
+            pools={pid: PeerPool(p.spec, p.base_address) for pid, p in self.pools.items()},
+            staging_address=int(self.staging.data_ptr()),
+            staging_bytes=int(self.staging.numel()),
+        )
+
+    def add_peer(self, info: PeerInfo | Mapping[str, Any]) -> str:
+        """Load a peer's metadata (a ``PeerInfo`` or its JSON); replaces a same-named peer."""
+        if not isinstance(info, PeerInfo):
+            info = PeerInfo.from_json(info)
+        if info.agent in self._peers:
+            self.remove_peer(info.agent)
+        try:
+            loaded = self._agent.add_remote_agent(info.metadata)
+        except Exception as e:  # nixl raises its own binding errors
+            raise TransportError(f"cannot load metadata of peer {info.agent!r}: {e}") from e
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != info.agent:
+            self._agent.remove_remote_agent(name)
+            raise TransportError(f"peer metadata names agent {name!r}, expected {info.agent!r}")
+        self._peers[name] = info
+        return name
+
+    def remove_peer(self, agent: str) -> None:
+        """Forget a peer (e.g. it restarted with a new agent); unknown names are ignored."""
+        if self._peers.pop(agent, None) is not None:
+            try:
+                self._agent.remove_remote_agent(agent)
+            except Exception as e:
+                raise TransportError(f"cannot drop peer {agent!r}: {e}") from e
+        self._inbox.pop(agent, None)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    def _peer(self, agent: str) -> PeerInfo:
+        try:
+            return self._peers[agent]
+        except KeyError:
+            raise TransportError(f"unknown peer {agent!r}; add_peer() its metadata first") from None
+
+    # --- low level -----------------------------------------------------------------------
+
+    def _post(
+        self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
+    ) -> _Pending:
+        try:
+            ld = self._agent.get_xfer_descs(local, self.mem_type)
+            rd = self._agent.get_xfer_descs(remote, peer.mem_type)
+            h = self._agent.initialize_xfer("WRITE", ld, rd, peer.agent, notif)
+            state = self._agent.transfer(h)
+        except Exception as e:
+            raise TransportError(f"{what}: NIXL refused the WRITE to {peer.agent!r}: {e}") from e
+        if state == "ERR":
+            h.release()
+            raise TransportError(f"{what}: NIXL WRITE to {peer.agent!r} failed on post")
+        return _Pending(h, what, int(local[:, 1].sum()))
+
+    def _poll(self, p: _Pending) -> bool:
+        if p.done:
+            return True
+        state = self._agent.check_xfer_state(p.handle)
+        if state == "ERR":
+            self._release(p)
+            raise TransportError(f"{p.what}: transfer entered NIXL's error state")
+        if state == "DONE":
+            self._release(p)
+            return True
+        return False
+
+    def _release(self, p: _Pending) -> None:
+        if not p.done:
+            p.done = True
+            try:
+                p.handle.release()
+            except Exception:  # an in-flight handle NIXL cannot cancel: leak it, do not mask
+                pass
+
+    def _wait(self, pending: list[_Pending], deadline: float) -> None:
+        t_spin = time.monotonic() + _SPIN_S
+        try:
+            while True:
+                if all([self._poll(p) for p in pending]):
+                    return
+                now = time.monotonic()
+                if now > deadline:
+                    left = [p.what for p in pending if not p.done]
+                    raise TransferTimeout(f"timed out waiting for {len(left)} write(s): {left[:3]}")
+                if now > t_spin:
+                    time.sleep(_POLL_SLEEP_S)
+        finally:
+            for p in pending:
+                self._release(p)
+
+    def _desc(self, addr: np.ndarray, length: np.ndarray, device_id: int) -> np.ndarray:
+        out = np.empty((addr.size, 3), dtype=np.uint64)
+        out[:, 0], out[:, 1], out[:, 2] = addr, length, device_id
+        return out
+
+    def _staging_desc(self, offset: int, nbytes: int) -> np.ndarray:
+        return self._desc(
+            np.array([self.staging.data_ptr() + offset]), np.array([nbytes]), self.device_id
+        )
+
+    # --- notifications -------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        for agent, msgs in self._agent.get_new_notifs().items():
+            key = agent.decode() if isinstance(agent, bytes) else str(agent)
+            self._inbox.setdefault(key, []).extend(bytes(m) for m in msgs)
+
+    def wait_notif(
+        self, peer: str, wanted: Iterable[bytes], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> bytes:
+        """Wait for (and consume) the first of ``wanted`` notifications from ``peer``."""
+        want = set(wanted)
+        deadline = time.monotonic() + timeout_s
+        t_spin = time.monotonic() + _SPIN_S
+        while True:
+            box = self._inbox.get(peer, [])
+            for i, m in enumerate(box):
+                if m in want:
+                    return box.pop(i)
+            self._collect()
+            if any(m in want for m in self._inbox.get(peer, [])):
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferTimeout(
+                    f"no notification {sorted(want)[:3]} from {peer!r} within {timeout_s:g}s"
+                )
+            if now > t_spin:
+                time.sleep(_POLL_SLEEP_S)
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """A standalone notification (e.g. 'scatter done') to a known peer."""
+        self._peer(peer)
+        self._agent.send_notif(peer, msg)
+
+    # --- staged path ---------------------------------------------------------------------
+
+    @staticmethod
+    def _chunk_tag(tag: bytes, i: int, n: int) -> bytes:
+        return b"%s|%d|%d" % (tag, i, n)
+
+    def write_staged(
+        self,
+        peer: str,
+        route: Route | Mapping[str, Any],
+        src_blocks: Blocks,
+        *,
+        dst_offset: int,
+        tag: bytes,
+        chunk_blocks: int | None = None,
+        local_offset: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> int:
+        """Gather ``route`` and WRITE it into ``peer``'s staging at ``dst_offset``; returns bytes.
+
+        With ``chunk_blocks`` the blocks go in chunks (one WRITE + notification each) so the
+        gather of chunk ``i+1`` and the receiver's scatter of chunk ``i-1`` overlap the WRITE of
+        chunk ``i``; without it, one gather and exactly one WRITE.
+        """
+        info = self._peer(peer)
+        route = as_route(route)
+        layout = staging_layout(route, src_blocks)
+        if local_offset + layout.nbytes > self.staging.numel():
+            raise TransportError(
+                f"route needs {layout.nbytes} staging bytes at {local_offset}, local staging "
+                f"holds {self.staging.numel()}"
+            )
+        if dst_offset < 0 or dst_offset + layout.nbytes > info.staging_bytes:
+            raise TransportError(
+                f"staging area [{dst_offset}, {dst_offset + layout.nbytes}) exceeds {peer!r}'s "
+                f"staging buffer of {info.staging_bytes} bytes"
+            )
+        chunks = [c for c in layout.chunks(chunk_blocks) if c.nbytes]
+        deadline = time.monotonic() + timeout_s
+        pending: list[_Pending] = []
+        try:
+            for i, ch in enumerate(chunks):
+                gather(
+                    route, self.pools, src_blocks, out=self.staging, offset=local_offset, chunk=ch
+                )
+                _sync(self.staging)
+                remote = self._desc(
+                    np.array([info.staging_address + dst_offset + ch.offset]),
+                    np.array([ch.nbytes]),
+                    info.device_id,
+                )
+                pending.append(
+                    self._post(
+                        info,
+                        self._staging_desc(local_offset + ch.offset, ch.nbytes),
+                        remote,
+                        self._chunk_tag(tag, i, len(chunks)),
+                        f"staged chunk {i}/{len(chunks)}",
+                    )
+                )
+                for p in pending:  # reap finished writes early; keeps handles few
+                    self._poll(p)
+            self._wait(pending, deadline)
+        finally:
+            for p in pending:
+                self._release(p)
+        return layout.nbytes
+
+    def receive_staged(
+        self,
+        peer: str,
+        route: Route | Mapping[str, Any],
+        dst_blocks: Blocks,
+        *,
+        offset: int,
+        tag: bytes,
+        chunk_blocks: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> int:
+        """Scatter ``peer``'s staged write (area at ``offset``) chunk by chunk as it lands.
+
+        ``chunk_blocks`` must match the sender's. Returns bytes scattered.
+        """
+        route = as_route(route)
+        ids = _normalize_blocks(route, dst_blocks, "dst_blocks")
+        layout = staging_layout(route, ids)
+        chunks: list[StagingChunk] = [c for c in layout.chunks(chunk_blocks) if c.nbytes]
+        # Validate everything before the first byte lands (a bad plan fails fast, not mid-way).
+        for seg in route.segments:
+            pool = self.pools.get(seg.dst_pool)
+            if pool is None:
+                raise BlockRangeError(f"destination pool {seg.dst_pool} is not on this rank")
+            _check_template(seg, None, pool)
+            _check_ids(ids[seg.layer_group], pool, seg.layer_group, "destination", unique=True)
+        deadline = time.monotonic() + timeout_s
+        tags = {self._chunk_tag(tag, i, len(chunks)): ch for i, ch in enumerate(chunks)}
+        while tags:
+            got = self.wait_notif(peer, tags, max(0.0, deadline - time.monotonic()))
+            scatter(route, self.staging, self.pools, ids, offset=offset, chunk=tags.pop(got))
+        _sync(self.staging)
+        return layout.nbytes
+
+    # --- per-fragment path ---------------------------------------------------------------
+
+    def write_fragments(
+        self,
+        peer: str,
+        route: Route | Mapping[str, Any],
+        src_blocks: Blocks,
+        dst_blocks: Blocks,
+        *,
+        tag: bytes,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> int:
+        """One WRITE whose descriptors are the route's fragments, pool to pool; returns bytes."""
+        info = self._peer(peer)
+        route = as_route(route)
+        bs = _normalize_blocks(route, src_blocks, "src_blocks")
+        bd = _normalize_blocks(route, dst_blocks, "dst_blocks")
+        for seg in route.segments:
+            sp = self.pools.get(seg.src_pool)
+            dp = info.pools.get(seg.dst_pool)
+            if sp is None or dp is None:
+                raise BlockRangeError(f"segment {seg.src_pool}->{seg.dst_pool}: unknown pool")
+            _check_template(seg, sp, dp)  # type: ignore[arg-type]
+            g = seg.layer_group
+            if bs[g].size != bd[g].size:
+                raise BlockRangeError(f"layer group {g}: block lists differ in length")
+            _check_ids(bs[g], sp, g, "source", unique=False)
+            _check_ids(bd[g], dp, g, "destination", unique=True)  # type: ignore[arg-type]
+        frags = expand_fragments(route, self.pools, info.pools, bs, bd)
+        locs, rems = [], []
+        for (sp_id, dp_id), (so, do, ln) in frags.items():
+            locs.append(self._desc(self.pools[sp_id].base_address + so, ln, self.device_id))
+            rems.append(self._desc(info.pools[dp_id].base_address + do, ln, info.device_id))
+        if not locs:
+            return 0
+        local, remote = np.concatenate(locs), np.concatenate(rems)
+        p = self._post(info, local, remote, tag, f"{local.shape[0]} fragments")
+        self._wait([p], time.monotonic() + timeout_s)
+        return int(local[:, 1].sum())
+
+    def write_raw(
+        self,
+        peer: str,
+        nbytes: int,
+        *,
+        dst_offset: int = 0,
+        tag: bytes = b"raw",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> int:
+        """One WRITE of ``nbytes`` staging → peer staging (the transport's ceiling; benchmarks)."""
+        info = self._peer(peer)
+        if nbytes > self.staging.numel() or dst_offset + nbytes > info.staging_bytes:
+            raise TransportError(f"raw write of {nbytes} bytes exceeds a staging buffer")
+        remote = self._desc(
+            np.array([info.staging_address + dst_offset]), np.array([nbytes]), info.device_id
+        )
+        p = self._post(info, self._staging_desc(0, nbytes), remote, tag, "raw write")
+        self._wait([p], time.monotonic() + timeout_s)
+        return nbytes
+
+    # --- teardown ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop peers and deregister memory; the transport is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for agent in list(self._peers):
+            try:
+                self.remove_peer(agent)
+            except TransportError:
+                pass
+        for reg in self._regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._regs.clear()
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
