@@ -81,7 +81,7 @@ class SenderIndex:
         # layers held by the very same sender views (so matching is one lookup per layer).
         self.by_key: dict[Key, tuple[tuple[Holder, ...], tuple[int, ...], tuple[int, ...]]] = {}
         memo: dict[tuple[int, ...], tuple[tuple[Holder, ...], tuple[int, ...]]] = {}
-        for key, numbers in by_key.items():
+        for layer_key, numbers in by_key.items():
             signature = tuple(numbers)
             if signature not in memo:
                 holders = [h for number in numbers for h in holders_of_class[number]]
@@ -89,7 +89,7 @@ class SenderIndex:
                 stages = tuple(sorted({holder.stage for holder in holders}))
                 memo[signature] = (tuple(holders), stages)
             holders_tuple, stages = memo[signature]
-            self.by_key[key] = (holders_tuple, stages, signature)
+            self.by_key[layer_key] = (holders_tuple, stages, signature)
 
     def match_view(self, receiver_rank: int, view: View) -> tuple[list[Match], list[Unmatched]]:
         """Match every layer of one receiver view; layers with the same sender views group."""
