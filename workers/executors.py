@@ -4,7 +4,8 @@ A route (sender rank → receiver rank) carries segments ``{src_pool, dst_pool, 
 for every aligned block pair ``(bs[j], bd[j])`` of the segment's layer group and every run,
 
     for c in range(count):
-        dst[bd·stride_d + run.dst + c·dst_step : +len] = src[bs·stride_s + run.src + c·src_step : +len]
+        d = bd·stride_d + run.dst + c·dst_step;  s = bs·stride_s + run.src + c·src_step
+        dst[d : d + len] = src[s : s + len]
 
 **Staging layout** (what :func:`gather` produces and :func:`scatter` consumes, and what travels in
 one NIXL WRITE): layer groups in ascending order; inside a layer group block-major (``j`` = index
@@ -81,6 +82,9 @@ class Route:
     sender_rank: int
     receiver_rank: int
     segments: tuple[Segment, ...]
+    # With CP on one side the route carries only block positions j with j % modulus == remainder.
+    cp_modulus: int = 1
+    cp_remainder: int = 0
 
     @property
     def layer_groups(self) -> tuple[int, ...]:
@@ -109,7 +113,13 @@ class Route:
             segs.append(
                 Segment(int(s["src_pool"]), int(s["dst_pool"]), runs, int(s.get("layer_group", 0)))
             )
-        return cls(int(d.get("sender_rank", 0)), int(d.get("receiver_rank", 0)), tuple(segs))
+        return cls(
+            int(d.get("sender_rank", 0)),
+            int(d.get("receiver_rank", 0)),
+            tuple(segs),
+            int(d.get("cp_modulus", 1)),
+            int(d.get("cp_remainder", 0)),
+        )
 
 
 def as_route(route: Route | Mapping[str, Any]) -> Route:
@@ -136,11 +146,15 @@ class _Family:
 
     @property
     def src_extent(self) -> int:
-        return self.src0 + (self.n - 1) * self.src_delta + (self.count - 1) * self.src_step + self.len
+        return (
+            self.src0 + (self.n - 1) * self.src_delta + (self.count - 1) * self.src_step + self.len
+        )
 
     @property
     def dst_extent(self) -> int:
-        return self.dst0 + (self.n - 1) * self.dst_delta + (self.count - 1) * self.dst_step + self.len
+        return (
+            self.dst0 + (self.n - 1) * self.dst_delta + (self.count - 1) * self.dst_step + self.len
+        )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -210,7 +224,7 @@ class StagingLayout:
         """Split into chunks of at most ``chunk_blocks`` blocks (None: one chunk per group)."""
         out = []
         for g, off, bpb, n in self.groups:
-            step = n if not chunk_blocks else chunk_blocks
+            step = chunk_blocks if chunk_blocks else n
             for j0 in range(0, n, max(step, 1)):
                 j1 = min(n, j0 + step)
                 out.append(StagingChunk(g, j0, j1, off + j0 * bpb, (j1 - j0) * bpb))
@@ -233,6 +247,32 @@ def _normalize_blocks(route: Route, blocks: Blocks, what: str) -> dict[int, np.n
         arr = np.asarray(v, dtype=np.int64).reshape(-1)
         out[g] = arr
     return out
+
+
+def align_blocks(
+    route: Route | Mapping[str, Any],
+    blocks: Mapping[int, tuple[Sequence[int], Sequence[int]]],
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Per layer group ``(context_ids, generation_ids)`` → the route's aligned block lists.
+
+    Same rule as the planning core: the last ``min(len_C, len_R)`` ids of each side are paired
+    (prefix caching on either side); with CP only positions ``j % cp_modulus == cp_remainder``.
+    """
+    route = as_route(route)
+    src: dict[int, np.ndarray] = {}
+    dst: dict[int, np.ndarray] = {}
+    for g in route.layer_groups:
+        if g not in blocks:
+            raise BlockRangeError(f"no block lists for layer group {g}")
+        a = np.asarray(blocks[g][0], dtype=np.int64).reshape(-1)
+        b = np.asarray(blocks[g][1], dtype=np.int64).reshape(-1)
+        n = min(a.size, b.size)
+        a, b = a[a.size - n :], b[b.size - n :]
+        if route.cp_modulus > 1:
+            keep = np.arange(n) % route.cp_modulus == route.cp_remainder
+            a, b = a[keep], b[keep]
+        src[g], dst[g] = a, b
+    return src, dst
 
 
 def staging_layout(route: Route | Mapping[str, Any], blocks: Blocks) -> StagingLayout:
@@ -354,8 +394,8 @@ class _Side:
         """``[m, n, count, len]`` view at progression ``first, first+step, ...`` of this side."""
         t = self.tensor
         if self.is_pool:
-            off0, delta, cstep = (f.src0, f.src_delta, f.src_step) if src else (
-                f.dst0, f.dst_delta, f.dst_step
+            off0, delta, cstep = (
+                (f.src0, f.src_delta, f.src_step) if src else (f.dst0, f.dst_delta, f.dst_step)
             )
         else:
             off0, delta, cstep = f.stage0, f.count * f.len, f.len
@@ -383,8 +423,8 @@ def _copy_strided(src: _Side, dst: _Side, fams: Sequence[_Family]) -> None:
 
 def _word_bytes(src: _Side, dst: _Side, fams: Sequence[_Family]) -> int:
     vals = [src.block_stride, dst.block_stride, src.base, dst.base]
-    vals += [src.tensor.storage_offset(), dst.tensor.storage_offset()]
-    vals += [src.tensor.numel(), dst.tensor.numel()]
+    vals += [int(src.tensor.storage_offset()), int(dst.tensor.storage_offset())]
+    vals += [int(src.tensor.numel()), int(dst.tensor.numel())]
     vals += [src.tensor.data_ptr(), dst.tensor.data_ptr()]
     for f in fams:
         vals += [f.src0, f.dst0, f.stage0, f.len, f.src_step, f.dst_step, f.src_delta, f.dst_delta]
@@ -405,8 +445,8 @@ def _copy_indexed(src: _Side, dst: _Side, fams: Sequence[_Family]) -> None:
     def full(side: _Side, f: _Family, is_src: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = side.tensor.view(dtype) if w > 1 else side.tensor
         if side.is_pool:
-            off0, delta, cstep = (f.src0, f.src_delta, f.src_step) if is_src else (
-                f.dst0, f.dst_delta, f.dst_step
+            off0, delta, cstep = (
+                (f.src0, f.src_delta, f.src_step) if is_src else (f.dst0, f.dst_delta, f.dst_step)
             )
             v = t.as_strided(
                 (side.rows, f.n, f.count, f.len // w),

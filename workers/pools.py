@@ -194,9 +194,7 @@ def _fill(flat: torch.Tensor, rank: int, pool_id: int) -> None:
     if tail:
         start = n_pages * _PAGE_BYTES
         flat[start:].copy_(
-            expected_bytes(
-                rank, pool_id, torch.arange(start, start + tail, device=flat.device)
-            )
+            expected_bytes(rank, pool_id, torch.arange(start, start + tail, device=flat.device))
         )
 
 

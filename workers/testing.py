@@ -2,8 +2,8 @@
 
 The naive oracles walk every fragment in Python; they are slow by design and exist only to check
 the executors byte for byte. The template builders follow DESIGN.md ("Transfer templates"): a slot
-holds ``layers × buffers`` buffers (K then V per layer), each ``heads × tokens × head_dim`` elements,
-in HND (head-major) or NHD (token-major) order.
+holds ``layers × buffers`` buffers (K then V per layer), each ``heads × tokens × head_dim``
+elements, in HND (head-major) or NHD (token-major) order.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from workers.executors import Route, Run, Segment, as_route, staging_layout
+from workers.executors import Blocks, Route, Run, Segment, as_route, staging_layout
 from workers.pools import Pool, PoolSpec
 
 if TYPE_CHECKING:
@@ -60,7 +60,11 @@ class HeadSlice:
             if self.layout == "HND":
                 tb = self.tokens_per_block * hb
                 runs.append(
-                    Run(i * sbuf + self.src_head * tb, i * dbuf + self.dst_head * tb, self.heads * tb)
+                    Run(
+                        i * sbuf + self.src_head * tb,
+                        i * dbuf + self.dst_head * tb,
+                        self.heads * tb,
+                    )
                 )
             else:
                 runs.append(
@@ -103,7 +107,7 @@ def reference_copy(
 
 
 def reference_staging(
-    route: Route | Mapping, src_pools: Mapping[int, Pool], src_blocks: object
+    route: Route | Mapping, src_pools: Mapping[int, Pool], src_blocks: Blocks
 ) -> torch.Tensor:
     """Naive oracle of :func:`workers.executors.gather`: fragments appended in layout order."""
     import torch

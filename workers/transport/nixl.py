@@ -23,6 +23,7 @@ NIXL's error state raises :class:`~workers.transport.TransportError`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from workers.executors import (
-    Blocks,
     BlockRangeError,
+    Blocks,
     Route,
     StagingChunk,
     _check_ids,
@@ -253,10 +254,9 @@ class NixlTransport:
     def _release(self, p: _Pending) -> None:
         if not p.done:
             p.done = True
-            try:
+            # An in-flight handle NIXL cannot cancel is leaked rather than masking the real error.
+            with contextlib.suppress(Exception):
                 p.handle.release()
-            except Exception:  # an in-flight handle NIXL cannot cancel: leak it, do not mask
-                pass
 
     def _wait(self, pending: list[_Pending], deadline: float) -> None:
         t_spin = time.monotonic() + _SPIN_S
@@ -489,15 +489,11 @@ class NixlTransport:
             return
         self._closed = True
         for agent in list(self._peers):
-            try:
+            with contextlib.suppress(TransportError):
                 self.remove_peer(agent)
-            except TransportError:
-                pass
         for reg in self._regs:
-            try:
+            with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
-            except Exception:
-                pass
         self._regs.clear()
 
     def __enter__(self) -> NixlTransport:
