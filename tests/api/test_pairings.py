@@ -1,0 +1,141 @@
+"""Pairings: validation reports, stale on re-registration, re-validation, plans, compatibility."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from api.demo import instance_body
+
+
+def _register_pair(client: TestClient, *, gen_heads: int = 8) -> None:
+    ctx = instance_body(role="context", tp=4, draft_heads=2)
+    gen = instance_body(role="generation", tp=2, draft_heads=2, target_heads=gen_heads)
+    assert client.put("/v1/instances/ctx-a", json=ctx).status_code == 201
+    assert client.put("/v1/instances/gen-b", json=gen).status_code == 201
+
+
+def _pair(client: TestClient) -> dict:
+    response = client.post("/v1/pairings", json={"context": "ctx-a", "generation": "gen-b"})
+    assert response.status_code == 201, response.json()
+    return response.json()
+
+
+def test_compatible_pairing_is_stored(client: TestClient) -> None:
+    _register_pair(client)
+    pairing = _pair(client)
+    assert pairing["compatible"] is True
+    assert pairing["status"] == "compatible"
+    assert pairing["errors"] == []
+    assert client.get(f"/v1/pairings/{pairing['id']}").json() == pairing
+    listed = client.get("/v1/pairings").json()
+    assert [item["id"] for item in listed["items"]] == [pairing["id"]]
+
+
+def test_incompatible_pairing_is_stored_with_its_report(client: TestClient) -> None:
+    _register_pair(client, gen_heads=4)
+    pairing = _pair(client)
+    assert pairing["compatible"] is False
+    assert pairing["status"] == "incompatible"
+    codes = {error["code"] for error in pairing["errors"]}
+    assert "head_count_mismatch" in codes
+    assert all({"code", "message", "detail"} <= set(error) for error in pairing["errors"])
+    plan = client.get(f"/v1/pairings/{pairing['id']}/plan")
+    assert plan.status_code == 409
+    assert plan.json()["code"] == "pairing_incompatible"
+
+
+def test_unknown_instance_is_404(client: TestClient) -> None:
+    client.put("/v1/instances/ctx-a", json=instance_body(role="context", tp=1))
+    response = client.post("/v1/pairings", json={"context": "ctx-a", "generation": "ghost"})
+    assert response.status_code == 404
+    assert response.json()["code"] == "instance_not_found"
+    assert client.get("/v1/pairings").json()["total"] == 0
+
+
+def test_wrong_roles_are_409(client: TestClient) -> None:
+    _register_pair(client)
+    response = client.post("/v1/pairings", json={"context": "gen-b", "generation": "ctx-a"})
+    assert response.status_code == 409
+    assert response.json()["code"] == "wrong_role"
+
+
+def test_incomplete_instance_is_reported_not_ready(client: TestClient) -> None:
+    client.put("/v1/instances/ctx-a", json=instance_body(role="context", tp=4, draft_heads=2))
+    header = instance_body(role="generation", tp=2, with_ranks=False)
+    client.put("/v1/instances/gen-b", json=header)
+    pairing = _pair(client)
+    assert pairing["compatible"] is False
+    assert "instance_not_ready" in {error["code"] for error in pairing["errors"]}
+
+
+def test_reregistration_stales_pairing_until_revalidated(client: TestClient) -> None:
+    _register_pair(client)
+    pairing = _pair(client)
+    assert client.get(f"/v1/pairings/{pairing['id']}/plan").status_code == 200
+
+    changed = instance_body(role="generation", tp=2, draft_heads=2, num_slots=512)
+    client.put("/v1/instances/gen-b", json=changed)
+    stale = client.get(f"/v1/pairings/{pairing['id']}").json()
+    assert stale["status"] == "stale"
+    plan = client.get(f"/v1/pairings/{pairing['id']}/plan")
+    assert plan.status_code == 409
+    assert plan.json()["code"] == "pairing_stale"
+
+    revalidated = client.post(f"/v1/pairings/{pairing['id']}/validate")
+    assert revalidated.status_code == 200
+    assert revalidated.json()["status"] == "compatible"
+    assert revalidated.json()["generation_epoch"] != pairing["generation_epoch"]
+    assert client.get(f"/v1/pairings/{pairing['id']}/plan").status_code == 200
+
+
+def test_plan_matches_the_contract_and_is_cached(client: TestClient) -> None:
+    _register_pair(client)
+    pairing = _pair(client)
+    first = client.get(f"/v1/pairings/{pairing['id']}/plan")
+    assert first.status_code == 200
+    plan = first.json()
+    assert {route["receiver_rank"] for route in plan["routes"]} == {0, 1}
+    run = plan["routes"][0]["segments"][0]["runs"][0]
+    assert set(run) >= {"src", "dst", "len", "count", "src_step", "dst_step"}
+    assert {receiver["rank"] for receiver in plan["receivers"]} == {0, 1}
+    assert client.get(f"/v1/pairings/{pairing['id']}/plan").json() == plan
+
+
+def test_plan_dp_rank_out_of_range_is_422(client: TestClient) -> None:
+    _register_pair(client)
+    pairing = _pair(client)
+    response = client.get(
+        f"/v1/pairings/{pairing['id']}/plan", params={"context_dp_rank": "x"}
+    )
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["loc"] == ["query", "context_dp_rank"]
+
+
+def test_unknown_pairing_is_404(client: TestClient) -> None:
+    for path in ("/v1/pairings/nope", "/v1/pairings/nope/plan"):
+        response = client.get(path)
+        assert response.status_code == 404
+        assert response.json()["code"] == "pairing_not_found"
+    assert client.post("/v1/pairings/nope/validate").status_code == 404
+
+
+def test_delete_instance_deletes_its_pairings(client: TestClient) -> None:
+    _register_pair(client)
+    pairing = _pair(client)
+    assert client.delete("/v1/instances/gen-b").status_code == 204
+    assert client.get(f"/v1/pairings/{pairing['id']}").status_code == 404
+
+
+def test_compatibility_stores_nothing(client: TestClient) -> None:
+    ctx = {**instance_body(role="context", tp=4, draft_heads=2), "name": "c"}
+    gen = {**instance_body(role="generation", tp=2, draft_heads=2), "name": "g"}
+    response = client.post("/v1/compatibility", json={"context": ctx, "generation": gen})
+    assert response.status_code == 200, response.json()
+    assert response.json()["compatible"] is True
+    assert response.json()["plan"]["routes"] == 4
+    bad_gen = {**instance_body(role="generation", tp=2, target_heads=4), "name": "g"}
+    report = client.post("/v1/compatibility", json={"context": ctx, "generation": bad_gen}).json()
+    assert report["compatible"] is False
+    assert report["plan"] is None
+    assert client.get("/v1/instances").json()["total"] == 0
+    assert client.get("/v1/pairings").json()["total"] == 0
