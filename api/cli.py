@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import typer
 
 cli = typer.Typer(help="kvplane: control plane for disaggregated LLM serving.", no_args_is_help=True)
@@ -36,6 +40,97 @@ def migrate() -> None:
     settings = Settings()
     upgrade(settings.database_url)
     typer.echo(f"migrated {settings.database_url} to head")
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        typer.echo(f"error: cannot read {path}: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
+@cli.command()
+def check(
+    context_file: Path = typer.Argument(..., help="Context instance body (JSON)."),
+    generation_file: Path = typer.Argument(..., help="Generation instance body (JSON)."),
+    context_dp_rank: int | None = typer.Option(None, help="Only this context DP rank."),
+    generation_dp_rank: int | None = typer.Option(None, help="Only this generation DP rank."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+) -> None:
+    """Validate a planned pairing offline (no server): exit 0 compatible, 1 not, 2 bad input."""
+    from api.geometry import GeometryError
+    from api.offline import check_bodies
+
+    context_body = _load_json(context_file)
+    generation_body = _load_json(generation_file)
+    try:
+        result = check_bodies(
+            context_body, generation_body,
+            context_name=context_file.stem, generation_name=generation_file.stem,
+            context_dp_rank=context_dp_rank, generation_dp_rank=generation_dp_rank,
+        )
+    except GeometryError as error:
+        if as_json:
+            typer.echo(json.dumps({"errors": [p.to_dict() for p in error.problems]}, indent=2))
+        else:
+            for problem in error.problems:
+                where = ".".join(str(part) for part in problem.loc)
+                typer.echo(f"invalid: {where}: {problem.message}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        verdict = "compatible" if result["compatible"] else "INCOMPATIBLE"
+        typer.echo(f"{context_file.stem} -> {generation_file.stem}: {verdict}")
+        for kind in ("errors", "warnings"):
+            for issue in result[kind]:
+                typer.echo(f"  {kind[:-1]:<7} {issue['code']:<28} {issue['message']}")
+        for plan in result["plans"]:
+            typer.echo(
+                f"  plan dp=({plan['context_dp_rank']},{plan['generation_dp_rank']}): "
+                f"{plan['routes']} routes, {plan['runs']} runs, "
+                f"{plan['bytes_per_block']:,} bytes per block"
+            )
+    raise typer.Exit(0 if result["compatible"] else 1)
+
+
+@cli.command()
+def describe(
+    config: Path = typer.Argument(..., help="Hugging Face style config.json of the model."),
+    role: str = typer.Option(..., help="context or generation."),
+    tp: int = typer.Option(1, min=1),
+    pp: int = typer.Option(1, min=1),
+    cp: int = typer.Option(1, min=1),
+    attention_dp: bool = typer.Option(False, "--attention-dp"),
+    tokens_per_block: int = typer.Option(32, min=1),
+    layout: str = typer.Option("HND", help="HND or NHD (MLA configs are always REPLICATED)."),
+    dtype: str | None = typer.Option(None, help="KV-cache dtype (default: the config's)."),
+    num_slots: int = typer.Option(1024, min=1, help="Slots per pool."),
+    draft: Path | None = typer.Option(None, help="config.json of a speculative draft model."),
+    output: Path | None = typer.Option(None, "--out", help="Write the body here, not stdout."),
+) -> None:
+    """Build a registration body from a model config and a parallelism."""
+    from api.describe import ConfigError
+    from api.describe import describe as build
+
+    if layout not in ("HND", "NHD"):
+        typer.echo("error: --layout must be HND or NHD", err=True)
+        raise typer.Exit(2)
+    try:
+        body = build(
+            _load_json(config), role=role, tp=tp, pp=pp, cp=cp, attention_dp=attention_dp,
+            tokens_per_block=tokens_per_block, layout=layout, dtype=dtype, num_slots=num_slots,
+            draft_config=_load_json(draft) if draft else None,
+        )
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    text = json.dumps(body, indent=2)
+    if output:
+        output.write_text(text + "\n")
+    else:
+        typer.echo(text)
 
 
 def main() -> None:
