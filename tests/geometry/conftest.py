@@ -1,0 +1,369 @@
+"""A test-side byte-provenance oracle for the planning core.
+
+Independent of ``api.geometry``'s math: the head geometry, the byte layout of every buffer and
+the block alignment are recomputed here from the DESIGN formulas, and the plan is judged only by
+what its expanded fragments do to memory.
+
+Every byte of every view buffer of every rank gets an int64 *label* saying what it holds::
+
+    (tag, owner, roles, layer, buffer index, global head, token, byte-within-head-token)
+
+(REPLICATED: ``(tag, owner, roles, layer, buffer, byte)`` — whole buffer, identical on all ranks).
+``tag`` is the logical block (aligned position + 1) a slot holds for this request; slots outside
+the aligned suffix, and ranks of other attention-DP groups, hold ``tag = 0`` ("other data"), so a
+fragment that reads them lands a wrong label. Bytes no view covers are ``-1``.
+
+:func:`check_transfer` fills the active sender pools, applies the fragments and requires that every
+byte the receiver needs is written exactly once with exactly its label, and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from api.geometry import Instance, RankTable, View, compile_plan, expand, parse_instance
+from api.geometry.builders import ViewSpec, instance_body
+
+# label bit fields (low → high)
+_BYTE_BITS, _TOKEN_BITS, _HEAD_BITS, _BUF_BITS, _LAYER_BITS, _ROLES_BITS, _OWNER_BITS = (
+    16,
+    8,
+    8,
+    2,
+    12,
+    3,
+    2,
+)
+_REPL_BITS = 1
+_ROLE_CODES: dict[tuple[str, ...], int] = {("key", "value"): 1, ("key",): 2, ("value",): 3}
+_OWNER_CODES = {"target": 1, "draft": 2}
+
+
+def _encode(
+    tag: int,
+    owner: str,
+    roles: tuple[str, ...],
+    layer: int,
+    buf: int,
+    head: np.ndarray | int,
+    token: np.ndarray | int,
+    byte: np.ndarray | int,
+    replicated: bool,
+) -> np.ndarray:
+    value = np.int64(tag)
+    for part, bits in (
+        (int(replicated), _REPL_BITS),
+        (_OWNER_CODES[owner], _OWNER_BITS),
+        (_ROLE_CODES.get(roles, 7), _ROLES_BITS),
+        (layer, _LAYER_BITS),
+        (buf, _BUF_BITS),
+    ):
+        assert 0 <= part < (1 << bits)
+        value = (value << bits) | part
+    head_a, token_a, byte_a = (np.asarray(x, dtype=np.int64) for x in (head, token, byte))
+    assert (byte_a < (1 << _BYTE_BITS)).all() and (token_a < (1 << _TOKEN_BITS)).all()
+    assert (head_a < (1 << _HEAD_BITS)).all()
+    value = (value << _HEAD_BITS) | head_a
+    value = (value << _TOKEN_BITS) | token_a
+    return (value << _BYTE_BITS) | byte_a
+
+
+def decode(label: int) -> dict[str, int]:
+    """The fields of one label (for readable failure messages)."""
+    out = {}
+    for name, bits in (
+        ("byte", _BYTE_BITS),
+        ("token", _TOKEN_BITS),
+        ("head", _HEAD_BITS),
+        ("buf", _BUF_BITS),
+        ("layer", _LAYER_BITS),
+        ("roles", _ROLES_BITS),
+        ("owner", _OWNER_BITS),
+        ("replicated", _REPL_BITS),
+    ):
+        out[name] = int(label) & ((1 << bits) - 1)
+        label = int(label) >> bits
+    out["tag"] = int(label)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# head geometry, straight from DESIGN "Head geometry"
+
+
+@dataclass(frozen=True)
+class Geo:
+    heads: int  # h (REPLICATED: 0, no head math)
+    first_head: int  # global index of the rank's first head
+    replicated: bool
+
+
+def coords(instance: Instance, rank: int) -> tuple[int, int, int]:
+    """(pp_rank, tp_rank, cp_rank) from ``rank = pp×(tp×cp) + tp×cp + cp``."""
+    pp_rank = rank // (instance.tp * instance.cp)
+    tp_rank = (rank % (instance.tp * instance.cp)) // instance.cp
+    return pp_rank, tp_rank, rank % instance.cp
+
+
+def geo(instance: Instance, table: RankTable, view: View) -> Geo:
+    if view.layout == "REPLICATED":
+        return Geo(0, 0, True)
+    group = 1 if instance.attention_dp else instance.tp
+    g = 0 if instance.attention_dp else coords(instance, table.rank)[1]
+    declared = view.num_kv_heads
+    if declared is None:
+        declared = table.kv_heads_per_rank or instance.kv_heads_per_rank
+    total = view.total_kv_heads or instance.total_kv_heads or declared * group
+    shards = min(group, total)
+    assert group % shards == 0 and total % shards == 0
+    replicas = group // shards
+    h = total // shards
+    return Geo(h, (g // replicas) * h, False)
+
+
+def active(instance: Instance, dp_rank: int | None) -> list[int]:
+    ranks = range(instance.tp * instance.pp * instance.cp)
+    if not instance.attention_dp:
+        return list(ranks)
+    return [r for r in ranks if coords(instance, r)[1] == dp_rank]
+
+
+def buffer_labels(
+    instance: Instance, table: RankTable, view: View, layer: int, buf: int, tag: int
+) -> np.ndarray:
+    """The label of every byte of one buffer (``[heads][tokens][bytes]`` or ``[tokens][heads]…``)."""
+    size = view.buffers_by_layer[layer][buf].size
+    b = np.arange(size, dtype=np.int64)
+    g = geo(instance, table, view)
+    roles = tuple(sorted(view.roles))
+    if g.replicated:
+        return _encode(tag, view.owner, roles, layer, buf, 0, 0, b, True)
+    tokens = instance.tokens_per_block
+    assert size % (g.heads * tokens) == 0, "oracle: registered bytes do not split"
+    cell = size // (g.heads * tokens)  # bytes of one (head, token)
+    if view.layout == "HND":
+        head, rest = np.divmod(b, tokens * cell)
+        token, byte = np.divmod(rest, cell)
+    else:
+        token, rest = np.divmod(b, g.heads * cell)
+        head, byte = np.divmod(rest, cell)
+    return _encode(tag, view.owner, roles, layer, buf, g.first_head + head, token, byte, False)
+
+
+def pool_memory(
+    instance: Instance,
+    rank: int,
+    pool_id: int,
+    tags: Mapping[int, int],
+    keep: Any = None,
+    default_tag: int = 0,
+) -> np.ndarray:
+    """Labels of a whole pool (``num_slots × stride`` bytes); slot ``s`` holds ``tags[s]``.
+
+    ``keep(view, layer)`` restricts which buffers are labelled (others stay ``-1``).
+    """
+    table = instance.ranks[rank]
+    assert table is not None
+    pool = table.pools[pool_id]
+    memory = np.full(pool.num_slots * pool.slot_stride_bytes, -1, dtype=np.int64)
+    for slot in range(pool.num_slots):
+        tag = tags.get(slot, default_tag)
+        if tag is None:
+            continue
+        base = slot * pool.slot_stride_bytes
+        for view in table.views:
+            if view.pool != pool_id:
+                continue
+            for layer, rows in view.buffers_by_layer.items():
+                if keep is not None and not keep(view, layer):
+                    continue
+                for buf, row in enumerate(rows):
+                    start = base + row.offset
+                    memory[start : start + row.size] = buffer_labels(
+                        instance, table, view, layer, buf, tag
+                    )
+    return memory
+
+
+def _expand_indices(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths
+    )
+    return np.repeat(offsets, lengths) + within
+
+
+def aligned_tags(ids_c: Sequence[int], ids_g: Sequence[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """Suffix alignment: the last ``min`` blocks of each list, tagged 1..n in order."""
+    n = min(len(ids_c), len(ids_g))
+    ctx = {slot: k + 1 for k, slot in enumerate(list(ids_c)[len(ids_c) - n :])}
+    gen = {slot: k + 1 for k, slot in enumerate(list(ids_g)[len(ids_g) - n :])}
+    return ctx, gen
+
+
+def check_transfer(
+    ctx: Instance,
+    gen: Instance,
+    blocks: tuple[Sequence[int], Sequence[int]] | Mapping[int, tuple[Sequence[int], Sequence[int]]],
+    context_dp_rank: int | None = None,
+    generation_dp_rank: int | None = None,
+    plan: Any = None,
+) -> SimpleNamespace:
+    """Compile (unless given), expand one request and check every receiver byte.
+
+    ``blocks``: ``(context_ids, generation_ids)`` of layer group 0, or a dict per layer group.
+    """
+    if plan is None:
+        plan = compile_plan(ctx, gen, context_dp_rank, generation_dp_rank)
+    if not isinstance(blocks, Mapping):
+        blocks = {0: blocks}
+    expansion = expand(plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()})
+    tags_by_group = {g: aligned_tags(c, r) for g, (c, r) in blocks.items()}
+    senders = active(ctx, context_dp_rank)
+    receivers = active(gen, generation_dp_rank)
+
+    held = set()
+    for rank in senders:
+        table = ctx.ranks[rank]
+        assert table is not None
+        for view in table.views:
+            for layer in view.layers:
+                held.add((view.owner, tuple(sorted(view.roles)), layer))
+
+    def needed(view: View, layer: int) -> bool:
+        return (view.owner, tuple(sorted(view.roles)), layer) in held
+
+    sender_memory: dict[tuple[int, int], np.ndarray] = {}
+    for rank, table in enumerate(ctx.ranks):
+        assert table is not None
+        for pool_id, pool in table.pools.items():
+            group_tags = tags_by_group.get(pool.layer_group, ({}, {}))[0]
+            tags = group_tags if rank in senders else {}
+            sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags)
+
+    expected: dict[tuple[int, int], np.ndarray] = {}
+    written: dict[tuple[int, int], np.ndarray] = {}
+    count: dict[tuple[int, int], np.ndarray] = {}
+    for rank, table in enumerate(gen.ranks):
+        assert table is not None
+        for pool_id, pool in table.pools.items():
+            group_tags = tags_by_group.get(pool.layer_group, ({}, {}))[1]
+            if rank in receivers:
+                want = pool_memory(gen, rank, pool_id, group_tags, keep=needed, default_tag=None)
+            else:
+                want = np.full(pool.num_slots * pool.slot_stride_bytes, -1, dtype=np.int64)
+            expected[(rank, pool_id)] = want
+            written[(rank, pool_id)] = np.full_like(want, -1)
+            count[(rank, pool_id)] = np.zeros(want.size, dtype=np.int64)
+
+    total_bytes = total_rows = 0
+    for route in expansion.routes:
+        s, r = route.route.sender_rank, route.route.receiver_rank
+        assert s in senders, f"route from inactive sender rank {s}"
+        assert r in receivers, f"route into inactive receiver rank {r}"
+        rows = route.fragment_rows()
+        total_rows += len(rows)
+        total_bytes += int(rows[:, 4].sum()) if len(rows) else 0
+        for src_pool, dst_pool in {(int(a), int(b)) for a, b in rows[:, [0, 2]]}:
+            sel = rows[(rows[:, 0] == src_pool) & (rows[:, 2] == dst_pool)]
+            assert (sel[:, 4] > 0).all()
+            src_idx = _expand_indices(sel[:, 1], sel[:, 4])
+            dst_idx = _expand_indices(sel[:, 3], sel[:, 4])
+            src_mem = sender_memory[(s, src_pool)]
+            assert src_idx.min() >= 0 and src_idx.max() < src_mem.size, "read outside the pool"
+            assert dst_idx.min() >= 0 and dst_idx.max() < written[(r, dst_pool)].size
+            written[(r, dst_pool)][dst_idx] = src_mem[src_idx]
+            np.add.at(count[(r, dst_pool)], dst_idx, 1)
+
+    needed_bytes = 0
+    for key, want in expected.items():
+        need = want >= 0
+        needed_bytes += int(need.sum())
+        got_count = count[key]
+        bad_extra = np.flatnonzero(~need & (got_count > 0))
+        assert bad_extra.size == 0, (
+            f"receiver rank {key[0]} pool {key[1]}: {bad_extra.size} bytes written that no "
+            f"needed view covers, first at {bad_extra[0]}"
+        )
+        twice = np.flatnonzero(need & (got_count != 1))
+        assert twice.size == 0, (
+            f"receiver rank {key[0]} pool {key[1]}: byte {twice[0]} written "
+            f"{got_count[twice[0]]} times (wants {decode(want[twice[0]])})"
+        )
+        wrong = np.flatnonzero(need & (written[key] != want))
+        assert wrong.size == 0, (
+            f"receiver rank {key[0]} pool {key[1]}: {wrong.size} wrong bytes; byte {wrong[0]} "
+            f"holds {decode(written[key][wrong[0]])}, wants {decode(want[wrong[0]])}"
+        )
+    assert total_bytes == needed_bytes == expansion.bytes
+    assert total_rows == expansion.fragments
+    return SimpleNamespace(plan=plan, expansion=expansion, bytes=needed_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# building pairs
+
+
+def build(role: str, views: Sequence[ViewSpec], name: str | None = None, **kwargs: Any) -> Instance:
+    kwargs.setdefault("num_slots", 8)
+    body = instance_body(role=role, views=views, **kwargs)
+    return parse_instance(body, name or role[:3])
+
+
+def load_balance_violations(plan: Any, ctx: Instance) -> list[str]:
+    """Per sender shard: no holder serves more than ``ceil(receivers / holders)`` slices."""
+    active_senders = sorted({r for (side, r, _), _ in plan.pools.items() if side == "context"})
+    served: dict[tuple[Any, ...], dict[int, int]] = {}
+    for route in plan.routes:
+        for piece in route.slices:
+            stage, _tp, cp_rank = coords(ctx, route.sender_rank)
+            table = ctx.ranks[route.sender_rank]
+            assert table is not None
+            view = table.views[piece["sender_view"]]
+            g = geo(ctx, table, view)
+            shard = 0 if g.replicated else piece["global_heads"][0] // g.heads
+            key = (stage, cp_rank, piece["owner"], tuple(piece["roles"]), tuple(piece["layers"]), shard)
+            served.setdefault(key, {}).setdefault(route.sender_rank, 0)
+            served[key][route.sender_rank] += 1
+    problems = []
+    for key, per_holder in served.items():
+        stage, cp_rank, owner, roles, _layers, shard = key
+        holders = []
+        for rank in active_senders:
+            if coords(ctx, rank)[0] != stage or coords(ctx, rank)[2] != cp_rank:
+                continue
+            table = ctx.ranks[rank]
+            assert table is not None
+            for view in table.views:
+                if view.owner == owner and tuple(sorted(view.roles)) == roles:
+                    g = geo(ctx, table, view)
+                    if g.replicated or g.first_head // g.heads == shard:
+                        holders.append(rank)
+        assert set(per_holder) <= set(holders), (key, per_holder, holders)
+        limit = math.ceil(sum(per_holder.values()) / len(holders))
+        if max(per_holder.values()) > limit:
+            problems.append(f"{key}: {per_holder} over {len(holders)} holders (limit {limit})")
+    return problems
+
+
+@pytest.fixture(scope="session")
+def oracle() -> SimpleNamespace:
+    """The oracle's helpers (tests/geometry has no package, so they travel as a fixture)."""
+    return SimpleNamespace(
+        build=build,
+        check_transfer=check_transfer,
+        load_balance_violations=load_balance_violations,
+        decode=decode,
+        geo=geo,
+        coords=coords,
+        active=active,
+        pool_memory=pool_memory,
+        aligned_tags=aligned_tags,
+        ViewSpec=ViewSpec,
+    )
