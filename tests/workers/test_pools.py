@@ -1,0 +1,81 @@
+"""Pools: allocation, attaching engine tensors, and the (rank, pool, byte) test pattern."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workers.pools import (
+    PoolError,
+    PoolSpec,
+    allocate_pools,
+    attach_pools,
+    expected_bytes,
+    fill_pattern,
+    pattern_tensor,
+)
+
+
+def test_allocate_gives_zeroed_pools_with_distinct_addresses():
+    pools = allocate_pools(
+        [PoolSpec(0, 100, 128, 5), {"id": 3, "slot_bytes": 64, "num_slots": 2, "layer_group": 1}]
+    )
+    assert pools[0].tensor.numel() == 4 * 128 + 100  # last slot is not padded
+    assert pools[3].spec.slot_stride_bytes == 64 and pools[3].spec.layer_group == 1
+    assert pools[0].base_address != pools[3].base_address
+    assert not pools[0].tensor.any()
+    assert pools[0].slot(2).data_ptr() == pools[0].base_address + 256
+
+
+def test_spec_and_duplicate_ids_are_refused():
+    with pytest.raises(PoolError, match="slot_stride_bytes 8 < slot_bytes 16"):
+        PoolSpec(0, 16, 8, 1)
+    with pytest.raises(PoolError, match="duplicate pool ids"):
+        allocate_pools([PoolSpec(1, 8, 8, 1), PoolSpec(1, 8, 8, 1)])
+
+
+def test_attach_shares_engine_memory_of_any_dtype():
+    engine = torch.zeros(4, 64, dtype=torch.bfloat16)  # 512 bytes
+    pools = attach_pools([PoolSpec(0, 128, 128, 4)], {0: engine})
+    assert pools[0].base_address == engine.data_ptr()
+    fill_pattern(2, pools[0])
+    assert torch.equal(engine.view(torch.uint8).reshape(-1), pattern_tensor(2, 0, 512))
+
+
+def test_attach_refuses_unfit_tensors():
+    spec = PoolSpec(0, 128, 128, 4)
+    with pytest.raises(PoolError, match="holds 511 bytes, spec needs 512"):
+        attach_pools([spec], {0: torch.zeros(511, dtype=torch.uint8)})
+    with pytest.raises(PoolError, match="not contiguous"):
+        attach_pools([spec], {0: torch.zeros(64, 16, dtype=torch.uint8).t()})
+    with pytest.raises(PoolError, match="no tensor given"):
+        attach_pools([spec], {})
+    with pytest.raises(PoolError, match="expected cuda"):
+        attach_pools([spec], {0: torch.zeros(512, dtype=torch.uint8)}, device="cuda")
+
+
+def test_pattern_is_deterministic_and_distinguishes_rank_pool_and_offset():
+    n = (1 << 16) * 3 + 1234  # crosses pages and has a tail
+    a = pattern_tensor(1, 2, n)
+    offsets = torch.arange(n)
+    assert torch.equal(a, expected_bytes(1, 2, offsets))
+    assert torch.equal(a, pattern_tensor(1, 2, n))
+    for other in (pattern_tensor(0, 2, n), pattern_tensor(1, 3, n)):
+        assert (a != other).all()
+    # Bytes one, 256, 2^16 and 2^24 apart differ: misplaced copies cannot hide.
+    big = torch.arange(0, 1 << 25, 4099)
+    for delta in (1, 256, 1 << 16, 1 << 24):
+        assert (expected_bytes(0, 0, big) != expected_bytes(0, 0, big + delta)).all()
+
+
+def test_worker_modules_import_without_the_control_plane():
+    code = (
+        "import sys; import workers.pools, workers.executors, workers.testing, "
+        "workers.transport.local, workers.transport.nixl; "
+        "bad = [m for m in ('sqlalchemy', 'fastapi', 'alembic') if m in sys.modules]; "
+        "assert not bad, bad; assert 'nixl' not in sys.modules, 'nixl imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
