@@ -1,0 +1,106 @@
+"""Expansion of a plan over one request's block lists: errors, and context parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from api.geometry import GeometryError, compile_plan, expand, parse_instance
+from api.geometry.builders import ViewSpec, instance_body
+
+ONE_HEAD = [ViewSpec("target", 1, 2, 4)]  # TP1: K and V of 32 bytes, slot 64 bytes
+
+
+def instance(role: str, **kw: Any):
+    kw.setdefault("tokens_per_block", 2)
+    kw.setdefault("num_slots", 4)
+    return parse_instance(instance_body(role=role, views=ONE_HEAD, **kw), role[:3])
+
+
+def plan_for(ctx_kw: dict[str, Any] | None = None, gen_kw: dict[str, Any] | None = None):
+    return compile_plan(instance("context", **(ctx_kw or {})), instance("generation", **(gen_kw or {})))
+
+
+def by_route(expansion) -> dict[tuple[int, int], list[list[int]]]:
+    return {
+        (r.route.sender_rank, r.route.receiver_rank): r.fragment_rows().tolist()
+        for r in expansion.routes
+    }
+
+
+@pytest.mark.parametrize(
+    ("blocks", "side"), [(([0, 4], [0, 1]), "context"), (([0, 1], [3, 4]), "generation")]
+)
+def test_block_id_beyond_the_pool_is_refused(blocks, side: str) -> None:
+    plan = plan_for({"tp": 2}, {"tp": 2})
+    with pytest.raises(GeometryError) as error:
+        expand(plan, {0: blocks})
+    problem = error.value.problems[0]
+    assert (problem.code, problem.loc) == ("block_out_of_range", ("blocks", "0", side))
+    assert "block id 4" in problem.message and "4 slots" in problem.message
+
+
+def test_block_ids_before_the_aligned_suffix_are_not_checked_or_moved() -> None:
+    # id 99 is cached on the generation side: it is dropped by suffix alignment
+    expansion = expand(plan_for(), {0: ([1], [99, 2])})
+    assert by_route(expansion) == {(0, 0): [[0, 64, 0, 128, 64]]}
+
+
+def test_unknown_layer_group_is_refused() -> None:
+    with pytest.raises(GeometryError) as error:
+        expand(plan_for(), {0: ([0], [0]), 1: ([0], [0])})
+    problem = error.value.problems[0]
+    assert (problem.code, problem.loc) == ("invalid_blocks", ("blocks", "1"))
+
+
+@pytest.mark.parametrize("ids", [[-1], [[0, 1]]])
+def test_malformed_block_lists_are_refused(ids) -> None:
+    with pytest.raises(GeometryError) as error:
+        expand(plan_for(), {0: (ids, [0])})
+    assert error.value.code == "invalid_blocks"
+    assert error.value.problems[0].loc == ("blocks", "0", "context")
+
+
+def test_context_parallel_sender_routes_alternate_blocks() -> None:
+    plan = plan_for({"cp": 2})
+    assert [(r.sender_rank, r.cp_modulus, r.cp_remainder) for r in plan.routes] == [
+        (0, 2, 0), (1, 2, 1)
+    ]
+    assert all(not p.equal_split_safe for p in plan.receivers)
+    rows = by_route(expand(plan, {0: ([0, 1, 2], [3, 2, 1])}))
+    # block j of the context lives on cp_rank j % 2
+    assert rows == {
+        (0, 0): [[0, 0, 0, 192, 64], [0, 128, 0, 64, 64]],
+        (1, 0): [[0, 64, 0, 128, 64]],
+    }
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: expand checks block_out_of_range once per (side, rank, pool) using only the "
+    "first route's CP-filtered ids, so an out-of-range id on another CP position is emitted",
+)
+@pytest.mark.parametrize(
+    ("ctx_kw", "gen_kw", "blocks"),
+    [({}, {"cp": 2}, ([0, 100], [1, 2])), ({"cp": 2}, {}, ([0, 1], [1, 100]))],
+    ids=["generation-cp-context-id", "context-cp-generation-id"],
+)
+def test_block_out_of_range_is_detected_under_context_parallelism(ctx_kw, gen_kw, blocks) -> None:
+    plan = plan_for(ctx_kw, gen_kw)
+    with pytest.raises(GeometryError) as error:
+        expand(plan, {0: blocks})  # today: a fragment at offset 6400 of a 256-byte pool
+    assert error.value.code == "block_out_of_range"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: the CP filter selects aligned positions (k % cp) instead of logical blocks; "
+    "with a cached prefix of odd length, block j is read from cp_rank (j - prefix) % cp",
+)
+def test_context_parallel_filter_uses_logical_block_index_under_prefix_caching() -> None:
+    plan = plan_for({"cp": 2})
+    # context: logical blocks 0..3 in slots 0..3; generation cached block 0, gets 1..3
+    rows = by_route(expand(plan, {0: ([0, 1, 2, 3], [1, 2, 3])}))
+    sent = {rank: sorted(row[1] // 64 for row in got) for (rank, _), got in rows.items()}
+    assert sent == {0: [2], 1: [1, 3]}  # logical block j on cp_rank j % 2
