@@ -1,8 +1,8 @@
 """Transfers: plan one request's KV transfer from a pairing's cached plan and its block lists.
 
 ``Idempotency-Key``: the same key with the same body returns the stored transfer; the same key
-with another body is a 409. ``execute=true`` (job queue) is answered 501 until workers land; the
-``transfers`` row is where a later ``jobs`` table will point.
+with another body is a 409. ``execute=true`` enqueues the transfer's jobs in the same transaction
+(see :mod:`api.services.jobs`); workers then claim and run them.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import uuid
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased, contains_eager
 
 from api import schemas
 from api.db import utcnow
-from api.errors import BadRequest, Conflict, NotFound, NotImplementedYet
+from api.errors import BadRequest, Conflict, NotFound
 from api.geometry import GeometryError, expand
 from api.models import InstanceRow, PairingRow, TransferRow
+from api.services.jobs import enqueue_transfer
 from api.services.pairings import load_plan, plan_for_pairing
 
 
@@ -50,23 +51,25 @@ def _replay(row: TransferRow, digest: str, key: str) -> TransferRow:
 
 
 def _find_pairing(session: Session, context: str, generation: str) -> PairingRow:
-    ctx = session.scalars(select(InstanceRow).where(InstanceRow.name == context)).one_or_none()
-    gen = session.scalars(select(InstanceRow).where(InstanceRow.name == generation)).one_or_none()
-    for name, row in ((context, ctx), (generation, gen)):
-        if row is None:
-            raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
-    assert ctx is not None and gen is not None
+    # One round trip on the hot path: the pairing with both instances (for the epoch check).
+    ctx, gen = aliased(InstanceRow), aliased(InstanceRow)
     pairing = session.scalars(
-        select(PairingRow).where(
-            PairingRow.context_id == ctx.id, PairingRow.generation_id == gen.id
-        )
+        select(PairingRow)
+        .join(ctx, PairingRow.context_id == ctx.id)
+        .join(gen, PairingRow.generation_id == gen.id)
+        .where(ctx.name == context, gen.name == generation)
+        .options(contains_eager(PairingRow.context.of_type(ctx)))
+        .options(contains_eager(PairingRow.generation.of_type(gen)))
     ).one_or_none()
-    if pairing is None:
-        raise NotFound(
-            f"no pairing of {context!r} with {generation!r}; POST /v1/pairings first",
-            code="pairing_not_found",
-        )
-    return pairing
+    if pairing is not None:
+        return pairing
+    for name in (context, generation):
+        if session.scalar(select(InstanceRow.id).where(InstanceRow.name == name)) is None:
+            raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
+    raise NotFound(
+        f"no pairing of {context!r} with {generation!r}; POST /v1/pairings first",
+        code="pairing_not_found",
+    )
 
 
 def create_transfer(
@@ -76,12 +79,6 @@ def create_transfer(
     idempotency_key: str | None = None,
 ) -> tuple[TransferRow, bool]:
     """Plan a transfer and store it; returns ``(row, created)`` (``created`` false on replay)."""
-    if body.execute:
-        raise NotImplementedYet(
-            "execute=true needs the job queue, which is not available yet; plan with "
-            "execute=false and move the fragments yourself",
-            code="not_implemented",
-        )
     digest = request_hash(body)
     if idempotency_key is not None:
         existing = _by_key(session, idempotency_key)
@@ -127,20 +124,26 @@ def create_transfer(
         request_hash=digest,
         created_at=now,
         updated_at=now,
+        mode=body.mode,
+        verify=body.verify,
+        attempt=0,
+        max_attempts=3,
     )
     if idempotency_key is None:
         session.add(row)
         session.flush()
-        return row, True
-    try:
-        with session.begin_nested():
-            session.add(row)
-    except IntegrityError:
-        # A concurrent request with the same key won the insert.
-        existing = _by_key(session, idempotency_key)
-        if existing is None:
-            raise
-        return _replay(existing, digest, idempotency_key), False
+    else:
+        try:
+            with session.begin_nested():
+                session.add(row)
+        except IntegrityError:
+            # A concurrent request with the same key won the insert.
+            existing = _by_key(session, idempotency_key)
+            if existing is None:
+                raise
+            return _replay(existing, digest, idempotency_key), False
+    if body.execute:
+        enqueue_transfer(session=session, transfer=row, plan=plan, now=now)
     return row, True
 
 
@@ -181,4 +184,15 @@ def transfer_read(row: TransferRow) -> schemas.TransferRead:
         fragments=row.fragments,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        mode=row.mode,  # type: ignore[arg-type]
+        verify=row.verify,
+        attempt=row.attempt,
+        error=row.error,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        duration_s=(
+            (row.finished_at - row.started_at).total_seconds()
+            if row.finished_at is not None and row.started_at is not None
+            else None
+        ),
     )

@@ -1,0 +1,194 @@
+"""HTTP benchmark of the control plane: req/s and p50/p99 per operation, SQLite and PostgreSQL.
+
+A real uvicorn server runs in a thread of this process; an httpx client drives it over loopback
+(one connection per client thread). Operations, each on a fresh migrated database:
+
+- ``GET /healthz`` (no database: the ceiling of this stack),
+- register a TP8 context instance, 8 ranks × 2 views (target + draft), new name each time,
+- re-validate a TP8 → TP2 pairing (``POST /v1/pairings/{id}/validate``),
+- ``POST /v1/transfers`` with 256 blocks (plan cached after the first request).
+
+Usage: ``.venv/bin/python bench/api.py [--requests N] [--concurrency C] [--postgres URL]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import httpx
+import uvicorn
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from api.app import create_app  # noqa: E402
+from api.demo import instance_body  # noqa: E402
+from api.migrate import upgrade  # noqa: E402
+from api.settings import Settings  # noqa: E402
+
+BLOCKS = 256
+DEFAULT_POSTGRES = os.environ.get(
+    "KVPLANE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def serve(database_url: str) -> Iterator[str]:
+    """Run the app under uvicorn in a thread; yield its base URL."""
+    port = _free_port()
+    app = create_app(Settings(database_url=database_url))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextmanager
+def sqlite_database() -> Iterator[str]:
+    with TemporaryDirectory() as tmp:
+        url = f"sqlite:///{Path(tmp) / 'bench.db'}"
+        upgrade(url)
+        yield url
+
+
+@contextmanager
+def postgres_database(admin_url: str) -> Iterator[str]:
+    name = f"kvplane_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def measure(
+    base: str, requests: int, concurrency: int, call: Callable[[httpx.Client, int], httpx.Response]
+) -> tuple[float, float, float]:
+    """``(req/s, p50 ms, p99 ms)`` of ``requests`` calls spread over ``concurrency`` clients."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    per_client = max(1, requests // concurrency)
+
+    def worker(client_index: int) -> None:
+        with httpx.Client(base_url=base, timeout=30) as client:
+            local = []
+            for i in range(per_client):
+                start = time.perf_counter()
+                response = call(client, client_index * per_client + i)
+                local.append(time.perf_counter() - start)
+                if response.status_code >= 300:
+                    raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
+            with lock:
+                latencies.extend(local)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(worker, range(concurrency)))
+    elapsed = time.perf_counter() - started
+    quantiles = statistics.quantiles(latencies, n=100)
+    return len(latencies) / elapsed, quantiles[49] * 1000, quantiles[98] * 1000
+
+
+def bench_database(label: str, url: str, requests: int, concurrency: int) -> list[list[str]]:
+    rows: list[list[str]] = []
+    context = instance_body(role="context", tp=8, draft_heads=2, num_slots=4096)
+    generation = instance_body(role="generation", tp=2, draft_heads=2, num_slots=4096)
+    with serve(url) as base, httpx.Client(base_url=base, timeout=30) as setup:
+        setup.put("/v1/instances/ctx", json=context).raise_for_status()
+        setup.put("/v1/instances/gen", json=generation).raise_for_status()
+        pairing = setup.post("/v1/pairings", json={"context": "ctx", "generation": "gen"})
+        pairing.raise_for_status()
+        pairing_id = pairing.json()["id"]
+        transfer = {
+            "context": "ctx",
+            "generation": "gen",
+            "blocks": {"0": {"context": list(range(BLOCKS)), "generation": list(range(BLOCKS))}},
+        }
+        cases: list[tuple[str, Callable[[httpx.Client, int], httpx.Response]]] = [
+            ("GET /healthz (ceiling)", lambda c, i: c.get("/healthz")),
+            (
+                "PUT instance TP8, 8 ranks x 2 views",
+                lambda c, i: c.put(f"/v1/instances/bench-{i}", json=context),
+            ),
+            (
+                "POST pairing validate (TP8->TP2)",
+                lambda c, i: c.post(f"/v1/pairings/{pairing_id}/validate"),
+            ),
+            (
+                f"POST /v1/transfers ({BLOCKS} blocks)",
+                lambda c, i: c.post("/v1/transfers", json={**transfer, "request_id": f"r{i}"}),
+            ),
+        ]
+        ceiling = None
+        for name, call in cases:
+            measure(base, max(10, requests // 10), 1, call if "PUT" not in name else
+                    (lambda c, i, call=call: call(c, i + 10**6)))  # warm-up
+            rate, p50, p99 = measure(base, requests, concurrency, call)
+            ceiling = ceiling or rate
+            rows.append(
+                [label, name, f"{rate:,.0f}", f"{p50:.2f}", f"{p99:.2f}", f"{rate / ceiling:.0%}"]
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--postgres", default=DEFAULT_POSTGRES, help="admin URL; '' to skip")
+    args = parser.parse_args()
+
+    rows: list[list[str]] = []
+    with sqlite_database() as url:
+        rows += bench_database("SQLite", url, args.requests, args.concurrency)
+    if args.postgres:
+        try:
+            with postgres_database(args.postgres) as url:
+                rows += bench_database("PostgreSQL", url, args.requests, args.concurrency)
+        except Exception as error:  # no server: report, keep the SQLite numbers
+            print(f"PostgreSQL skipped: {error.__class__.__name__}: {error}", file=sys.stderr)
+
+    header = ["database", "operation", "req/s", "p50 ms", "p99 ms", "vs /healthz"]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    print(f"requests={args.requests} concurrency={args.concurrency}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+
+
+if __name__ == "__main__":
+    main()
