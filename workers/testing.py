@@ -8,14 +8,15 @@ elements, in HND (head-major) or NHD (token-major) order.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from workers.executors import Blocks, Route, Run, Segment, as_route, staging_layout
-from workers.pools import Pool, PoolSpec
+from workers.pools import Pool, PoolSpec, allocate_pools, fill_pattern
 
 if TYPE_CHECKING:
     import torch
@@ -127,3 +128,80 @@ def reference_staging(
     out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     assert out.numel() == staging_layout(route, src_blocks).nbytes
     return out
+
+
+# --- NIXL loopback peers (multiprocessing ``spawn`` targets for tests) -----------------------
+# Metadata goes parent → child in the arguments and child → parent on a queue; in production it
+# travels through the control plane instead.
+
+LOOPBACK_TIMEOUT_S = 60.0
+TIMEOUT_S = LOOPBACK_TIMEOUT_S
+
+
+def _pools(rank: int, specs: list[dict[str, Any]]):
+    pools = allocate_pools([PoolSpec(**s) for s in specs])
+    for p in pools.values():
+        fill_pattern(rank, p)
+    return pools
+
+
+def loopback_receiver(cfg: dict[str, Any], out: Any) -> None:
+    """Register, publish, receive every writer, then check every byte of every pool."""
+    import torch
+
+    from workers.transport.nixl import NixlTransport
+
+    try:
+        pools = _pools(cfg["rank"], cfg["specs"])
+        with NixlTransport(cfg["agent"], pools, staging_bytes=cfg["staging_bytes"]) as tr:
+            out.put(("info", tr.peer_info().to_json()))
+            for w in cfg["writers"]:
+                if w["mode"] == "staged":
+                    tr.receive_staged(
+                        w["agent"], w["route"], w["dst_blocks"], offset=w["offset"],
+                        tag=w["tag"].encode(), chunk_blocks=w["chunk_blocks"], timeout_s=TIMEOUT_S,
+                    )  # fmt: skip
+                else:
+                    tr.wait_notif(w["agent"], [w["tag"].encode()], TIMEOUT_S)
+            expected = _pools(cfg["rank"], cfg["specs"])
+            for w in cfg["writers"]:
+                src = _pools(w["rank"], w["specs"])
+                reference_copy(Route.from_dict(w["route"]), src, expected, w["src_blocks"],
+                               w["dst_blocks"])  # fmt: skip
+            bad = sum(
+                int(torch.count_nonzero(pools[pid].tensor != expected[pid].tensor)) for pid in pools
+            )
+            changed = sum(
+                int(
+                    torch.count_nonzero(
+                        pools[pid].tensor != _pools(cfg["rank"], cfg["specs"])[pid].tensor
+                    )
+                )
+                for pid in pools
+            )
+            out.put(("result", {"mismatched": bad, "changed": changed}))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+def loopback_sender(cfg: dict[str, Any], out: Any) -> None:
+    """Fill with this rank's pattern and write the route (staged or per fragment)."""
+    from workers.transport.nixl import NixlTransport
+
+    try:
+        pools = _pools(cfg["rank"], cfg["specs"])
+        with NixlTransport(cfg["agent"], pools, staging_bytes=cfg["staging_bytes"]) as tr:
+            peer = tr.add_peer(cfg["peer"])
+            if cfg["mode"] == "staged":
+                n = tr.write_staged(
+                    peer, cfg["route"], cfg["src_blocks"], dst_offset=cfg["offset"],
+                    tag=cfg["tag"].encode(), chunk_blocks=cfg["chunk_blocks"], timeout_s=TIMEOUT_S,
+                )  # fmt: skip
+            else:
+                n = tr.write_fragments(
+                    peer, cfg["route"], cfg["src_blocks"], cfg["dst_blocks"],
+                    tag=cfg["tag"].encode(), timeout_s=TIMEOUT_S,
+                )  # fmt: skip
+            out.put(("result", {"bytes": n}))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))

@@ -1,0 +1,192 @@
+"""NIXL (UCX) transfers between real processes on loopback, every receiver byte checked."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from workers.executors import Route, staging_layout  # noqa: E402
+from workers.pools import allocate_pools, fill_pattern  # noqa: E402
+from workers.testing import (  # noqa: E402
+    HeadSlice,
+    loopback_receiver,
+    loopback_sender,
+    reference_copy,
+)
+from workers.transport import TransferTimeout, TransportError  # noqa: E402
+from workers.transport.nixl import NixlTransport, PeerInfo  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+
+
+def _route_dict(route: Route) -> dict:
+    return {
+        "sender_rank": route.sender_rank,
+        "receiver_rank": route.receiver_rank,
+        "segments": [
+            {"src_pool": s.src_pool, "dst_pool": s.dst_pool, "layer_group": s.layer_group,
+             "runs": [asdict(r) for r in s.runs]}
+            for s in route.segments
+        ],
+    }  # fmt: skip
+
+
+def _get(q, what: str, procs, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kind, payload = q.get(timeout=0.5)
+            break
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                pytest.fail(f"a peer process died (exit codes {dead}) before sending {what}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout}s")
+    if kind == "error":
+        pytest.fail(f"{what} process failed:\n{payload}")
+    return payload
+
+
+def _run(receiver_cfg: dict, sender_cfgs: list[dict]) -> tuple[dict, list[dict]]:
+    ctx = mp.get_context("spawn")
+    rq, sq = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=loopback_receiver, args=(receiver_cfg, rq))]
+    procs[0].start()
+    try:
+        info = _get(rq, "receiver metadata", procs)
+        for cfg in sender_cfgs:
+            p = ctx.Process(target=loopback_sender, args=({**cfg, "peer": info}, sq))
+            p.start()
+            procs.append(p)
+        sent = [_get(sq, "sender result", procs) for _ in sender_cfgs]
+        got = _get(rq, "receiver result", procs)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        return got, sent
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+def _tp4_to_tp2(layout: str):
+    """Context TP4 (2 heads/rank) → generation TP2 (4 heads/rank); ranks 0, 1 fill receiver 0."""
+    slices = [HeadSlice(layout, 4, 8, 16, 2, 2, 4, 0, 2 * w, 2) for w in range(2)]
+    return slices, slices[0].sender_spec(40, pad=64), slices[0].receiver_spec(48, pad=32)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("layout", "chunk_blocks"), [("HND", None), ("NHD", 4), ("HND", 3)])
+def test_staged_two_writers_into_exact_offsets(layout, chunk_blocks):
+    slices, sspec, dspec = _tp4_to_tp2(layout)
+    rng = np.random.default_rng(3)
+    n = 11
+    writers, senders, offset = [], [], 0
+    for w, hs in enumerate(slices):
+        route = _route_dict(hs.route())
+        bs = rng.permutation(40)[:n].tolist() if w else list(range(7, 7 + n))
+        bd = [int(x) for x in rng.permutation(48)[:n]] if w else list(range(30, 30 + n))
+        size = staging_layout(hs.route(), bs).nbytes
+        common = {"route": route, "src_blocks": bs, "dst_blocks": bd, "offset": offset,
+                  "tag": f"t1/w{w}", "chunk_blocks": chunk_blocks, "mode": "staged"}  # fmt: skip
+        writers.append({**common, "agent": f"ctx-r{w}", "rank": w, "specs": [asdict(sspec)]})
+        senders.append({**common, "agent": f"ctx-r{w}", "rank": w, "specs": [asdict(sspec)],
+                        "staging_bytes": size})  # fmt: skip
+        offset += size
+    receiver = {"agent": "gen-r0", "rank": 5, "specs": [asdict(dspec)], "staging_bytes": offset,
+                "writers": writers}  # fmt: skip
+    got, sent = _run(receiver, senders)
+    assert [s["bytes"] for s in sent] == [offset // 2, offset // 2]
+    assert got["mismatched"] == 0
+    assert got["changed"] > 0  # the oracle compared against moved bytes, not an idle pool
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_per_fragment_writes_straight_into_pools(layout):
+    slices, sspec, dspec = _tp4_to_tp2(layout)
+    hs = slices[1]
+    bs, bd = [3, 4, 5, 6, 20, 1], [47, 0, 9, 10, 11, 2]
+    cfg = {"route": _route_dict(hs.route()), "src_blocks": bs, "dst_blocks": bd, "offset": 0,
+           "tag": "frag", "chunk_blocks": None, "mode": "fragments", "agent": "ctx-r1", "rank": 1,
+           "specs": [asdict(sspec)]}  # fmt: skip
+    receiver = {"agent": "gen-r0", "rank": 5, "specs": [asdict(dspec)], "staging_bytes": 1,
+                "writers": [cfg]}  # fmt: skip
+    got, sent = _run(receiver, [{**cfg, "staging_bytes": 1}])
+    assert sent[0]["bytes"] == len(bs) * hs.route().segments[0].bytes_per_block
+    assert got["mismatched"] == 0 and got["changed"] > 0
+
+
+# --- in-process: peers, timeouts and refusals ------------------------------------------------
+
+
+@pytest.fixture
+def pair():
+    hs = HeadSlice("HND", 2, 4, 8, 2, 2, 4, 0, 2, 2)
+    src = allocate_pools([hs.sender_spec(8)])
+    dst = allocate_pools([hs.receiver_spec(8)])
+    fill_pattern(0, src[0])
+    fill_pattern(1, dst[0])
+    size = staging_layout(hs.route(), [0, 1, 2]).nbytes
+    made = []
+
+    def make(name, pools, staging):
+        t = NixlTransport(name, pools, staging_bytes=staging)
+        made.append(t)
+        return t
+
+    yield hs, src, dst, size, make
+    for t in made:
+        t.close()
+
+
+@pytest.mark.timeout(60)
+def test_restarted_peer_is_replaced_and_old_agent_dropped(pair):
+    hs, src, dst, size, make = pair
+    sender = make("s", src, size)
+    first = make("r", dst, size)
+    sender.add_peer(PeerInfo.from_json(first.peer_info().to_json()))
+    first.close()
+    # The receiver restarts: new pools, same agent name, new metadata via the control plane.
+    dst2 = allocate_pools([hs.receiver_spec(8)])
+    fill_pattern(1, dst2[0])
+    second = make("r", dst2, size)
+    sender.add_peer(second.peer_info().to_json())
+    assert sender.peers == ("r",)
+    sender.write_staged("r", hs.route(), [0, 1, 2], dst_offset=0, tag=b"x", timeout_s=10)
+    second.receive_staged("s", hs.route(), [5, 6, 7], offset=0, tag=b"x", timeout_s=10)
+    want = allocate_pools([hs.receiver_spec(8)])
+    fill_pattern(1, want[0])
+    reference_copy(hs.route(), src, want, [0, 1, 2], [5, 6, 7])
+    assert torch.equal(dst2[0].tensor, want[0].tensor)
+
+    sender.remove_peer("r")
+    with pytest.raises(TransportError, match="unknown peer 'r'"):
+        sender.write_staged("r", hs.route(), [0], dst_offset=0, tag=b"y")
+
+
+@pytest.mark.timeout(60)
+def test_waits_time_out_and_oversized_writes_are_refused(pair):
+    hs, src, dst, size, make = pair
+    sender = make("s2", src, size)
+    receiver = make("r2", dst, size)
+    sender.add_peer(receiver.peer_info())
+    with pytest.raises(TransferTimeout, match="no notification"):
+        receiver.receive_staged("s2", hs.route(), [1, 2, 3], offset=0, tag=b"never",
+                                timeout_s=0.3)  # fmt: skip
+    with pytest.raises(TransportError, match="exceeds 'r2'"):
+        sender.write_staged("r2", hs.route(), [0, 1, 2], dst_offset=1, tag=b"z")
+    with pytest.raises(TransportError, match="local staging holds"):
+        sender.write_staged("r2", hs.route(), [0, 1, 2, 3], dst_offset=0, tag=b"z")
+    with pytest.raises(ValueError, match="destination block id 8"):
+        sender.write_fragments("r2", hs.route(), [0], [8], tag=b"z")
