@@ -153,7 +153,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "Unknown route."),
     "method_not_allowed": (405, "The route does not accept this method."),
     "precondition_failed": (412, "`If-Match` does not equal the instance's `generation`."),
-    "wrong_role": (409, "A pairing's context must have role context, its generation role generation."),
+    "wrong_role": (
+        409,
+        "A pairing's context must have role context, its generation role generation.",
+    ),
     "pairing_stale": (409, "An instance re-registered since validation; POST .../validate."),
     "pairing_incompatible": (409, "The pairing's last validation found errors."),
     "incompatible": (409, "The planning core refused to compile a plan."),

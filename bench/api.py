@@ -154,8 +154,12 @@ def bench_database(label: str, url: str, requests: int, concurrency: int) -> lis
         ]
         ceiling = None
         for name, call in cases:
-            measure(base, max(10, requests // 10), 1, call if "PUT" not in name else
-                    (lambda c, i, call=call: call(c, i + 10**6)))  # warm-up
+            measure(
+                base,
+                max(10, requests // 10),
+                1,
+                call if "PUT" not in name else (lambda c, i, call=call: call(c, i + 10**6)),
+            )  # warm-up
             rate, p50, p99 = measure(base, requests, concurrency, call)
             ceiling = ceiling or rate
             rows.append(

@@ -8,14 +8,17 @@ from sqlalchemy import text
 
 from api import schemas
 from api.errors import Unavailable, problem_responses
-from api.migrate import current_revisions, head_revisions
+from api.migrate import current_revisions
 from api.routers.deps import DbDep, MetricsDep
 
 router = APIRouter(tags=["health"])
 
 
 @router.get(
-    "/healthz", operation_id="healthz", response_model=schemas.Health, response_model_exclude_none=True
+    "/healthz",
+    operation_id="healthz",
+    response_model=schemas.Health,
+    response_model_exclude_none=True,
 )
 def healthz() -> schemas.Health:
     """Liveness: the process answers."""

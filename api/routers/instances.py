@@ -42,7 +42,7 @@ def register_instance(
     metrics: MetricsDep,
     if_match: IfMatch = None,
 ) -> schemas.InstanceRead:
-    """Register or replace an instance (identical body: no change; changed: new generation/epoch)."""
+    """Register or replace an instance (identical body: no change; else new generation/epoch)."""
     with db.write() as session:
         row, created, changed = service.register_instance(
             session=session, name=name, body=body, if_match=if_match

@@ -35,7 +35,7 @@ def new_epoch() -> str:
 
 
 def geometry_problem(error: GeometryError, prefix: Sequence[str | int] = ("body",)) -> BadRequest:
-    """A 422 ``invalid_geometry`` problem listing every planning-core problem with its field path."""
+    """A 422 ``invalid_geometry`` problem listing every planning-core problem by field path."""
     errors = [
         {"loc": [*prefix, *problem.loc], "msg": problem.message, "code": problem.code}
         for problem in error.problems

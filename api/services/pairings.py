@@ -48,12 +48,13 @@ def _memo_put(key: PlanKey, value: tuple[int, Plan]) -> None:
 
 
 def mark_stale_for_instance(*, session: Session, instance_id: int) -> int:
-    """Mark every pairing (and cached plan) using ``instance_id`` stale; returns pairings touched."""
+    """Mark every pairing (and cached plan) using ``instance_id`` stale; returns the count."""
     uses = or_(PairingRow.context_id == instance_id, PairingRow.generation_id == instance_id)
     result = session.execute(
-        update(PairingRow).where(uses).values(status="stale").execution_options(
-            synchronize_session=False
-        )
+        update(PairingRow)
+        .where(uses)
+        .values(status="stale")
+        .execution_options(synchronize_session=False)
     )
     ids = select(PairingRow.id).where(uses).scalar_subquery()
     session.execute(

@@ -77,9 +77,7 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_pairings")),
-        sa.UniqueConstraint(
-            "context_id", "generation_id", name=op.f("uq_pairings_context_id")
-        ),
+        sa.UniqueConstraint("context_id", "generation_id", name=op.f("uq_pairings_context_id")),
     )
     op.create_index(op.f("ix_pairings_context_id"), "pairings", ["context_id"])
     op.create_index(op.f("ix_pairings_generation_id"), "pairings", ["generation_id"])

@@ -104,9 +104,7 @@ def test_plan_matches_the_contract_and_is_cached(client: TestClient) -> None:
 def test_plan_dp_rank_out_of_range_is_422(client: TestClient) -> None:
     _register_pair(client)
     pairing = _pair(client)
-    response = client.get(
-        f"/v1/pairings/{pairing['id']}/plan", params={"context_dp_rank": "x"}
-    )
+    response = client.get(f"/v1/pairings/{pairing['id']}/plan", params={"context_dp_rank": "x"})
     assert response.status_code == 422
     assert response.json()["errors"][0]["loc"] == ["query", "context_dp_rank"]
 

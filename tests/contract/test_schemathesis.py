@@ -32,13 +32,10 @@ CHECKS = [
 ]
 
 
-
 def _operation_labels() -> list[str]:
     # The spec does not depend on the database: an unmigrated in-memory app is enough to list it.
     spec = create_app(Settings(database_url="sqlite://")).openapi()
-    return [
-        f"{method.upper()} {path}" for path, item in spec["paths"].items() for method in item
-    ]
+    return [f"{method.upper()} {path}" for path, item in spec["paths"].items() for method in item]
 
 
 @pytest.fixture
