@@ -147,16 +147,13 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_geometry": (422, "The registration breaks a page-table rule; see `errors[].loc`."),
     "payload_too_large": (413, "The body exceeds `KVPLANE_MAX_BODY_BYTES`."),
     "instance_not_found": (404, "No instance with that name."),
-    "rank_out_of_range": (422, "The rank is not below the instance's world size."),
     "pairing_not_found": (404, "No pairing with that id (or for that context/generation)."),
     "transfer_not_found": (404, "No transfer with that id."),
     "not_found": (404, "Unknown route."),
     "method_not_allowed": (405, "The route does not accept this method."),
     "precondition_failed": (412, "`If-Match` does not equal the instance's `generation`."),
-    "wrong_role": (
-        409,
-        "A pairing's context must have role context, its generation role generation.",
-    ),
+    "wrong_role": (409, "Context/generation swapped (422 for inline compatibility bodies)."),
+    "conflict": (409, "A concurrent request changed the same resource; retry."),
     "pairing_stale": (409, "An instance re-registered since validation; POST .../validate."),
     "pairing_incompatible": (409, "The pairing's last validation found errors."),
     "incompatible": (409, "The planning core refused to compile a plan."),
@@ -167,6 +164,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "plan_gone": (409, "The transfer's plan was deleted with its pairing."),
     "not_implemented": (501, "`execute=true` is not available yet."),
     "database_busy": (503, "The database is locked or unreachable; honour `Retry-After`."),
+    "not_ready": (503, "`/readyz`: the database is unreachable or not migrated to head."),
     "internal_error": (500, "A bug: please report it."),
 }
 
