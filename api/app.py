@@ -10,12 +10,12 @@ from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
 
 from api import __version__
-from api.db import Database
+from api.db import Database, utcnow
 from api.errors import Conflict, install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.metrics import Metrics, TimingMiddleware
 from api.migrate import head_revisions, upgrade
-from api.routers import health, instances, pairings, transfers
+from api.routers import dashboard, execution, health, instances, pairings, transfers
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,8 @@ OPENAPI_TAGS = [
     {"name": "pairings", "description": "Validated (context, generation) pairs and their plans"},
     {"name": "compatibility", "description": "Compile-only checks of two inline instance bodies"},
     {"name": "transfers", "description": "Planned KV transfers of single requests"},
+    {"name": "workers", "description": "Worker processes attached to ranks (NIXL endpoints)"},
+    {"name": "jobs", "description": "Transfer jobs: claim with a lease, complete or fail"},
     {"name": "health", "description": "Liveness, readiness and Prometheus metrics"},
 ]
 
@@ -68,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.metrics = metrics
+    app.state.clock = utcnow
     app.state.migration_heads = head_revisions()
 
     install_error_handlers(app)
@@ -78,7 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.warning("integrity error on %s: %s", request.url.path, exc.orig)
         handler = app.exception_handlers[Conflict.__mro__[1]]
         return await handler(
-            request, Conflict("a concurrent request changed the same resource; retry", code="conflict")
+            request,
+            Conflict("a concurrent request changed the same resource; retry", code="conflict"),
         )
 
     app.include_router(health.router)
@@ -86,6 +90,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(pairings.router)
     app.include_router(pairings.compatibility_router)
     app.include_router(transfers.router)
+    app.include_router(execution.workers_router)
+    app.include_router(execution.jobs_router)
+    dashboard.install(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(TimingMiddleware, metrics=metrics)
     return app

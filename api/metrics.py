@@ -37,6 +37,32 @@ class Metrics:
             ["method", "route", "status"],
             registry=self.registry,
         )
+        self.worker_heartbeats = Counter(
+            "kvplane_worker_heartbeats_total",
+            "Worker registrations and heartbeats",
+            registry=self.registry,
+        )
+        self.jobs_claimed = Counter(
+            "kvplane_jobs_claimed_total", "Jobs leased by workers", registry=self.registry
+        )
+        self.job_results = Counter(
+            "kvplane_job_results_total",
+            "Jobs reported by workers, by outcome",
+            ["state"],
+            registry=self.registry,
+        )
+        self.moved_bytes = Counter(
+            "kvplane_moved_bytes_total",
+            "Bytes workers reported moved, by job kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.transfer_duration = Histogram(
+            "kvplane_transfer_duration_seconds",
+            "Executed transfers: creation to done",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
         self.registry.register(_PairingCollector(pairing_counts))
 
 

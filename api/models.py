@@ -16,6 +16,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     ForeignKey,
+    Index,
     Integer,
     String,
     UniqueConstraint,
@@ -147,5 +148,80 @@ class TransferRow(Base):
     fragments: Mapped[int] = mapped_column(BigInteger)
     idempotency_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
     request_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Execution (migration 0002): transport mode, checksum verification, attempts and outcome.
+    mode: Mapped[str] = mapped_column(String(16), default="staged")
+    verify: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    error: Mapped[str | None] = mapped_column(String(2000), nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class WorkerRow(Base):
+    """A worker process serving one rank: its device, transport and NIXL endpoint.
+
+    ``peer`` is what other workers need to reach it (agent name, base64 agent metadata, pool base
+    addresses, staging buffer); it travels through the control plane, never a side channel.
+    ``epoch`` is the instance epoch the worker attached to: after a re-registration the worker
+    must attach again before it may claim.
+    """
+
+    __tablename__ = "workers"
+    __table_args__ = (Index("ix_workers_instance_rank", "instance_id", "rank"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    instance_id: Mapped[int] = mapped_column(
+        ForeignKey("instances.id", ondelete="CASCADE"), index=True
+    )
+    rank: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    device: Mapped[str] = mapped_column(String(32))
+    transport: Mapped[str] = mapped_column(String(16))
+    agent: Mapped[str] = mapped_column(String(256))
+    peer: Mapped[dict[str, Any]] = mapped_column(JSON)
+    host: Mapped[str] = mapped_column(String(256), default="")
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    stopped: Mapped[bool] = mapped_column(Boolean, default=False)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+    instance: Mapped[InstanceRow] = relationship()
+
+
+class JobRow(Base):
+    """One unit of execution of a transfer, run by a worker of ``(instance, rank)``.
+
+    ``queued → leased → done | failed``. ``lease_token`` is a fencing token: a worker whose lease
+    expired (and whose job went back to the queue) gets 409 on ``complete``. ``attempt`` is the
+    transfer attempt the job belongs to; a retry re-queues every job of the transfer.
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_claim", "instance_id", "rank", "state", "not_before"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    transfer_id: Mapped[str] = mapped_column(
+        ForeignKey("transfers.id", ondelete="CASCADE"), index=True
+    )
+    kind: Mapped[str] = mapped_column(String(16))
+    instance_id: Mapped[int] = mapped_column(ForeignKey("instances.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[str] = mapped_column(String(EPOCH_LENGTH))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    claims: Mapped[int] = mapped_column(Integer, default=0)
+    lease_token: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    worker_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    not_before: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    staging_offset: Mapped[int] = mapped_column(BigInteger, default=0)
+    staging_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(String(2000), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

@@ -31,6 +31,7 @@ Role = Literal["context", "generation"]
 InstanceStatus = Literal["incomplete", "ready"]
 PairingStatus = Literal["compatible", "incompatible", "stale"]
 TransferStatus = Literal["planned", "queued", "running", "done", "failed"]
+TransferMode = Literal["staged", "fragments"]
 
 
 class _Request(BaseModel):
@@ -317,6 +318,14 @@ class TransferCreate(_Request):
     generation_dp_rank: int | None = Field(default=None, ge=0, lt=MAX_PARALLEL)
     blocks: dict[LayerGroupKey, BlockLists] = Field(min_length=1, max_length=1024)
     execute: bool = False
+    mode: TransferMode = Field(
+        default="staged",
+        description="staged: gather, one NIXL WRITE per chunk into the receiver's staging "
+        "area, scatter there; fragments: one NIXL descriptor per fragment, pool to pool",
+    )
+    verify: bool = Field(
+        default=False, description="Compare sender and receiver crc32 of every route's bytes"
+    )
 
 
 class RouteSummary(_Response):
@@ -347,6 +356,13 @@ class TransferRead(_Response):
     fragments: int
     created_at: datetime
     updated_at: datetime
+    mode: TransferMode = "staged"
+    verify: bool = False
+    attempt: int = Field(default=0, description="Execution attempt (0 until enqueued)")
+    error: str | None = Field(default=None, description="Why the transfer (or an attempt) failed")
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    duration_s: float | None = Field(default=None, description="First claim to done/failed")
 
 
 class RouteFragments(_Response):

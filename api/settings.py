@@ -26,3 +26,5 @@ class Settings(BaseSettings):
     migrate_on_startup: bool = False
     #: Register a small demo fleet (through the services) at startup if it is not there yet.
     demo_fleet: bool = False
+    #: How long a worker's job lease lasts without a heartbeat before the job is retried.
+    lease_ttl_s: float = 30.0

@@ -71,13 +71,17 @@ def test_idempotency_key(client: TestClient) -> None:
     assert fresh.json()["id"] != first.json()["id"]
 
 
-def test_execute_is_501_and_stores_nothing(client: TestClient) -> None:
+def test_execute_without_workers_is_503_and_stores_nothing(client: TestClient) -> None:
     _setup(client)
     response = client.post("/v1/transfers", json=_transfer(execute=True))
-    assert response.status_code == 501
-    assert response.json()["code"] == "not_implemented"
+    assert response.status_code == 503
+    assert response.headers["Retry-After"]
+    problem = response.json()
+    assert problem["code"] == "workers_unavailable"
+    assert "context rank 0" in problem["detail"]
     metrics = client.get("/metrics").text
     assert "kvplane_transfers_total 0.0" in metrics
+    assert client.get("/v1/jobs").json() == []
 
 
 def test_unknown_pairing_and_instances(client: TestClient) -> None:

@@ -1,0 +1,195 @@
+"""``/v1/workers`` and ``/v1/jobs``: worker registration, heartbeats, claiming and reporting jobs."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request, Response, status
+
+from api import schemas_exec as wire
+from api.errors import problem_responses
+from api.routers.deps import DbDep, MetricsDep
+from api.services import jobs as service
+
+workers_router = APIRouter(prefix="/v1/workers", tags=["workers"])
+jobs_router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+WorkerId = Annotated[str, Path(min_length=1, max_length=64, description="Worker id")]
+JobId = Annotated[str, Path(min_length=1, max_length=64, description="Job id")]
+CLAIM_POLL_S = 0.05
+
+
+def now_of(request: Request) -> datetime:
+    """The app's clock (injectable in tests)."""
+    clock: service.Clock = request.app.state.clock
+    return clock()
+
+
+def lease_ttl_of(request: Request) -> float:
+    return float(request.app.state.settings.lease_ttl_s)
+
+
+@workers_router.post(
+    "",
+    operation_id="register_worker",
+    response_model=wire.WorkerAttached,
+    status_code=status.HTTP_201_CREATED,
+    responses=problem_responses(404, 409, 413, 422, 503),
+)
+def register_worker(
+    body: wire.WorkerCreate, request: Request, db: DbDep, metrics: MetricsDep
+) -> wire.WorkerAttached:
+    """Attach a worker process to one rank: its pools' addresses and its NIXL endpoint."""
+    now = now_of(request)
+    with db.write() as session:
+        row = service.register_worker(session=session, body=body, now=now)
+        read = service.worker_read(session, row, now)
+    metrics.worker_heartbeats.inc()
+    return wire.WorkerAttached(
+        **read.model_dump(),
+        heartbeat_interval_s=service.HEARTBEAT_INTERVAL_S,
+        lease_ttl_s=lease_ttl_of(request),
+    )
+
+
+@workers_router.get(
+    "",
+    operation_id="list_workers",
+    response_model=wire.WorkerList,
+    responses=problem_responses(422, 503),
+)
+def list_workers(
+    request: Request,
+    db: DbDep,
+    instance: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 500,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> wire.WorkerList:
+    """Workers with their status (alive, gone, stopped, stale) and current lease."""
+    now = now_of(request)
+    with db.read() as session:
+        rows = service.list_workers(session=session, instance=instance, limit=limit, offset=offset)
+        return wire.WorkerList(items=[service.worker_read(session, row, now) for row in rows])
+
+
+@workers_router.post(
+    "/{worker_id}/heartbeat",
+    operation_id="worker_heartbeat",
+    response_model=wire.WorkerRead,
+    responses=problem_responses(404, 409, 422, 503),
+)
+def worker_heartbeat(
+    worker_id: WorkerId, request: Request, db: DbDep, metrics: MetricsDep
+) -> wire.WorkerRead:
+    """A worker is alive: record it and extend the leases it holds."""
+    now = now_of(request)
+    with db.write() as session:
+        row = service.heartbeat(
+            session=session, worker_id=worker_id, now=now, lease_ttl_s=lease_ttl_of(request)
+        )
+        read = service.worker_read(session, row, now)
+    metrics.worker_heartbeats.inc()
+    return read
+
+
+@workers_router.delete(
+    "/{worker_id}",
+    operation_id="stop_worker",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses=problem_responses(404, 422, 503),
+)
+def stop_worker(worker_id: WorkerId, db: DbDep) -> Response:
+    """A worker shutting down cleanly (its leased jobs are retried when their leases expire)."""
+    with db.write() as session:
+        service.stop_worker(session=session, worker_id=worker_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@jobs_router.post(
+    "/claim",
+    operation_id="claim_job",
+    response_model=wire.JobLease,
+    responses={
+        204: {"description": "No job within wait_s"},
+        **problem_responses(404, 409, 422, 503),
+    },
+)
+def claim_job(
+    body: wire.JobClaim, request: Request, db: DbDep, metrics: MetricsDep
+) -> wire.JobLease | Response:
+    """Lease the next runnable job of the worker's rank, waiting up to ``wait_s`` for one."""
+    deadline = time.monotonic() + body.wait_s
+    while True:
+        now = now_of(request)
+        with db.write() as session:
+            job = service.claim_job(
+                session=session,
+                worker_id=body.worker_id,
+                now=now,
+                lease_ttl_s=lease_ttl_of(request),
+            )
+            lease = None if job is None else service.job_lease(session, job)
+        if lease is not None:
+            metrics.jobs_claimed.inc()
+            return lease
+        if time.monotonic() >= deadline:
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+        time.sleep(min(CLAIM_POLL_S * 4, max(0.0, deadline - time.monotonic())))
+
+
+@jobs_router.post(
+    "/{job_id}/complete",
+    operation_id="complete_job",
+    response_model=wire.JobRead,
+    responses=problem_responses(404, 409, 422, 503),
+)
+def complete_job(
+    job_id: JobId, body: wire.JobComplete, request: Request, db: DbDep, metrics: MetricsDep
+) -> wire.JobRead:
+    """Report a job done with its bytes, duration and checksums (409 if the lease was lost)."""
+    with db.write() as session:
+        row = service.complete_job(session=session, job_id=job_id, body=body, now=now_of(request))
+        read = service.job_read(session, row)
+    metrics.job_results.labels(state="done").inc()
+    metrics.moved_bytes.labels(kind=read.kind).inc(body.bytes)
+    return read
+
+
+@jobs_router.post(
+    "/{job_id}/fail",
+    operation_id="fail_job",
+    response_model=wire.JobRead,
+    responses=problem_responses(404, 409, 422, 503),
+)
+def fail_job(
+    job_id: JobId, body: wire.JobFail, request: Request, db: DbDep, metrics: MetricsDep
+) -> wire.JobRead:
+    """Report a job failed with a reason; the transfer is retried (bounded) or failed."""
+    with db.write() as session:
+        row = service.fail_job(session=session, job_id=job_id, body=body, now=now_of(request))
+        read = service.job_read(session, row)
+    metrics.job_results.labels(state="failed").inc()
+    return read
+
+
+@jobs_router.get(
+    "",
+    operation_id="list_jobs",
+    response_model=list[wire.JobRead],
+    responses=problem_responses(422, 503),
+)
+def list_jobs(
+    db: DbDep,
+    transfer_id: Annotated[str | None, Query(max_length=64)] = None,
+    state: Annotated[wire.JobState | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> list[wire.JobRead]:
+    """Jobs, newest first, optionally of one transfer or in one state."""
+    with db.read() as session:
+        rows = service.list_jobs(
+            session=session, transfer_id=transfer_id, state=state, limit=limit, offset=offset
+        )
+        return [service.job_read(session, row) for row in rows]
