@@ -131,77 +131,87 @@ def reference_staging(
 
 
 # --- NIXL loopback peers (multiprocessing ``spawn`` targets for tests) -----------------------
-# Metadata goes parent → child in the arguments and child → parent on a queue; in production it
-# travels through the control plane instead.
+# Long-lived peer processes run one job (a dict) per command, so a test pays torch's import once.
+# Metadata goes receiver → parent → sender over queues; in production it travels through the
+# control plane instead.
 
 LOOPBACK_TIMEOUT_S = 60.0
-TIMEOUT_S = LOOPBACK_TIMEOUT_S
 
 
-def _pools(rank: int, specs: list[dict[str, Any]]):
+def _pools(rank: int, specs: list[dict[str, Any]]) -> dict[int, Pool]:
     pools = allocate_pools([PoolSpec(**s) for s in specs])
     for p in pools.values():
         fill_pattern(rank, p)
     return pools
 
 
-def loopback_receiver(cfg: dict[str, Any], out: Any) -> None:
-    """Register, publish, receive every writer, then check every byte of every pool."""
+def _receive_job(cfg: dict[str, Any], out: Any) -> dict[str, int]:
+    """Register, publish, receive every writer, then compare every byte with the oracle."""
     import torch
 
     from workers.transport.nixl import NixlTransport
 
-    try:
-        pools = _pools(cfg["rank"], cfg["specs"])
-        with NixlTransport(cfg["agent"], pools, staging_bytes=cfg["staging_bytes"]) as tr:
-            out.put(("info", tr.peer_info().to_json()))
-            for w in cfg["writers"]:
-                if w["mode"] == "staged":
-                    tr.receive_staged(
-                        w["agent"], w["route"], w["dst_blocks"], offset=w["offset"],
-                        tag=w["tag"].encode(), chunk_blocks=w["chunk_blocks"], timeout_s=TIMEOUT_S,
-                    )  # fmt: skip
-                else:
-                    tr.wait_notif(w["agent"], [w["tag"].encode()], TIMEOUT_S)
-            expected = _pools(cfg["rank"], cfg["specs"])
-            for w in cfg["writers"]:
-                src = _pools(w["rank"], w["specs"])
-                reference_copy(Route.from_dict(w["route"]), src, expected, w["src_blocks"],
-                               w["dst_blocks"])  # fmt: skip
-            bad = sum(
-                int(torch.count_nonzero(pools[pid].tensor != expected[pid].tensor)) for pid in pools
-            )
-            changed = sum(
-                int(
-                    torch.count_nonzero(
-                        pools[pid].tensor != _pools(cfg["rank"], cfg["specs"])[pid].tensor
-                    )
-                )
-                for pid in pools
-            )
-            out.put(("result", {"mismatched": bad, "changed": changed}))
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
+    pools = _pools(cfg["rank"], cfg["specs"])
+    with NixlTransport(cfg["agent"], pools, staging_bytes=cfg["staging_bytes"]) as tr:
+        out.put(("info", tr.peer_info().to_json()))
+        for w in cfg["writers"]:
+            if w["mode"] == "staged":
+                tr.receive_staged(
+                    w["agent"], w["route"], w["dst_blocks"], offset=w["offset"],
+                    tag=w["tag"].encode(), chunk_blocks=w["chunk_blocks"],
+                    timeout_s=LOOPBACK_TIMEOUT_S,
+                )  # fmt: skip
+            else:
+                tr.wait_notif(w["agent"], [w["tag"].encode()], LOOPBACK_TIMEOUT_S)
+    initial = _pools(cfg["rank"], cfg["specs"])
+    expected = _pools(cfg["rank"], cfg["specs"])
+    for w in cfg["writers"]:
+        src = _pools(w["rank"], w["specs"])
+        reference_copy(w["route"], src, expected, w["src_blocks"], w["dst_blocks"])
+    mismatched = changed = 0
+    for pid, pool in pools.items():
+        mismatched += int(torch.count_nonzero(pool.tensor != expected[pid].tensor))
+        changed += int(torch.count_nonzero(pool.tensor != initial[pid].tensor))
+    return {"mismatched": mismatched, "changed": changed}
 
 
-def loopback_sender(cfg: dict[str, Any], out: Any) -> None:
+def _send_job(cfg: dict[str, Any], out: Any) -> dict[str, int]:
     """Fill with this rank's pattern and write the route (staged or per fragment)."""
     from workers.transport.nixl import NixlTransport
 
-    try:
-        pools = _pools(cfg["rank"], cfg["specs"])
-        with NixlTransport(cfg["agent"], pools, staging_bytes=cfg["staging_bytes"]) as tr:
-            peer = tr.add_peer(cfg["peer"])
-            if cfg["mode"] == "staged":
-                n = tr.write_staged(
-                    peer, cfg["route"], cfg["src_blocks"], dst_offset=cfg["offset"],
-                    tag=cfg["tag"].encode(), chunk_blocks=cfg["chunk_blocks"], timeout_s=TIMEOUT_S,
-                )  # fmt: skip
-            else:
-                n = tr.write_fragments(
-                    peer, cfg["route"], cfg["src_blocks"], cfg["dst_blocks"],
-                    tag=cfg["tag"].encode(), timeout_s=TIMEOUT_S,
-                )  # fmt: skip
-            out.put(("result", {"bytes": n}))
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
+    pools = _pools(cfg["rank"], cfg["specs"])
+    with NixlTransport(cfg["agent"], pools, staging_bytes=cfg["staging_bytes"]) as tr:
+        peer = tr.add_peer(cfg["peer"])
+        if cfg["mode"] == "staged":
+            n = tr.write_staged(
+                peer, cfg["route"], cfg["src_blocks"], dst_offset=cfg["offset"],
+                tag=cfg["tag"].encode(), chunk_blocks=cfg["chunk_blocks"],
+                timeout_s=LOOPBACK_TIMEOUT_S,
+            )  # fmt: skip
+        else:
+            n = tr.write_fragments(
+                peer, cfg["route"], cfg["src_blocks"], cfg["dst_blocks"],
+                tag=cfg["tag"].encode(), timeout_s=LOOPBACK_TIMEOUT_S,
+            )  # fmt: skip
+    return {"bytes": n}
+
+
+def _serve(job: Any, cmds: Any, out: Any) -> None:
+    while True:
+        cfg = cmds.get()
+        if cfg is None:
+            return
+        try:
+            out.put(("result", job(cfg, out)))
+        except BaseException:
+            out.put(("error", traceback.format_exc()))
+
+
+def loopback_receiver(cmds: Any, out: Any) -> None:
+    """Process body: run receiver jobs from ``cmds`` until ``None``."""
+    _serve(_receive_job, cmds, out)
+
+
+def loopback_sender(cmds: Any, out: Any) -> None:
+    """Process body: run sender jobs (each carrying the peer's info) until ``None``."""
+    _serve(_send_job, cmds, out)

@@ -39,44 +39,59 @@ def _route_dict(route: Route) -> dict:
     }  # fmt: skip
 
 
-def _get(q, what: str, procs, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            kind, payload = q.get(timeout=0.5)
-            break
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                pytest.fail(f"a peer process died (exit codes {dead}) before sending {what}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {timeout}s")
-    if kind == "error":
-        pytest.fail(f"{what} process failed:\n{payload}")
-    return payload
+class Loopback:
+    """One receiver and two sender processes, alive for the module; a job per transfer."""
 
-
-def _run(receiver_cfg: dict, sender_cfgs: list[dict]) -> tuple[dict, list[dict]]:
-    ctx = mp.get_context("spawn")
-    rq, sq = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=loopback_receiver, args=(receiver_cfg, rq))]
-    procs[0].start()
-    try:
-        info = _get(rq, "receiver metadata", procs)
-        for cfg in sender_cfgs:
-            p = ctx.Process(target=loopback_sender, args=({**cfg, "peer": info}, sq))
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.cmds = [ctx.Queue() for _ in range(3)]
+        self.outs = [ctx.Queue() for _ in range(3)]
+        bodies = [loopback_receiver, loopback_sender, loopback_sender]
+        self.procs = [
+            ctx.Process(target=b, args=(c, o), daemon=True)
+            for b, c, o in zip(bodies, self.cmds, self.outs, strict=True)
+        ]
+        for p in self.procs:
             p.start()
-            procs.append(p)
-        sent = [_get(sq, "sender result", procs) for _ in sender_cfgs]
-        got = _get(rq, "receiver result", procs)
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-        return got, sent
-    finally:
-        for p in procs:
+
+    def get(self, i: int, what: str, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kind, payload = self.outs[i].get(timeout=0.5)
+                break
+            except queue.Empty:
+                dead = [p.exitcode for p in self.procs if p.exitcode is not None]
+                if dead:
+                    pytest.fail(f"a peer process exited (codes {dead}) before sending {what}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no {what} within {timeout}s")
+        if kind == "error":
+            pytest.fail(f"{what} failed in the peer process:\n{payload}")
+        return payload
+
+    def run(self, receiver_cfg: dict, sender_cfgs: list[dict]) -> tuple[dict, list[dict]]:
+        self.cmds[0].put(receiver_cfg)
+        info = self.get(0, "receiver metadata")
+        for i, cfg in enumerate(sender_cfgs, start=1):
+            self.cmds[i].put({**cfg, "peer": info})
+        sent = [self.get(i, "sender result") for i in range(1, len(sender_cfgs) + 1)]
+        return self.get(0, "receiver result"), sent
+
+    def close(self) -> None:
+        for c in self.cmds:
+            c.put(None)
+        for p in self.procs:
+            p.join(20)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    lb = Loopback()
+    yield lb
+    lb.close()
 
 
 def _tp4_to_tp2(layout: str):
@@ -87,7 +102,7 @@ def _tp4_to_tp2(layout: str):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("layout", "chunk_blocks"), [("HND", None), ("NHD", 4), ("HND", 3)])
-def test_staged_two_writers_into_exact_offsets(layout, chunk_blocks):
+def test_staged_two_writers_into_exact_offsets(loopback, layout, chunk_blocks):
     slices, sspec, dspec = _tp4_to_tp2(layout)
     rng = np.random.default_rng(3)
     n = 11
@@ -103,9 +118,9 @@ def test_staged_two_writers_into_exact_offsets(layout, chunk_blocks):
         senders.append({**common, "agent": f"ctx-r{w}", "rank": w, "specs": [asdict(sspec)],
                         "staging_bytes": size})  # fmt: skip
         offset += size
-    receiver = {"agent": "gen-r0", "rank": 5, "specs": [asdict(dspec)], "staging_bytes": offset,
-                "writers": writers}  # fmt: skip
-    got, sent = _run(receiver, senders)
+    receiver = {"agent": f"gen-r0-{layout}-{chunk_blocks}", "rank": 5,
+                "specs": [asdict(dspec)], "staging_bytes": offset, "writers": writers}  # fmt: skip
+    got, sent = loopback.run(receiver, senders)
     assert [s["bytes"] for s in sent] == [offset // 2, offset // 2]
     assert got["mismatched"] == 0
     assert got["changed"] > 0  # the oracle compared against moved bytes, not an idle pool
@@ -113,16 +128,17 @@ def test_staged_two_writers_into_exact_offsets(layout, chunk_blocks):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-def test_per_fragment_writes_straight_into_pools(layout):
+def test_per_fragment_writes_straight_into_pools(loopback, layout):
     slices, sspec, dspec = _tp4_to_tp2(layout)
     hs = slices[1]
     bs, bd = [3, 4, 5, 6, 20, 1], [47, 0, 9, 10, 11, 2]
     cfg = {"route": _route_dict(hs.route()), "src_blocks": bs, "dst_blocks": bd, "offset": 0,
            "tag": "frag", "chunk_blocks": None, "mode": "fragments", "agent": "ctx-r1", "rank": 1,
            "specs": [asdict(sspec)]}  # fmt: skip
-    receiver = {"agent": "gen-r0", "rank": 5, "specs": [asdict(dspec)], "staging_bytes": 1,
+    receiver = {"agent": f"gen-frag-{layout}", "rank": 5, "specs": [asdict(dspec)],
+                "staging_bytes": 1,
                 "writers": [cfg]}  # fmt: skip
-    got, sent = _run(receiver, [{**cfg, "staging_bytes": 1}])
+    got, sent = loopback.run(receiver, [{**cfg, "staging_bytes": 1}])
     assert sent[0]["bytes"] == len(bs) * hs.route().segments[0].bytes_per_block
     assert got["mismatched"] == 0 and got["changed"] > 0
 
