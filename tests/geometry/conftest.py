@@ -57,7 +57,7 @@ def _encode(
     byte: np.ndarray | int,
     replicated: bool,
 ) -> np.ndarray:
-    value = np.int64(tag)
+    value: Any = np.int64(tag)
     for part, bits in (
         (int(replicated), _REPL_BITS),
         (_OWNER_CODES[owner], _OWNER_BITS),
@@ -120,7 +120,10 @@ def geo(instance: Instance, table: RankTable, view: View) -> Geo:
     declared = view.num_kv_heads
     if declared is None:
         declared = table.kv_heads_per_rank or instance.kv_heads_per_rank
-    total = view.total_kv_heads or instance.total_kv_heads or declared * group
+    total = view.total_kv_heads or instance.total_kv_heads
+    if total is None:
+        assert declared is not None, "oracle: no head count at all"
+        total = declared * group
     shards = min(group, total)
     assert group % shards == 0 and total % shards == 0
     replicas = group // shards
@@ -138,7 +141,7 @@ def active(instance: Instance, dp_rank: int | None) -> list[int]:
 def buffer_labels(
     instance: Instance, table: RankTable, view: View, layer: int, buf: int, tag: int
 ) -> np.ndarray:
-    """The label of every byte of one buffer (``[heads][tokens][bytes]`` or ``[tokens][heads]…``)."""
+    """Label every byte of one buffer: HND ``[heads][tokens][…]``, NHD ``[tokens][heads][…]``."""
     size = view.buffers_by_layer[layer][buf].size
     b = np.arange(size, dtype=np.int64)
     g = geo(instance, table, view)
@@ -163,7 +166,7 @@ def pool_memory(
     pool_id: int,
     tags: Mapping[int, int],
     keep: Any = None,
-    default_tag: int = 0,
+    default_tag: int | None = 0,
 ) -> np.ndarray:
     """Labels of a whole pool (``num_slots × stride`` bytes); slot ``s`` holds ``tags[s]``.
 
@@ -199,12 +202,26 @@ def _expand_indices(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(offsets, lengths) + within
 
 
-def aligned_tags(ids_c: Sequence[int], ids_g: Sequence[int]) -> tuple[dict[int, int], dict[int, int]]:
+def aligned_tags(
+    ids_c: Sequence[int], ids_g: Sequence[int]
+) -> tuple[dict[int, int], dict[int, int]]:
     """Suffix alignment: the last ``min`` blocks of each list, tagged 1..n in order."""
     n = min(len(ids_c), len(ids_g))
     ctx = {slot: k + 1 for k, slot in enumerate(list(ids_c)[len(ids_c) - n :])}
     gen = {slot: k + 1 for k, slot in enumerate(list(ids_g)[len(ids_g) - n :])}
     return ctx, gen
+
+
+def _cp_share(instance: Instance, rank: int, tags: Mapping[int, int]) -> dict[int, int]:
+    """Under CP, block ``j`` (tag ``j + 1``) lives on ``cp_rank = j % cp`` only.
+
+    ``j`` is the aligned position: tests with CP use equal-length block lists, where it is also
+    the logical block index (see test_expand for the prefix-caching case).
+    """
+    if instance.cp == 1:
+        return dict(tags)
+    cp_rank = coords(instance, rank)[2]
+    return {slot: tag for slot, tag in tags.items() if (tag - 1) % instance.cp == cp_rank}
 
 
 def check_transfer(
@@ -244,7 +261,7 @@ def check_transfer(
         assert table is not None
         for pool_id, pool in table.pools.items():
             group_tags = tags_by_group.get(pool.layer_group, ({}, {}))[0]
-            tags = group_tags if rank in senders else {}
+            tags = _cp_share(ctx, rank, group_tags) if rank in senders else {}
             sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags)
 
     expected: dict[tuple[int, int], np.ndarray] = {}
@@ -253,7 +270,7 @@ def check_transfer(
     for rank, table in enumerate(gen.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = tags_by_group.get(pool.layer_group, ({}, {}))[1]
+            group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ({}, {}))[1])
             if rank in receivers:
                 want = pool_memory(gen, rank, pool_id, group_tags, keep=needed, default_tag=None)
             else:
@@ -328,7 +345,14 @@ def load_balance_violations(plan: Any, ctx: Instance) -> list[str]:
             view = table.views[piece["sender_view"]]
             g = geo(ctx, table, view)
             shard = 0 if g.replicated else piece["global_heads"][0] // g.heads
-            key = (stage, cp_rank, piece["owner"], tuple(piece["roles"]), tuple(piece["layers"]), shard)
+            key = (
+                stage,
+                cp_rank,
+                piece["owner"],
+                tuple(piece["roles"]),
+                tuple(piece["layers"]),
+                shard,
+            )
             served.setdefault(key, {}).setdefault(route.sender_rank, 0)
             served[key][route.sender_rank] += 1
     problems = []

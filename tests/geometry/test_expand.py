@@ -19,7 +19,9 @@ def instance(role: str, **kw: Any):
 
 
 def plan_for(ctx_kw: dict[str, Any] | None = None, gen_kw: dict[str, Any] | None = None):
-    return compile_plan(instance("context", **(ctx_kw or {})), instance("generation", **(gen_kw or {})))
+    return compile_plan(
+        instance("context", **(ctx_kw or {})), instance("generation", **(gen_kw or {}))
+    )
 
 
 def by_route(expansion) -> dict[tuple[int, int], list[list[int]]]:
@@ -65,7 +67,8 @@ def test_malformed_block_lists_are_refused(ids) -> None:
 def test_context_parallel_sender_routes_alternate_blocks() -> None:
     plan = plan_for({"cp": 2})
     assert [(r.sender_rank, r.cp_modulus, r.cp_remainder) for r in plan.routes] == [
-        (0, 2, 0), (1, 2, 1)
+        (0, 2, 0),
+        (1, 2, 1),
     ]
     assert all(not p.equal_split_safe for p in plan.receivers)
     rows = by_route(expand(plan, {0: ([0, 1, 2], [3, 2, 1])}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -11,8 +12,9 @@ from hypothesis import strategies as st
 from api.geometry import Plan, compile_plan, expand, parse_instance, validate_pairing
 from api.geometry.builders import ViewSpec, instance_body
 
+# KVPLANE_GEOMETRY_EXAMPLES raises the example count for a soak run (1200 took ~3.5 min).
 PROPERTY = settings(
-    max_examples=80,
+    max_examples=int(os.environ.get("KVPLANE_GEOMETRY_EXAMPLES", "80")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -29,8 +31,15 @@ def _spec(owner: str, layers: int, heads: int, head_dim: int, kind: str, dtype: 
 
 @st.composite
 def splits(draw: st.DrawFn, layers: int, pp: int) -> list[int]:
-    cuts = sorted(draw(st.lists(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1,
-                                unique=True))) if pp > 1 else []
+    cuts = (
+        sorted(
+            draw(
+                st.lists(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True)
+            )
+        )
+        if pp > 1
+        else []
+    )
     edges = [0, *cuts, layers]
     return [b - a for a, b in zip(edges, edges[1:], strict=False)]
 
@@ -90,6 +99,7 @@ def _instance(role: str, views: list[ViewSpec], opts: dict[str, Any], sc: dict[s
     body = instance_body(
         role=role,
         views=views,
+        cp=opts.get("cp", 1),
         tp=opts["tp"],
         pp=opts["pp"],
         pp_split=opts["pp_split"],
@@ -118,8 +128,9 @@ def test_every_receiver_byte_written_once_with_its_label(sc: dict[str, Any], ora
     report = validate_pairing(ctx, gen)
     assert report.compatible, report.to_dict()
     warned = {w.code for w in report.warnings}
-    assert ("missing_peer_view" in warned) == (sc["gen_views"] != sc["ctx_views"]
-                                              and len(sc["gen_views"]) == 2)
+    assert ("missing_peer_view" in warned) == (
+        sc["gen_views"] != sc["ctx_views"] and len(sc["gen_views"]) == 2
+    )
     oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
 
 
@@ -128,7 +139,8 @@ def test_every_receiver_byte_written_once_with_its_label(sc: dict[str, Any], ora
 def test_plan_is_deterministic_balanced_and_round_trips(sc: dict[str, Any], oracle) -> None:
     ctx, gen = _pair(sc)
     plan = compile_plan(ctx, gen, sc["ctx_dp"], sc["gen_dp"])
-    again = compile_plan(*_pair(sc), sc["ctx_dp"], sc["gen_dp"])
+    ctx2, gen2 = _pair(sc)
+    again = compile_plan(ctx2, gen2, sc["ctx_dp"], sc["gen_dp"])
     data = plan.to_dict()
     assert json.dumps(data, sort_keys=True) == json.dumps(again.to_dict(), sort_keys=True)
     assert oracle.load_balance_violations(plan, ctx) == []
@@ -145,9 +157,7 @@ def test_template_size_is_independent_of_blocks(sc: dict[str, Any], n: int, orac
     plan = compile_plan(ctx, gen, sc["ctx_dp"], sc["gen_dp"])
     runs_before = plan.runs
     per_block_bytes = sum(r.bytes_per_block for r in plan.routes)
-    per_block_frags = sum(
-        s.fragments_per_block for r in plan.routes for s in r.segments
-    )
+    per_block_frags = sum(s.fragments_per_block for r in plan.routes for s in r.segments)
     ids = list(range(n))
     expansion = expand(plan, {0: (ids, ids[::-1])})
     assert plan.runs == runs_before
@@ -162,3 +172,25 @@ def test_template_size_is_independent_of_blocks(sc: dict[str, Any], n: int, orac
     for route in plan.routes:
         for segment in route.segments:
             assert (segment.runs[:, 2] > 0).all() and (segment.runs[:, 3] >= 1).all()
+
+
+@st.composite
+def cp_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Context parallelism on one side (never both); equal-length block lists."""
+    sc = draw(scenarios())
+    where = draw(st.sampled_from(["ctx", "gen"]))
+    sc[where] = dict(sc[where], cp=draw(st.integers(2, 3)))
+    n = draw(st.integers(1, 5))
+    sc["blocks"] = (list(range(n)), list(range(n))[::-1])
+    return sc
+
+
+@PROPERTY
+@given(sc=cp_scenarios())
+def test_context_parallel_side_moves_each_block_from_its_cp_rank(
+    sc: dict[str, Any], oracle
+) -> None:
+    ctx, gen = _pair(sc)
+    assert validate_pairing(ctx, gen).compatible
+    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    assert oracle.load_balance_violations(result.plan, ctx) == []

@@ -1,4 +1,4 @@
-"""Registration rules: ``parse_instance`` / ``parse_rank`` refuse bad page tables, naming the field."""
+"""Registration rules: ``parse_instance`` / ``parse_rank`` refuse bad page tables by field."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ from api.geometry.builders import ViewSpec, instance_body
 def body(tp: int = 2, views=None, **kw: Any) -> dict[str, Any]:
     kw.setdefault("tokens_per_block", 2)
     kw.setdefault("num_slots", 4)
-    return instance_body(
-        role="context", views=views or [ViewSpec("target", 2, 8, 4)], tp=tp, **kw
-    )
+    return instance_body(role="context", views=views or [ViewSpec("target", 2, 8, 4)], tp=tp, **kw)
 
 
 def refused(raw: dict[str, Any]) -> list[tuple[tuple[Any, ...], str, str]]:

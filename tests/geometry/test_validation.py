@@ -51,12 +51,16 @@ def test_missing_peer_view_for_target_layers_is_an_error() -> None:
     assert detail["layers"] == [2, 3]
     assert detail["generation_ranks"] == [1]
     assert (detail["owner"], detail["roles"], detail["view"]) == (
-        "target", ["key", "value"], "target[key,value]@pool0"
+        "target",
+        ["key", "value"],
+        "target[key,value]@pool0",
     )
     assert only(report.warnings, "layer_count_mismatch")["only_generation"] == [2, 3]
     with pytest.raises(GeometryError) as refused:
-        compile_plan(parse_instance(body("context", [spec(layers=2)]), "ctx"),
-                     parse_instance(body("generation", [spec(layers=4)], pp=2), "gen"))
+        compile_plan(
+            parse_instance(body("context", [spec(layers=2)]), "ctx"),
+            parse_instance(body("generation", [spec(layers=4)], pp=2), "gen"),
+        )
     assert refused.value.code == "incompatible"
     assert refused.value.problems[0].message.startswith("missing_peer_view")
 
@@ -159,7 +163,9 @@ def test_head_geometry_mismatch_bytes_per_head() -> None:
 
 
 def test_head_geometry_mismatch_shard_counts_not_divisible() -> None:
-    report = validate(body("context", [spec(heads=6)], tp=3), body("generation", [spec(heads=6)], tp=2))
+    report = validate(
+        body("context", [spec(heads=6)], tp=3), body("generation", [spec(heads=6)], tp=2)
+    )
     detail = only(report.errors, "head_geometry_mismatch")
     assert (detail["field"], detail["local"], detail["peer"]) == ("shards", 2, 3)
 
@@ -200,7 +206,9 @@ def test_instance_not_ready() -> None:
     report = validate(ctx, body("generation"))
     detail = only(report.errors, "instance_not_ready")
     assert (detail["instance"], detail["missing_ranks"], detail["missing_count"]) == (
-        "ctx", [1, 3], 2
+        "ctx",
+        [1, 3],
+        2,
     )
 
 
@@ -208,7 +216,9 @@ def test_role_mismatch() -> None:
     report = validate(body("generation"), body("generation"))
     detail = only(report.errors, "role_mismatch")
     assert (detail["field"], detail["expected"], detail["actual"]) == (
-        "role", "context", "generation"
+        "role",
+        "context",
+        "generation",
     )
 
 
@@ -257,7 +267,9 @@ def test_all_errors_are_collected() -> None:
     report = validate(ctx, body("generation", model="m2"))
     assert sorted(report.codes()) == ["dtype_mismatch", "head_dim_mismatch", "model_mismatch"]
     with pytest.raises(GeometryError) as refused:
-        compile_plan(parse_instance(ctx, "ctx"), parse_instance(body("generation", model="m2"), "gen"))
+        compile_plan(
+            parse_instance(ctx, "ctx"), parse_instance(body("generation", model="m2"), "gen")
+        )
     assert len(refused.value.problems) == 3
 
 
