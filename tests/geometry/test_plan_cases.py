@@ -488,3 +488,24 @@ def test_plan_does_not_depend_on_the_order_ranks_reported() -> None:
     gen_body["ranks"] = gen_body["ranks"][1::2] + gen_body["ranks"][::2]
     again = compile_plan(parse_instance(ctx_body, "ctx"), parse_instance(gen_body, "gen"))
     assert again.to_dict() == plan.to_dict()
+
+
+def test_interleaved_pipeline_stages_fill_alternate_layers(oracle) -> None:
+    # virtual pipeline: context stage 0 holds layers 0 and 2, stage 1 holds 1 and 3
+    ctx_body = body("context", [spec(layers=4, heads=4)], tp=4, pp=2)
+    relabel = {0: 0, 1: 2, 2: 1, 3: 3}
+    for rank in ctx_body["ranks"]:
+        for row in rank["views"][0]["buffers"]:
+            row["layer"] = relabel[row["layer"]]
+    ctx = parse_instance(ctx_body, "ctx")
+    gen = parse_instance(body("generation", [spec(layers=4, heads=4)], tp=2), "gen")
+    plan = compile_plan(ctx, gen)
+    # context rank 4 (stage 1, heads 0..1) writes layers 1 and 3 of generation rank 0:
+    # generation buffers are 32 bytes (2 heads), layer 1 K at 64, layer 3 K at 192
+    assert runs(route(plan, 4, 0)) == [
+        [0, 64, 16, 1, 0, 0],
+        [16, 96, 16, 1, 0, 0],
+        [32, 192, 16, 1, 0, 0],
+        [48, 224, 16, 1, 0, 0],
+    ]
+    oracle.check_transfer(ctx, gen, BLOCKS)
