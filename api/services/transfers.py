@@ -11,7 +11,7 @@ import hashlib
 import json
 import uuid
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, contains_eager
 
@@ -50,16 +50,23 @@ def _replay(row: TransferRow, digest: str, key: str) -> TransferRow:
     return row
 
 
+# Built once: aliasing per call costs more than the query itself on the hot path.
+_CTX = aliased(InstanceRow, name="ctx")
+_GEN = aliased(InstanceRow, name="gen")
+_PAIRING_BY_NAMES = (
+    select(PairingRow)
+    .join(_CTX, PairingRow.context_id == _CTX.id)
+    .join(_GEN, PairingRow.generation_id == _GEN.id)
+    .where(_CTX.name == bindparam("context"), _GEN.name == bindparam("generation"))
+    .options(contains_eager(PairingRow.context.of_type(_CTX)))
+    .options(contains_eager(PairingRow.generation.of_type(_GEN)))
+)
+
+
 def _find_pairing(session: Session, context: str, generation: str) -> PairingRow:
     # One round trip on the hot path: the pairing with both instances (for the epoch check).
-    ctx, gen = aliased(InstanceRow), aliased(InstanceRow)
     pairing = session.scalars(
-        select(PairingRow)
-        .join(ctx, PairingRow.context_id == ctx.id)
-        .join(gen, PairingRow.generation_id == gen.id)
-        .where(ctx.name == context, gen.name == generation)
-        .options(contains_eager(PairingRow.context.of_type(ctx)))
-        .options(contains_eager(PairingRow.generation.of_type(gen)))
+        _PAIRING_BY_NAMES, {"context": context, "generation": generation}
     ).one_or_none()
     if pairing is not None:
         return pairing
