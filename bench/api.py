@@ -1,7 +1,8 @@
 """HTTP benchmark of the control plane: req/s and p50/p99 per operation, SQLite and PostgreSQL.
 
-A real uvicorn server runs in a thread of this process; an httpx client drives it over loopback
-(one connection per client thread). Operations, each on a fresh migrated database:
+A real uvicorn server runs in a child process (or, with ``--in-thread``, a thread of this one);
+an httpx client drives it over loopback (one connection per client thread). Operations, each
+on a fresh migrated database:
 
 - ``GET /healthz`` (no database: the ceiling of this stack),
 - register a TP8 context instance, 8 ranks × 2 views (target + draft), new name each time,
@@ -17,6 +18,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -32,7 +34,8 @@ import uvicorn
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from api.app import create_app  # noqa: E402
 from api.demo import instance_body  # noqa: E402
@@ -52,22 +55,45 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve(database_url: str) -> Iterator[str]:
-    """Run the app under uvicorn in a thread; yield its base URL."""
+def serve(database_url: str, *, in_thread: bool = False) -> Iterator[str]:
+    """Run the app under uvicorn (a child process, or a thread of this one); yield its base URL."""
     port = _free_port()
-    app = create_app(Settings(database_url=database_url))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    base = f"http://127.0.0.1:{port}"
+    if in_thread:
+        app = create_app(Settings(database_url=database_url))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        try:
+            yield base
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+        return
+    env = {**os.environ, "KVPLANE_DATABASE_URL": database_url}
+    command = [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command += ["--no-access-log"]
+    process = subprocess.Popen(command, env=env, cwd=ROOT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("the benchmark server did not start")
+            time.sleep(0.05)
+        yield base
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        process.terminate()
+        process.wait(timeout=10)
 
 
 @contextmanager
@@ -122,11 +148,13 @@ def measure(
     return len(latencies) / elapsed, quantiles[49] * 1000, quantiles[98] * 1000
 
 
-def bench_database(label: str, url: str, requests: int, concurrency: int) -> list[list[str]]:
+def bench_database(
+    label: str, url: str, requests: int, concurrency: int, in_thread: bool
+) -> list[list[str]]:
     rows: list[list[str]] = []
     context = instance_body(role="context", tp=8, draft_heads=2, num_slots=4096)
     generation = instance_body(role="generation", tp=2, draft_heads=2, num_slots=4096)
-    with serve(url) as base, httpx.Client(base_url=base, timeout=30) as setup:
+    with serve(url, in_thread=in_thread) as base, httpx.Client(base_url=base, timeout=30) as setup:
         setup.put("/v1/instances/ctx", json=context).raise_for_status()
         setup.put("/v1/instances/gen", json=generation).raise_for_status()
         pairing = setup.post("/v1/pairings", json={"context": "ctx", "generation": "gen"})
@@ -173,21 +201,27 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--postgres", default=DEFAULT_POSTGRES, help="admin URL; '' to skip")
+    parser.add_argument(
+        "--in-thread", action="store_true", help="server in a thread of this process"
+    )
     args = parser.parse_args()
 
     rows: list[list[str]] = []
     with sqlite_database() as url:
-        rows += bench_database("SQLite", url, args.requests, args.concurrency)
+        rows += bench_database("SQLite", url, args.requests, args.concurrency, args.in_thread)
     if args.postgres:
         try:
             with postgres_database(args.postgres) as url:
-                rows += bench_database("PostgreSQL", url, args.requests, args.concurrency)
+                rows += bench_database(
+                    "PostgreSQL", url, args.requests, args.concurrency, args.in_thread
+                )
         except Exception as error:  # no server: report, keep the SQLite numbers
             print(f"PostgreSQL skipped: {error.__class__.__name__}: {error}", file=sys.stderr)
 
     header = ["database", "operation", "req/s", "p50 ms", "p99 ms", "vs /healthz"]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    print(f"requests={args.requests} concurrency={args.concurrency}")
+    where = "thread" if args.in_thread else "child process"
+    print(f"requests={args.requests} concurrency={args.concurrency} server={where}")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
