@@ -8,7 +8,9 @@ from typing import Any
 
 import typer
 
-cli = typer.Typer(help="kvplane: control plane for disaggregated LLM serving.", no_args_is_help=True)
+cli = typer.Typer(
+    help="kvplane: control plane for disaggregated LLM serving.", no_args_is_help=True
+)
 
 
 @cli.command()
@@ -27,7 +29,9 @@ def serve(
     from api.settings import Settings
 
     settings = Settings(host=host, port=port, demo_fleet=demo_fleet, migrate_on_startup=migrate)
-    typer.echo(f"kvplane on http://{host}:{port} (API docs: /docs), database {settings.database_url}")
+    typer.echo(
+        f"kvplane on http://{host}:{port} (API docs: /docs), database {settings.database_url}"
+    )
     uvicorn.run(create_app(settings), host=host, port=port)
 
 
@@ -66,9 +70,12 @@ def check(
     generation_body = _load_json(generation_file)
     try:
         result = check_bodies(
-            context_body, generation_body,
-            context_name=context_file.stem, generation_name=generation_file.stem,
-            context_dp_rank=context_dp_rank, generation_dp_rank=generation_dp_rank,
+            context_body,
+            generation_body,
+            context_name=context_file.stem,
+            generation_name=generation_file.stem,
+            context_dp_rank=context_dp_rank,
+            generation_dp_rank=generation_dp_rank,
         )
     except GeometryError as error:
         if as_json:
@@ -119,8 +126,16 @@ def describe(
         raise typer.Exit(2)
     try:
         body = build(
-            _load_json(config), role=role, tp=tp, pp=pp, cp=cp, attention_dp=attention_dp,
-            tokens_per_block=tokens_per_block, layout=layout, dtype=dtype, num_slots=num_slots,
+            _load_json(config),
+            role=role,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            attention_dp=attention_dp,
+            tokens_per_block=tokens_per_block,
+            layout=layout,
+            dtype=dtype,
+            num_slots=num_slots,
             draft_config=_load_json(draft) if draft else None,
         )
     except ConfigError as error:
@@ -133,5 +148,57 @@ def describe(
         typer.echo(text)
 
 
+@cli.command()
+def worker(
+    control_plane: str = typer.Option("http://127.0.0.1:8000", help="Control-plane URL."),
+    instance: str = typer.Option(..., help="Instance name (registered)."),
+    rank: int = typer.Option(..., min=0, help="The rank this worker serves."),
+    device: str = typer.Option("cpu", help="cpu or cuda:N: where the pools live."),
+    staging_mib: int = typer.Option(256, min=1, help="Staging buffer size (MiB)."),
+    fill_pattern: bool = typer.Option(
+        False, "--fill-pattern", help="Fill pools with the (rank, pool, byte) test pattern and "
+        "verify every byte after each verified transfer (demos and tests)."),
+    max_jobs: int | None = typer.Option(None, help="Exit after this many jobs."),
+) -> None:
+    """Serve one rank: allocate its pools, attach over NIXL, run transfer jobs until stopped."""
+    import logging
+    import signal
+
+    from api.client import Client
+    from workers.agent import Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with Client(control_plane) as client:
+        agent = Worker(client, instance, rank, device=device, staging_bytes=staging_mib << 20,
+                       fill=fill_pattern)
+        signal.signal(signal.SIGTERM, lambda *_: agent._stop.set())
+        try:
+            agent.attach()
+            typer.echo(f"worker {agent.worker_id}: {instance} rank {rank} on {device}")
+            agent.serve(max_jobs=max_jobs)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            agent.stop()
+
+
+@cli.command()
+def demo(
+    blocks: int = typer.Option(64, min=1, max=4096, help="Blocks to transfer."),
+    port: int = typer.Option(8765, help="Port of the demo's own control plane."),
+    database: Path = typer.Option(Path("var/demo.db"), help="SQLite file (recreated)."),
+    keep_running: bool = typer.Option(False, help="Leave server and workers up afterwards."),
+) -> None:
+    """The main job: control plane + 6 real workers, a verified NIXL transfer TP4 → TP2."""
+    from api.demo_run import run_demo
+
+    raise typer.Exit(run_demo(blocks=blocks, port=port, database=database,
+                              keep_running=keep_running))
+
+
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Typed HTTP client of the kvplane API (sync and async), used by the workers and the CLI.
+
+- Retries: 503 (honouring ``Retry-After``), 502/504 and connection errors are retried with
+  exponential backoff and full jitter, up to ``retries`` times; other answers are final.
+  Retried calls are safe: every retried route is idempotent or fenced (a ``complete`` whose first
+  attempt landed gets 409 ``lease_lost``, never a double count).
+- Errors: problem+json answers become :class:`ApiError` subclasses carrying ``status``, the stable
+  ``code``, ``detail`` and the field ``errors``.
+
+Depends on httpx only (no FastAPI, no SQLAlchemy): workers import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+DEFAULT_TIMEOUT_S = 30.0
+RETRY_STATUSES = (502, 503, 504)
+
+
+class ApiError(Exception):
+    """A problem+json answer (or a non-JSON error) from the control plane."""
+
+    def __init__(self, status: int, code: str, detail: str,
+                 errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(f"{status} {code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.errors = errors or []
+
+
+class BadRequestError(ApiError):
+    """400/422: the request was refused; ``errors`` names the fields."""
+
+
+class NotFoundError(ApiError):
+    """404: the named resource does not exist."""
+
+
+class ConflictError(ApiError):
+    """409: the resource's state forbids it (incompatible, stale, retired, …)."""
+
+
+class LeaseLostError(ConflictError):
+    """409 ``lease_lost``: the job's lease is gone; drop the job, do not report it again."""
+
+
+class PreconditionFailedError(ApiError):
+    """412: ``If-Match`` did not hold."""
+
+
+class UnavailableError(ApiError):
+    """503 after all retries: the server or its database stayed busy."""
+
+
+class TransportError(ApiError):
+    """The control plane could not be reached (after all retries)."""
+
+
+def _error_for(response: httpx.Response) -> ApiError:
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    code = str(body.get("code") or f"http_{status}")
+    detail = str(body.get("detail") or body.get("title") or response.reason_phrase)
+    errors = body.get("errors") if isinstance(body.get("errors"), list) else None
+    if status == 409 and code == "lease_lost":
+        return LeaseLostError(status, code, detail, errors)
+    kind: type[ApiError] = {
+        400: BadRequestError, 404: NotFoundError, 409: ConflictError,
+        412: PreconditionFailedError, 422: BadRequestError, 503: UnavailableError,
+    }.get(status, ApiError)
+    return kind(status, code, detail, errors)
+
+
+def _retry_delay(attempt: int, response: httpx.Response | None, base_s: float,
+                 cap_s: float) -> float:
+    if response is not None:
+        header = response.headers.get("Retry-After")
+        if header is not None:
+            try:
+                return min(cap_s, max(0.0, float(header))) + random.uniform(0, base_s)
+            except ValueError:
+                pass
+    return random.uniform(0, min(cap_s, base_s * (2**attempt)))
+
+
+class _Calls:
+    """The API surface, written once; subclasses provide ``_request``."""
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    # instances -------------------------------------------------------------------------
+    def register_instance(self, name: str, body: Mapping[str, Any],
+                          if_match: int | None = None) -> Any:
+        headers = {} if if_match is None else {"If-Match": str(if_match)}
+        return self._request("PUT", f"/v1/instances/{name}", json=body, headers=headers)
+
+    def report_rank(self, name: str, rank: int, body: Mapping[str, Any]) -> Any:
+        return self._request("PUT", f"/v1/instances/{name}/ranks/{rank}", json=body)
+
+    def get_instance(self, name: str) -> Any:
+        return self._request("GET", f"/v1/instances/{name}")
+
+    def list_instances(self, **params: Any) -> Any:
+        return self._request("GET", "/v1/instances", params=params)
+
+    def delete_instance(self, name: str) -> Any:
+        return self._request("DELETE", f"/v1/instances/{name}")
+
+    # pairings ---------------------------------------------------------------------------
+    def create_pairing(self, context: str, generation: str) -> Any:
+        return self._request("POST", "/v1/pairings",
+                             json={"context": context, "generation": generation})
+
+    def get_pairing(self, pairing_id: str) -> Any:
+        return self._request("GET", f"/v1/pairings/{pairing_id}")
+
+    def list_pairings(self, **params: Any) -> Any:
+        return self._request("GET", "/v1/pairings", params=params)
+
+    def validate_pairing(self, pairing_id: str) -> Any:
+        return self._request("POST", f"/v1/pairings/{pairing_id}/validate")
+
+    def get_plan(self, pairing_id: str, context_dp_rank: int | None = None,
+                 generation_dp_rank: int | None = None) -> Any:
+        params = {k: v for k, v in (("context_dp_rank", context_dp_rank),
+                                    ("generation_dp_rank", generation_dp_rank)) if v is not None}
+        return self._request("GET", f"/v1/pairings/{pairing_id}/plan", params=params)
+
+    def check_compatibility(self, body: Mapping[str, Any]) -> Any:
+        return self._request("POST", "/v1/compatibility", json=body)
+
+    # transfers --------------------------------------------------------------------------
+    def create_transfer(self, body: Mapping[str, Any],
+                        idempotency_key: str | None = None) -> Any:
+        headers = {} if idempotency_key is None else {"Idempotency-Key": idempotency_key}
+        return self._request("POST", "/v1/transfers", json=body, headers=headers)
+
+    def get_transfer(self, transfer_id: str, wait_s: float = 0.0) -> Any:
+        params = {"wait": wait_s} if wait_s else {}
+        return self._request("GET", f"/v1/transfers/{transfer_id}", params=params,
+                             timeout=DEFAULT_TIMEOUT_S + wait_s)
+
+    def get_fragments(self, transfer_id: str) -> Any:
+        return self._request("GET", f"/v1/transfers/{transfer_id}/fragments")
+
+    def retry_transfer(self, transfer_id: str) -> Any:
+        return self._request("POST", f"/v1/transfers/{transfer_id}/retry")
+
+    def list_transfers(self, **params: Any) -> Any:
+        return self._request("GET", "/v1/transfers", params=params)
+
+    # workers and jobs -------------------------------------------------------------------
+    def register_worker(self, body: Mapping[str, Any]) -> Any:
+        return self._request("POST", "/v1/workers", json=body)
+
+    def heartbeat(self, worker_id: str) -> Any:
+        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat")
+
+    def stop_worker(self, worker_id: str) -> Any:
+        return self._request("DELETE", f"/v1/workers/{worker_id}")
+
+    def list_workers(self, **params: Any) -> Any:
+        return self._request("GET", "/v1/workers", params=params)
+
+    def claim_job(self, worker_id: str, wait_s: float = 0.0) -> Any:
+        """The next job lease, or None when no job appeared within ``wait_s``."""
+        return self._request("POST", "/v1/jobs/claim",
+                             json={"worker_id": worker_id, "wait_s": wait_s},
+                             timeout=DEFAULT_TIMEOUT_S + wait_s)
+
+    def complete_job(self, job_id: str, body: Mapping[str, Any]) -> Any:
+        return self._request("POST", f"/v1/jobs/{job_id}/complete", json=body)
+
+    def fail_job(self, job_id: str, body: Mapping[str, Any]) -> Any:
+        return self._request("POST", f"/v1/jobs/{job_id}/fail", json=body)
+
+    def list_jobs(self, **params: Any) -> Any:
+        return self._request("GET", "/v1/jobs", params=params)
+
+
+#: Every (method, path template) the client calls; a test checks each exists in the spec.
+CLIENT_ROUTES = (
+    ("PUT", "/v1/instances/{name}"), ("PUT", "/v1/instances/{name}/ranks/{rank}"),
+    ("GET", "/v1/instances/{name}"), ("GET", "/v1/instances"),
+    ("DELETE", "/v1/instances/{name}"), ("POST", "/v1/pairings"),
+    ("GET", "/v1/pairings/{pairing_id}"), ("GET", "/v1/pairings"),
+    ("POST", "/v1/pairings/{pairing_id}/validate"), ("GET", "/v1/pairings/{pairing_id}/plan"),
+    ("POST", "/v1/compatibility"), ("POST", "/v1/transfers"),
+    ("GET", "/v1/transfers/{transfer_id}"), ("GET", "/v1/transfers/{transfer_id}/fragments"),
+    ("POST", "/v1/transfers/{transfer_id}/retry"), ("GET", "/v1/transfers"),
+    ("POST", "/v1/workers"), ("POST", "/v1/workers/{worker_id}/heartbeat"),
+    ("DELETE", "/v1/workers/{worker_id}"), ("GET", "/v1/workers"),
+    ("POST", "/v1/jobs/claim"), ("POST", "/v1/jobs/{job_id}/complete"),
+    ("POST", "/v1/jobs/{job_id}/fail"), ("GET", "/v1/jobs"),
+)
+
+
+def _decode(response: httpx.Response) -> Any:
+    if response.status_code == 204 or not response.content:
+        return None
+    return response.json()
+
+
+class Client(_Calls):
+    """Synchronous client; ``with Client(url) as c: c.get_instance("ctx")``."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, retries: int = 5,
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s,
+                                  transport=transport)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except (httpx.TransportError, httpx.TimeoutException) as error:
+                if attempt >= self.retries:
+                    raise TransportError(0, "unreachable", str(error)) from error
+            else:
+                if response.status_code < 400:
+                    return _decode(response)
+                if response.status_code not in RETRY_STATUSES or attempt >= self.retries:
+                    raise _error_for(response)
+            time.sleep(_retry_delay(attempt, response, self.backoff_s, self.max_backoff_s))
+            attempt += 1
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Calls):
+    """Asynchronous client with the same methods (each returns an awaitable)."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, retries: int = 5,
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s,
+                                       transport=transport)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> Any:
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except (httpx.TransportError, httpx.TimeoutException) as error:
+                if attempt >= self.retries:
+                    raise TransportError(0, "unreachable", str(error)) from error
+            else:
+                if response.status_code < 400:
+                    return _decode(response)
+                if response.status_code not in RETRY_STATUSES or attempt >= self.retries:
+                    raise _error_for(response)
+            await asyncio.sleep(_retry_delay(attempt, response, self.backoff_s,
+                                             self.max_backoff_s))
+            attempt += 1
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._send(method, path, **kwargs)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
