@@ -65,7 +65,7 @@ def list_workers(
     db: DbDep,
     instance: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 500,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
 ) -> wire.WorkerList:
     """Workers with their status (alive, gone, stopped, stale) and current lease."""
     now = now_of(request)
@@ -185,7 +185,7 @@ def list_jobs(
     transfer_id: Annotated[str | None, Query(max_length=64)] = None,
     state: Annotated[wire.JobState | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
 ) -> list[wire.JobRead]:
     """Jobs, newest first, optionally of one transfer or in one state."""
     with db.read() as session:
