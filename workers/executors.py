@@ -82,9 +82,11 @@ class Route:
     sender_rank: int
     receiver_rank: int
     segments: tuple[Segment, ...]
-    # With CP on one side the route carries only block positions j with j % modulus == remainder.
+    # With CP on one side the route carries only the blocks j of that side's own list
+    # (its whole sequence) with j % modulus == remainder.
     cp_modulus: int = 1
     cp_remainder: int = 0
+    cp_side: str | None = None
 
     @property
     def layer_groups(self) -> tuple[int, ...]:
@@ -119,6 +121,7 @@ class Route:
             tuple(segs),
             int(d.get("cp_modulus", 1)),
             int(d.get("cp_remainder", 0)),
+            d.get("cp_side"),
         )
 
 
@@ -256,7 +259,8 @@ def align_blocks(
     """Per layer group ``(context_ids, generation_ids)`` → the route's aligned block lists.
 
     Same rule as the planning core: the last ``min(len_C, len_R)`` ids of each side are paired
-    (prefix caching on either side); with CP only positions ``j % cp_modulus == cp_remainder``.
+    (prefix caching on either side); with CP only the blocks at position ``j`` of the CP side's
+    own list with ``j % cp_modulus == cp_remainder``.
     """
     route = as_route(route)
     src: dict[int, np.ndarray] = {}
@@ -267,9 +271,10 @@ def align_blocks(
         a = np.asarray(blocks[g][0], dtype=np.int64).reshape(-1)
         b = np.asarray(blocks[g][1], dtype=np.int64).reshape(-1)
         n = min(a.size, b.size)
+        first = (a.size if route.cp_side == "context" else b.size) - n
         a, b = a[a.size - n :], b[b.size - n :]
         if route.cp_modulus > 1:
-            keep = np.arange(n) % route.cp_modulus == route.cp_remainder
+            keep = (first + np.arange(n)) % route.cp_modulus == route.cp_remainder
             a, b = a[keep], b[keep]
         src[g], dst[g] = a, b
     return src, dst

@@ -143,25 +143,26 @@ def _block_array(ids: Sequence[int], loc: tuple[str | int, ...]) -> np.ndarray:
 
 def expand(plan: Plan, blocks: BlockLists) -> Expansion:
     """Apply ``plan`` to per-layer-group ``(context_ids, generation_ids)`` block lists."""
-    groups_used = {segment.layer_group for route in plan.routes for segment in route.segments}
-    unknown = sorted(set(blocks) - groups_used)
+    known = {ref.layer_group for ref in plan.pools.values()}
+    unknown = sorted(set(blocks) - known)
     if unknown:
         raise GeometryError(
             Problem(
                 ("blocks", str(unknown[0])),
-                f"layer group {unknown[0]} is not transferred by this plan (groups: "
-                f"{sorted(groups_used)})",
+                f"layer group {unknown[0]} has no pool on either side (groups: "
+                f"{sorted(known)})",
                 "invalid_blocks",
             )
         )
     aligned: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    skipped: dict[int, tuple[int, int]] = {}  # blocks cut from the front of each list
     for group, (context_ids, generation_ids) in blocks.items():
         src = _block_array(context_ids, ("blocks", str(group), "context"))
         dst = _block_array(generation_ids, ("blocks", str(group), "generation"))
         n = min(src.size, dst.size)
         aligned[group] = (src[src.size - n :], dst[dst.size - n :])
+        skipped[group] = (src.size - n, dst.size - n)
 
-    checked: set[tuple[str, int, int]] = set()
     expanded = []
     for route in plan.routes:
         parts = []
@@ -170,7 +171,10 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
                 continue
             src_blocks, dst_blocks = aligned[segment.layer_group]
             if route.cp_modulus > 1:
-                keep = np.arange(src_blocks.size) % route.cp_modulus == route.cp_remainder
+                # Block j of the CP side's own list lives on cp_rank j % cp.
+                first = skipped[segment.layer_group][0 if route.cp_side == "context" else 1]
+                positions = first + np.arange(src_blocks.size)
+                keep = positions % route.cp_modulus == route.cp_remainder
                 src_blocks, dst_blocks = src_blocks[keep], dst_blocks[keep]
             src_ref = plan.pools[("context", route.sender_rank, segment.src_pool)]
             dst_ref = plan.pools[("generation", route.receiver_rank, segment.dst_pool)]
@@ -178,15 +182,12 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
                 ("context", route.sender_rank, segment.src_pool, src_ref, src_blocks),
                 ("generation", route.receiver_rank, segment.dst_pool, dst_ref, dst_blocks),
             ):
-                if (side, rank, pool) in checked or not ids.size:
-                    continue
-                checked.add((side, rank, pool))
-                if int(ids.max()) >= ref.num_slots:
+                if ids.size and int(ids.max()) >= ref.num_slots:
                     raise GeometryError(
                         Problem(
                             ("blocks", str(segment.layer_group), side),
-                            f"block id {int(ids.max())} is out of range: {side} rank {rank} pool "
-                            f"{pool} has {ref.num_slots} slots",
+                            f"block id {int(ids.max())} is out of range: {side} rank {rank} "
+                            f"pool {pool} has {ref.num_slots} slots",
                             "block_out_of_range",
                         )
                     )

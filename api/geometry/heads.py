@@ -9,8 +9,10 @@ Notation (per view, per rank):
   ``replicas = G / shards`` (ranks holding identical heads: duplication when ``G > H``);
   ``shard = g // replicas``, ``replica = g % replicas``, heads held ``h = H / shards``,
   global head range ``[shard × h, (shard + 1) × h)``.
-- The declared per-rank count (the view's ``num_kv_heads``, else the rank's, else the instance's
-  ``kv_heads_per_rank``) must equal ``h``. A view never borrows another view's count.
+- The declared per-rank count (the view's ``num_kv_heads``; for a legacy view that gives no head
+  field at all, the rank's, else the instance's ``kv_heads_per_rank``) must equal ``h``. A view
+  that gives ``total_kv_heads`` is never checked against a rank-wide count: a view never borrows
+  another view's count.
 
 Byte geometry comes from the *registered* bytes, never from dtype arithmetic, so sub-byte
 element types (FP4: half a byte per element) stay exact:
@@ -67,6 +69,9 @@ def declared_heads(instance: Instance, table: RankTable, view: View) -> tuple[in
     """The per-rank head count a view declares, and which field it came from (legacy fallback)."""
     if view.num_kv_heads is not None:
         return view.num_kv_heads, "num_kv_heads"
+    if view.total_kv_heads is not None:
+        # The view states its own geometry; rank-wide counts describe other (target) layers.
+        return None, "total_kv_heads"
     if table.kv_heads_per_rank is not None:
         return table.kv_heads_per_rank, "kv_heads_per_rank (rank)"
     return instance.kv_heads_per_rank, "kv_heads_per_rank (instance)"

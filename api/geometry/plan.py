@@ -10,10 +10,12 @@ rank is its own attention group (``dp_rank = tp_rank``): only the ranks with
 fills a sub-range of the receiver), one shard when it is coarser (a sub-range of it is sent).
 
 **Election.** A sender shard may be held by several replicas (``G > H``). For every
-``(stage, cp_rank, owner, roles, layers, shard)`` the receivers that need it, in rank order, take
-the holders round-robin: the ``k``-th such receiver is served by holder ``k mod n``. Hence every
-receiver byte is written exactly once, by a rank that holds exactly that data; no holder sends more
-than ``ceil(receivers / n)`` copies (balanced); and the result depends only on the inputs.
+``(stage, cp_rank, owner, roles, shard)`` the receivers that need it are served in rank order, each
+by the holder that has been given the fewest bytes of that shard so far (ties: round-robin, the
+``k``-th request starts looking at holder ``k mod n``). Hence every receiver byte is written exactly
+once, by a rank that holds exactly that data; with equal requests no holder sends more than
+``ceil(total / n)`` of a shard's bytes (balanced, also across receiver pipeline stages that split a
+shard into several layer sets); and the result depends only on the inputs.
 
 **Templates.** Per route (sender rank → receiver rank) and pool pair, strided runs ``{src, dst,
 len, count, src_step, dst_step}`` (offsets inside one slot). HND head slices are one run per
@@ -163,8 +165,9 @@ class Segment:
 class Route:
     """Everything sender rank ``sender_rank`` writes into receiver rank ``receiver_rank``.
 
-    With CP on one side, the route carries only the logical block positions ``j`` with
-    ``j % cp_modulus == cp_remainder`` (block ``j`` of a CP side lives on ``cp_rank = j % cp``).
+    With CP on one side (``cp_side``), the route carries only the logical blocks ``j`` with
+    ``j % cp_modulus == cp_remainder``: block ``j`` of the CP side's list (its whole sequence,
+    position ``j``) lives on ``cp_rank = j % cp``.
     """
 
     sender_rank: int
@@ -173,6 +176,7 @@ class Route:
     slices: tuple[dict[str, Any], ...]
     cp_modulus: int = 1
     cp_remainder: int = 0
+    cp_side: str | None = None  # which side's block list is split over CP ranks
 
     @property
     def bytes_per_block(self) -> int:
@@ -189,6 +193,7 @@ class Route:
             "bytes_per_block": self.bytes_per_block,
             "cp_modulus": self.cp_modulus,
             "cp_remainder": self.cp_remainder,
+            "cp_side": self.cp_side,
             "segments": [segment.to_dict() for segment in self.segments],
             "slices": list(self.slices),
         }
@@ -297,6 +302,7 @@ class Plan:
                 slices=tuple(route.get("slices", ())),
                 cp_modulus=route.get("cp_modulus", 1),
                 cp_remainder=route.get("cp_remainder", 0),
+                cp_side=route.get("cp_side"),
             )
             for route in data["routes"]
         )
@@ -350,6 +356,7 @@ def compile_plan(
     if not check_instances(context, generation, findings):
         _raise_incompatible(findings.report())
     check_draft_layers(context, generation, findings)
+    check_layer_counts(context, generation, findings)
     senders = active_ranks(context, context_dp_rank, "context_dp_rank")
     receivers = active_ranks(generation, generation_dp_rank, "generation_dp_rank")
     cache: dict[Any, ViewGeometry] = {}
@@ -361,10 +368,12 @@ def compile_plan(
 
     builder = _RouteBuilder(context, generation, cache)
     counters: dict[tuple[Any, ...], int] = {}
+    loads: dict[tuple[Any, ...], dict[int, int]] = {}
     overlapping: dict[int, set[int]] = {rank: set() for rank in receivers}
-    # Receivers in rank order: the round-robin election depends on it.
+    # Receivers in rank order: the election's tie-break depends on it.
     for match in sorted(matches, key=lambda m: (m.receiver_rank, m.receiver_view.index)):
-        local = geometry_of(generation, match.receiver_rank, match.receiver_view, cache)
+        receiver = match.receiver_view
+        local = geometry_of(generation, match.receiver_rank, receiver, cache)
         by_cp: dict[int, list[tuple[int, View, ViewGeometry]]] = {}
         for holder in match.holders:
             peer = geometry_of(context, holder.rank, holder.view, cache)
@@ -375,17 +384,17 @@ def compile_plan(
             for lo, hi, shard in _covering_shards(local, holders[0][2]):
                 replicas = [h for h in holders if h[2].shard == shard]
                 overlapping[match.receiver_rank].update(rank for rank, _, _ in replicas)
-                key = (
-                    match.stage,
-                    cp_rank,
-                    match.receiver_view.owner,
-                    match.receiver_view.roles_key,
-                    match.layers,
-                    shard,
-                )
+                key = (match.stage, cp_rank, receiver.owner, receiver.roles_key, shard)
                 turn = counters.get(key, 0)
                 counters[key] = turn + 1
-                rank, view, peer = replicas[turn % len(replicas)]
+                load = loads.setdefault(key, {})
+                count = len(replicas)
+                choice = min(
+                    range(count), key=lambda i: (load.get(replicas[i][0], 0), (i - turn) % count)
+                )
+                rank, view, peer = replicas[choice]
+                load[rank] = load.get(rank, 0) + _slice_bytes(match, local, lo, hi,
+                                                              context.tokens_per_block)
                 builder.add(match, rank, view, peer, local, lo, hi)
 
     routes = builder.routes()
@@ -402,6 +411,14 @@ def compile_plan(
         warnings,
         _pool_refs(context, generation, senders, receivers),
     )
+
+
+def _slice_bytes(match: Match, local: ViewGeometry, lo: int, hi: int, tokens: int) -> int:
+    """Bytes per block one elected sender writes for this slice (the election's load unit)."""
+    per_buffer = local.unit_bytes
+    if local.layout != "REPLICATED":
+        per_buffer *= (hi - lo) * (tokens if local.layout == "NHD" else 1)
+    return len(match.layers) * match.receiver_view.buffers_per_layer * per_buffer
 
 
 def _raise_incompatible(report: Report) -> None:
@@ -496,7 +513,7 @@ class _RouteBuilder:
                 "owner": receiver.owner,
                 "roles": list(receiver.roles_key),
                 "layout": receiver.layout,
-                "layers": [match.layers[0], match.layers[-1], len(match.layers)],
+                "layers": list(match.layers),
                 "global_heads": None if sender_heads is None else [lo, hi],
                 "sender_local_heads": sender_heads,
                 "receiver_local_heads": receiver_heads,
@@ -511,7 +528,7 @@ class _RouteBuilder:
                 Segment(src_pool, dst_pool, group, merge_runs(np.concatenate(parts)))
                 for (src_pool, dst_pool, group), parts in sorted(pools.items())
             )
-            modulus, remainder = self._cp_filter(sender_rank, receiver_rank)
+            modulus, remainder, side = self._cp_filter(sender_rank, receiver_rank)
             routes.append(
                 Route(
                     sender_rank,
@@ -520,16 +537,17 @@ class _RouteBuilder:
                     tuple(self.slices[(sender_rank, receiver_rank)]),
                     modulus,
                     remainder,
+                    side,
                 )
             )
         return tuple(routes)
 
-    def _cp_filter(self, sender_rank: int, receiver_rank: int) -> tuple[int, int]:
+    def _cp_filter(self, sender_rank: int, receiver_rank: int) -> tuple[int, int, str | None]:
         if self.context.cp > 1:
-            return self.context.cp, self.context.coords(sender_rank)[2]
+            return self.context.cp, self.context.coords(sender_rank)[2], "context"
         if self.generation.cp > 1:
-            return self.generation.cp, self.generation.coords(receiver_rank)[2]
-        return 1, 0
+            return self.generation.cp, self.generation.coords(receiver_rank)[2], "generation"
+        return 1, 0, None
 
 
 def _stack(

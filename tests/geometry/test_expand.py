@@ -79,11 +79,6 @@ def test_context_parallel_sender_routes_alternate_blocks() -> None:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: expand checks block_out_of_range once per (side, rank, pool) using only the "
-    "first route's CP-filtered ids, so an out-of-range id on another CP position is emitted",
-)
 @pytest.mark.parametrize(
     ("ctx_kw", "gen_kw", "blocks"),
     [({}, {"cp": 2}, ([0, 100], [1, 2])), ({"cp": 2}, {}, ([0, 1], [1, 100]))],
@@ -96,11 +91,6 @@ def test_block_out_of_range_is_detected_under_context_parallelism(ctx_kw, gen_kw
     assert error.value.code == "block_out_of_range"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the CP filter selects aligned positions (k % cp) instead of logical blocks; "
-    "with a cached prefix of odd length, block j is read from cp_rank (j - prefix) % cp",
-)
 def test_context_parallel_filter_uses_logical_block_index_under_prefix_caching() -> None:
     plan = plan_for({"cp": 2})
     # context: logical blocks 0..3 in slots 0..3; generation cached block 0, gets 1..3
