@@ -162,7 +162,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_blocks": (422, "A block id is out of range or a layer group is unknown."),
     "idempotency_key_reused": (409, "The Idempotency-Key was used with a different body."),
     "plan_gone": (409, "The transfer's plan was deleted with its pairing."),
-    "not_implemented": (501, "`execute=true` is not available yet."),
+    "not_implemented": (501, "The feature exists in the API but not in this release."),
     "database_busy": (503, "The database is locked or unreachable; honour `Retry-After`."),
     "not_ready": (503, "`/readyz`: the database is unreachable or not migrated to head."),
     "internal_error": (500, "A bug: please report it."),
