@@ -1,4 +1,4 @@
-"""``/v1/workers`` and ``/v1/jobs``: worker registration, heartbeats, claiming and reporting jobs."""
+"""``/v1/workers`` and ``/v1/jobs``: worker registration, heartbeats, claims and job results."""
 
 from __future__ import annotations
 
@@ -123,6 +123,13 @@ def claim_job(
     deadline = time.monotonic() + body.wait_s
     while True:
         now = now_of(request)
+        with db.read() as session:
+            ready = service.has_work(session=session, worker_id=body.worker_id, now=now)
+        if not ready:
+            if time.monotonic() >= deadline:
+                return Response(status_code=status.HTTP_204_NO_CONTENT)
+            time.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
+            continue
         with db.write() as session:
             job = service.claim_job(
                 session=session,
@@ -136,7 +143,7 @@ def claim_job(
             return lease
         if time.monotonic() >= deadline:
             return Response(status_code=status.HTTP_204_NO_CONTENT)
-        time.sleep(min(CLAIM_POLL_S * 4, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 @jobs_router.post(

@@ -26,6 +26,7 @@ from api.db import utcnow
 from api.errors import BadRequest, NotFound, PreconditionFailed
 from api.geometry import GeometryError, Instance, parse_instance, parse_rank
 from api.models import InstanceRow, RankRow
+from api.services.jobs import fail_transfers_of_instance
 from api.services.pairings import mark_stale_for_instance
 
 
@@ -115,6 +116,12 @@ def _touch(session: Session, row: InstanceRow, instance: Instance) -> None:
     row.updated_at = utcnow()
     session.flush()
     mark_stale_for_instance(session=session, instance_id=row.id)
+    # Jobs planned on the old epoch must never run against the new memory layout.
+    fail_transfers_of_instance(
+        session=session, instance_id=row.id, now=row.updated_at,
+        reason=f"peer_restarted: {row.name} re-registered (new epoch {row.epoch}); no byte of "
+        "the old layout is used",
+    )
 
 
 def register_instance(
@@ -232,6 +239,10 @@ def delete_instance(*, session: Session, name: str, if_match: str | None = None)
     if row is None:
         raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
     check_if_match(row, if_match)
+    fail_transfers_of_instance(
+        session=session, instance_id=row.id, now=utcnow(),
+        reason=f"peer_left: {row.name} was deregistered",
+    )
     session.execute(delete(InstanceRow).where(InstanceRow.id == row.id))
     session.expunge(row)
 

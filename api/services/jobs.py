@@ -410,21 +410,49 @@ def _reserve_staging(
 # claim / complete / fail
 
 
+def _check_worker(worker: WorkerRow) -> None:
+    if worker.stopped:
+        raise Conflict(
+            "this worker was retired (another worker attached to its rank)", code="worker_retired"
+        )
+    if worker.epoch != worker.instance.epoch:
+        raise Conflict(
+            f"{worker.instance.name} re-registered (epoch {worker.instance.epoch}); attach the "
+            "worker again",
+            code="worker_stale",
+        )
+
+
+def has_work(*, session: Session, worker_id: str, now: datetime) -> bool:
+    """Read-only pre-check of a claim: anything runnable for this worker, or a lease to reap?
+
+    Lets idle workers poll without taking the (SQLite: database-wide) write lock.
+    """
+    worker = get_worker(session=session, worker_id=worker_id)
+    _check_worker(worker)
+    runnable = (
+        select(JobRow.id)
+        .where(
+            JobRow.instance_id == worker.instance_id,
+            JobRow.rank == worker.rank,
+            JobRow.state == "queued",
+            JobRow.not_before <= now,
+        )
+        .limit(1)
+    )
+    expired = select(JobRow.id).where(JobRow.state == "leased", JobRow.lease_expires_at < now)
+    return (
+        session.scalars(runnable).first() is not None
+        or session.scalars(expired.limit(1)).first() is not None
+    )
+
+
 def claim_job(
     *, session: Session, worker_id: str, now: datetime, lease_ttl_s: float = LEASE_TTL_S
 ) -> JobRow | None:
     """Lease the oldest runnable job of the worker's rank, or None."""
     worker = get_worker(session=session, worker_id=worker_id)
-    instance = worker.instance
-    if worker.stopped:
-        raise Conflict(
-            "this worker was retired (another worker attached to its rank)", code="worker_retired"
-        )
-    if worker.epoch != instance.epoch:
-        raise Conflict(
-            f"{instance.name} re-registered (epoch {instance.epoch}); attach the worker again",
-            code="worker_stale",
-        )
+    _check_worker(worker)
     worker.heartbeat_at = now
     reap_expired(session=session, now=now)
     candidate = (
@@ -734,36 +762,26 @@ def reap_expired(*, session: Session, now: datetime) -> int:
     return len(expired)
 
 
-def fail_jobs_for_epoch(*, session: Session, instance_id: int, now: datetime) -> int:
-    """An instance re-registered: fail every transfer with active jobs planned on its old epoch."""
+def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datetime,
+                               reason: str) -> int:
+    """An instance re-registered or left: fail every active transfer that involves it.
+
+    Its queued and leased jobs are superseded, so a worker still holding one gets 409 on
+    ``complete``; the transfer reports ``reason`` (``peer_restarted`` / ``peer_left``).
+    """
     instance = session.get(InstanceRow, instance_id)
     if instance is None:
         return 0
-    names = (instance.name,)
-    transfers = list(
-        session.scalars(
-            select(TransferRow).where(
-                TransferRow.status.in_(("queued", "running")),
-                or_(TransferRow.context_name.in_(names), TransferRow.generation_name.in_(names)),
-            )
+    transfers = list(session.scalars(
+        select(TransferRow).where(
+            TransferRow.status.in_(("queued", "running")),
+            or_(TransferRow.context_name == instance.name,
+                TransferRow.generation_name == instance.name),
         )
-    )
+    ))
     for transfer in transfers:
-        _supersede(
-            session,
-            transfer.id,
-            transfer.attempt,
-            f"peer_restarted: {instance.name} re-registered",
-            now,
-        )
-        _finish(
-            session,
-            transfer,
-            "failed",
-            now,
-            f"peer_restarted: {instance.name} re-registered (new epoch {instance.epoch}); "
-            "no byte of the old layout is used",
-        )
+        _supersede(session, transfer.id, transfer.attempt, f"cancelled: {reason}", now)
+        _finish(session, transfer, "failed", now, reason)
     return len(transfers)
 
 
