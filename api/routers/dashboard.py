@@ -1,0 +1,618 @@
+"""The operator dashboard: server-rendered pages at ``/`` and ``/ui/...`` (not in the OpenAPI).
+
+Pages read through the same services and database sessions as the REST API. Actions are POST
+forms behind a confirmation page (no JavaScript needed); htmx only refreshes the overview.
+A POST must carry ``confirm=yes`` and, when the browser sends an ``Origin``, come from this
+host, so a cross-site form cannot deregister an instance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from api.db import utcnow
+from api.errors import KvplaneError, NotFound
+from api.geometry import GeometryError, Instance, active_ranks, view_geometry
+from api.routers.deps import DbDep
+from api.services import instances as instance_service
+from api.services import pairings as pairing_service
+from api.services import transfers as transfer_service
+from web import diagrams, queries
+from web.format import FILTERS, rate
+
+# web/ sits beside api/ (in the checkout and in an installed wheel alike).
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+STATIC_URL = "/ui/static"
+PAGE_SIZE = 50
+MATRIX_ROWS = 20
+MATRIX_COLUMNS = 12
+POLL_S = 3
+
+router = APIRouter(include_in_schema=False)
+templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
+templates.env.filters.update(FILTERS)
+templates.env.globals.update(static=STATIC_URL, poll_s=POLL_S)
+
+NOTICES = {
+    "revalidated": "Pairing re-validated.",
+    "deregistered": "Instance deregistered; its pairings and cached plans were deleted.",
+    "retried": "Transfer re-queued.",
+}
+TRANSFER_STATUSES = ("planned", "queued", "running", "done", "failed")
+PAIRING_STATUSES = ("compatible", "incompatible", "stale")
+
+Page = Annotated[int, Query(ge=1, le=1 << 20)]
+DpRank = Annotated[int | None, Query(ge=0, lt=4096)]
+
+
+def install(app: FastAPI) -> None:
+    """Serve the dashboard pages and their static files from ``app``."""
+    app.include_router(router)
+    app.mount(STATIC_URL, StaticFiles(directory=str(WEB_DIR / "static")), name="dashboard-static")
+
+
+def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    notice = NOTICES.get(request.query_params.get("notice", ""))
+    return templates.TemplateResponse(
+        request,
+        name,
+        {"notice": notice, "query": partial(_query, request), **context},
+        status_code=status_code,
+    )
+
+
+def _not_found(request: Request, error: KvplaneError) -> HTMLResponse:
+    return _render(request, "not_found.html", status_code=404, message=error.detail)
+
+
+def _pages(total: int, page: int, size: int = PAGE_SIZE) -> dict[str, int]:
+    pages = max(1, -(-total // size))
+    return {"page": page, "pages": pages, "total": total, "size": size}
+
+
+def _query(request: Request, **changes: Any) -> str:
+    """The current query string with ``changes`` applied (``None`` removes a key)."""
+    params = dict(request.query_params)
+    params.pop("notice", None)
+    for key, change in changes.items():
+        if change is None:
+            params.pop(key, None)
+        else:
+            params[key] = str(change)
+    return "?" + urlencode(params) if params else "?"
+
+
+async def form_fields(request: Request) -> dict[str, str]:
+    """An urlencoded form body (no multipart parser needed) after a same-origin check."""
+    origin = request.headers.get("origin")
+    if origin and origin != "null" and urlsplit(origin).netloc != request.headers.get("host"):
+        raise HTTPException(status_code=403, detail="cross-origin form post refused")
+    body = (await request.body()).decode("utf-8", "replace")
+    return {key: values[-1] for key, values in parse_qs(body).items()}
+
+
+FormDep = Annotated[dict[str, str], Depends(form_fields)]
+
+
+def _confirmed(form: dict[str, str]) -> bool:
+    return form.get("confirm") == "yes"
+
+
+def _jobs_service() -> Any | None:
+    """``api.services.jobs`` (the job queue and worker registry), once it exists."""
+    try:
+        return importlib.import_module("api.services.jobs")
+    except ImportError:
+        return None
+
+
+def _jobs_function(name: str) -> Callable[..., Any] | None:
+    found = getattr(_jobs_service(), name, None)
+    return found if callable(found) else None
+
+
+def _now(request: Request) -> datetime:
+    clock = getattr(request.app.state, "clock", None)
+    return clock() if callable(clock) else utcnow()
+
+
+def _gone_after_s() -> float:
+    return float(getattr(_jobs_service(), "WORKER_GONE_S", queries.WORKER_GONE_AFTER_S))
+
+
+# ---------------------------------------------------------------------------------------------
+# overview
+
+
+@router.get("/", response_class=HTMLResponse)
+def overview(request: Request, db: DbDep) -> HTMLResponse:
+    """Counts and health of the fleet, refreshed live."""
+    with db.read() as session:
+        stats = queries.overview(
+            session=session, now=_now(request), worker_gone_after_s=_gone_after_s()
+        )
+    return _render(request, "overview.html", stats=stats, nav="overview")
+
+
+@router.get("/ui/overview", response_class=HTMLResponse)
+def overview_fragment(request: Request, db: DbDep) -> HTMLResponse:
+    """The overview's counters alone (polled by htmx)."""
+    with db.read() as session:
+        stats = queries.overview(
+            session=session, now=_now(request), worker_gone_after_s=_gone_after_s()
+        )
+    return _render(request, "_overview_stats.html", stats=stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# instances
+
+
+@router.get("/ui/instances", response_class=HTMLResponse)
+def instance_list(
+    request: Request,
+    db: DbDep,
+    role: Annotated[str | None, Query(pattern="^(context|generation)$")] = None,
+    status: Annotated[str | None, Query(pattern="^(ready|incomplete)$")] = None,
+    page: Page = 1,
+) -> HTMLResponse:
+    """Every registered instance, by name."""
+    with db.read() as session:
+        rows, total = instance_service.list_instances(
+            session=session,
+            role=role,
+            status=status,
+            limit=PAGE_SIZE,
+            offset=(page - 1) * PAGE_SIZE,
+        )
+        items = [instance_service.instance_summary(row) for row in rows]
+    return _render(
+        request,
+        "instances.html",
+        nav="instances",
+        items=items,
+        role=role,
+        status=status,
+        pager=_pages(total, page),
+    )
+
+
+def _geometry_rows(instance: Instance) -> list[dict[str, Any]]:
+    """One entry per reported rank: its pools and every view with its computed head geometry."""
+    result = []
+    for table in instance.ranks:
+        if table is None:
+            continue
+        views = []
+        for view in table.views:
+            entry: dict[str, Any] = {"view": view, "layers": view.layers}
+            try:
+                entry["geometry"] = view_geometry(instance, table, view)
+            except GeometryError as error:
+                entry["error"] = str(error)
+            if view.num_kv_heads is None and view.layout != "REPLICATED":
+                entry["legacy"] = True
+            views.append(entry)
+        pp_rank, tp_rank, cp_rank = instance.coords(table.rank)
+        result.append(
+            {
+                "rank": table.rank,
+                "coords": {"pp": pp_rank, "tp": tp_rank, "cp": cp_rank},
+                "pools": [table.pools[key] for key in sorted(table.pools)],
+                "views": views,
+                "has_agent": table.agent_metadata is not None,
+            }
+        )
+    return result
+
+
+@router.get("/ui/instances/{name}", response_class=HTMLResponse)
+def instance_detail(request: Request, name: str, db: DbDep) -> HTMLResponse:
+    """One instance: parallelism, counters and every rank's page table."""
+    with db.read() as session:
+        try:
+            row = instance_service.get_instance(session=session, name=name)
+        except NotFound as error:
+            return _not_found(request, error)
+        summary = instance_service.instance_summary(row)
+        geometry = instance_service.load_geometry(row)
+        pairings = queries.pairings_of_instance(session=session, instance_id=row.id)
+    return _render(
+        request,
+        "instance.html",
+        nav="instances",
+        instance=summary,
+        ranks=_geometry_rows(geometry),
+        pairings=pairings,
+    )
+
+
+@router.get("/ui/instances/{name}/deregister", response_class=HTMLResponse)
+def instance_deregister_confirm(request: Request, name: str, db: DbDep) -> HTMLResponse:
+    """Ask before deleting an instance."""
+    with db.read() as session:
+        try:
+            row = instance_service.get_instance(session=session, name=name)
+        except NotFound as error:
+            return _not_found(request, error)
+        pairings = queries.pairings_of_instance(session=session, instance_id=row.id)
+    return _render(
+        request,
+        "confirm.html",
+        nav="instances",
+        title=f"Deregister {name}?",
+        consequences=[
+            f"{len(pairings)} pairing(s) and their cached plans will be deleted.",
+            "Transfers are kept (they keep the instance's name).",
+            "A running instance re-registers itself with PUT /v1/instances/{name}.",
+        ],
+        action=f"/ui/instances/{name}/deregister",
+        button="Deregister",
+        cancel=f"/ui/instances/{name}",
+        danger=True,
+    )
+
+
+@router.post("/ui/instances/{name}/deregister", response_model=None)
+def instance_deregister(request: Request, name: str, form: FormDep, db: DbDep) -> Response:
+    """Delete an instance (after confirmation)."""
+    if not _confirmed(form):
+        return RedirectResponse(f"/ui/instances/{name}/deregister", status_code=303)
+    try:
+        with db.write() as session:
+            instance_service.delete_instance(session=session, name=name)
+    except NotFound as error:
+        return _not_found(request, error)
+    return RedirectResponse("/ui/instances?notice=deregistered", status_code=303)
+
+
+# ---------------------------------------------------------------------------------------------
+# pairings
+
+
+@router.get("/ui/pairings", response_class=HTMLResponse)
+def pairing_list(
+    request: Request,
+    db: DbDep,
+    status: Annotated[str | None, Query(pattern="^(compatible|incompatible|stale)$")] = None,
+    page: Page = 1,
+) -> HTMLResponse:
+    """Stored pairings, newest first."""
+    with db.read() as session:
+        rows, total = pairing_service.list_pairings(
+            session=session, status=status, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+        )
+        items = [pairing_service.pairing_read(row) for row in rows]
+    return _render(
+        request,
+        "pairings.html",
+        nav="pairings",
+        items=items,
+        status=status,
+        statuses=PAIRING_STATUSES,
+        pager=_pages(total, page),
+    )
+
+
+@router.get("/ui/compatibility", response_class=HTMLResponse)
+def compatibility(
+    request: Request,
+    db: DbDep,
+    context_page: Page = 1,
+    generation_page: Page = 1,
+) -> HTMLResponse:
+    """Every context × generation instance with the stored pairing status."""
+    with db.read() as session:
+        matrix = queries.compatibility_matrix(
+            session=session,
+            context_offset=(context_page - 1) * MATRIX_ROWS,
+            generation_offset=(generation_page - 1) * MATRIX_COLUMNS,
+            context_limit=MATRIX_ROWS,
+            generation_limit=MATRIX_COLUMNS,
+        )
+    return _render(
+        request,
+        "compatibility.html",
+        nav="pairings",
+        matrix=matrix,
+        context_pager=_pages(matrix.context_total, context_page, MATRIX_ROWS),
+        generation_pager=_pages(matrix.generation_total, generation_page, MATRIX_COLUMNS),
+    )
+
+
+def _group_issues(issues: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for issue in issues:
+        groups.setdefault(issue["code"], []).append(issue)
+    return list(groups.items())
+
+
+def _safe_active(instance: Instance, dp_rank: int | None, field: str) -> tuple[int, ...]:
+    try:
+        return active_ranks(instance, dp_rank, field)
+    except GeometryError:
+        return ()
+
+
+@router.get("/ui/pairings/{pairing_id}", response_class=HTMLResponse)
+def pairing_detail(
+    request: Request,
+    pairing_id: str,
+    db: DbDep,
+    context_dp_rank: DpRank = None,
+    generation_dp_rank: DpRank = None,
+    receiver: DpRank = None,
+) -> HTMLResponse:
+    """A pairing's report grouped by code, its rank map and one receiver's head slices."""
+    with db.read() as session:
+        try:
+            row = pairing_service.get_pairing(session=session, pairing_id=pairing_id)
+        except NotFound as error:
+            return _not_found(request, error)
+        pairing = pairing_service.pairing_read(row)
+        context = instance_service.load_geometry(row.context)
+        generation = instance_service.load_geometry(row.generation)
+        current = (
+            row.status != "stale"
+            and row.context.epoch == row.context_epoch
+            and row.generation.epoch == row.generation_epoch
+        )
+    if context.attention_dp and context_dp_rank is None:
+        context_dp_rank = 0
+    if generation.attention_dp and generation_dp_rank is None:
+        generation_dp_rank = 0
+    plan: dict[str, Any] | None = None
+    plan_error: str | None = None
+    if pairing.compatible and current:
+        try:
+            with db.write() as session:
+                _plan_id, compiled = pairing_service.get_plan(
+                    session=session,
+                    pairing_id=pairing_id,
+                    context_dp_rank=context_dp_rank,
+                    generation_dp_rank=generation_dp_rank,
+                )
+            plan = compiled.to_dict()
+        except KvplaneError as error:
+            plan_error = error.detail
+    rank_map = slices = None
+    receivers: tuple[int, ...] = ()
+    if plan is not None:
+        senders = _safe_active(context, context_dp_rank, "context_dp_rank")
+        receivers = _safe_active(generation, generation_dp_rank, "generation_dp_rank")
+        rank_map = diagrams.rank_map(
+            plan,
+            context_world=context.world_size,
+            generation_world=generation.world_size,
+            active_senders=senders,
+            active_receivers=receivers,
+        )
+        if receiver is None or receiver not in receivers:
+            receiver = receivers[0] if receivers else None
+        if receiver is not None and generation.ranks[receiver] is not None:
+            slices = diagrams.head_slices(plan, generation, receiver)
+    return _render(
+        request,
+        "pairing.html",
+        nav="pairings",
+        pairing=pairing,
+        context=context,
+        generation=generation,
+        current=current,
+        errors=_group_issues([issue.model_dump() for issue in pairing.errors]),
+        warnings=_group_issues([issue.model_dump() for issue in pairing.warnings]),
+        plan=plan,
+        plan_error=plan_error,
+        rank_map=rank_map,
+        slices=slices,
+        receivers=receivers,
+        receiver=receiver,
+        context_dp_rank=context_dp_rank,
+        generation_dp_rank=generation_dp_rank,
+    )
+
+
+@router.get("/ui/pairings/{pairing_id}/validate", response_class=HTMLResponse)
+def pairing_validate_confirm(request: Request, pairing_id: str, db: DbDep) -> HTMLResponse:
+    """Ask before re-validating a pairing."""
+    with db.read() as session:
+        try:
+            pairing = pairing_service.pairing_read(
+                pairing_service.get_pairing(session=session, pairing_id=pairing_id)
+            )
+        except NotFound as error:
+            return _not_found(request, error)
+    return _render(
+        request,
+        "confirm.html",
+        nav="pairings",
+        title=f"Re-validate {pairing.context} → {pairing.generation}?",
+        consequences=[
+            "The pairing is validated against both instances' current registrations.",
+            "Its status becomes compatible or incompatible (a stale mark is cleared).",
+        ],
+        action=f"/ui/pairings/{pairing_id}/validate",
+        button="Re-validate",
+        cancel=f"/ui/pairings/{pairing_id}",
+        danger=False,
+    )
+
+
+@router.post("/ui/pairings/{pairing_id}/validate", response_model=None)
+def pairing_validate(request: Request, pairing_id: str, form: FormDep, db: DbDep) -> Response:
+    """Re-validate a pairing (after confirmation)."""
+    if not _confirmed(form):
+        return RedirectResponse(f"/ui/pairings/{pairing_id}/validate", status_code=303)
+    try:
+        with db.write() as session:
+            pairing_service.validate_pairing_by_id(session=session, pairing_id=pairing_id)
+    except NotFound as error:
+        return _not_found(request, error)
+    return RedirectResponse(f"/ui/pairings/{pairing_id}?notice=revalidated", status_code=303)
+
+
+# ---------------------------------------------------------------------------------------------
+# transfers and workers
+
+
+def _transfer_row(row: Any, stats: queries.JobStats | None) -> dict[str, Any]:
+    routes = row.summary.get("routes", []) if isinstance(row.summary, dict) else []
+    started, finished = queries.value(row, "started_at"), queries.value(row, "finished_at")
+    seconds = (finished - started).total_seconds() if started and finished else None
+    return {
+        "row": row,
+        "runs": sum(int(route.get("runs", 0)) for route in routes),
+        "routes": len(routes),
+        "duration_s": seconds,
+        "rate": rate(row.bytes, seconds) if row.status == "done" else "—",
+        "error": queries.value(row, "error") or (stats.error if stats else None),
+        "attempt": queries.value(row, "attempt"),
+        "jobs": stats.jobs if stats else 0,
+    }
+
+
+@router.get("/ui/transfers", response_class=HTMLResponse)
+def transfer_list(
+    request: Request,
+    db: DbDep,
+    status: Annotated[str | None, Query(pattern="^(planned|queued|running|done|failed)$")] = None,
+    page: Page = 1,
+) -> HTMLResponse:
+    """Recent transfers, newest first."""
+    with db.read() as session:
+        rows, total = queries.list_transfers(
+            session=session, status=status, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+        )
+        stats = queries.job_stats(session=session, transfer_ids=[row.id for row in rows])
+        items = [_transfer_row(row, stats.get(row.id)) for row in rows]
+    return _render(
+        request,
+        "transfers.html",
+        nav="transfers",
+        items=items,
+        status=status,
+        statuses=TRANSFER_STATUSES,
+        pager=_pages(total, page),
+        jobs_known=queries.job_model() is not None,
+    )
+
+
+@router.get("/ui/transfers/{transfer_id}", response_class=HTMLResponse)
+def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLResponse:
+    """One transfer: its routes and every job (state, worker, attempt, result)."""
+    list_jobs, job_read = _jobs_function("list_jobs"), _jobs_function("job_read")
+    with db.read() as session:
+        try:
+            row = transfer_service.get_transfer(session=session, transfer_id=transfer_id)
+        except NotFound as error:
+            return _not_found(request, error)
+        stats = queries.job_stats(session=session, transfer_ids=[row.id]).get(row.id)
+        item = _transfer_row(row, stats)
+        transfer = transfer_service.transfer_read(row)
+        jobs = []
+        if list_jobs is not None and job_read is not None:
+            jobs = sorted(
+                (
+                    job_read(session, job)
+                    for job in list_jobs(session=session, transfer_id=row.id, limit=1000)
+                ),
+                key=lambda job: (-job.attempt, job.kind, job.rank),
+            )
+    return _render(
+        request,
+        "transfer.html",
+        nav="transfers",
+        item=item,
+        transfer=transfer,
+        jobs=jobs,
+        jobs_known=list_jobs is not None,
+        can_retry=_jobs_function("retry_transfer") is not None and transfer.status == "failed",
+    )
+
+
+@router.get("/ui/transfers/{transfer_id}/retry", response_class=HTMLResponse)
+def transfer_retry_confirm(request: Request, transfer_id: str, db: DbDep) -> HTMLResponse:
+    """Ask before re-running a failed transfer."""
+    with db.read() as session:
+        try:
+            row = transfer_service.get_transfer(session=session, transfer_id=transfer_id)
+        except NotFound as error:
+            return _not_found(request, error)
+        request_id = row.request_id
+    return _render(
+        request,
+        "confirm.html",
+        nav="transfers",
+        title=f"Retry transfer of request {request_id}?",
+        consequences=[
+            "Every job of the transfer is queued again (a new attempt, same plan and blocks).",
+            "Workers of the ranks involved pick them up.",
+        ],
+        action=f"/ui/transfers/{transfer_id}/retry",
+        button="Retry",
+        cancel=f"/ui/transfers/{transfer_id}",
+        danger=False,
+        unavailable=None
+        if _jobs_function("retry_transfer")
+        else "The job queue does not offer retries in this version.",
+    )
+
+
+@router.post("/ui/transfers/{transfer_id}/retry", response_model=None)
+def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep) -> Response:
+    """Re-run a failed transfer (after confirmation)."""
+    retry = _jobs_function("retry_transfer")
+    if retry is None or not _confirmed(form):
+        return RedirectResponse(f"/ui/transfers/{transfer_id}/retry", status_code=303)
+    extra = {"now": _now(request)} if "now" in inspect.signature(retry).parameters else {}
+    try:
+        with db.write() as session:
+            retry(session=session, transfer_id=transfer_id, **extra)
+    except NotFound as error:
+        return _not_found(request, error)
+    except KvplaneError as error:
+        return _render(
+            request, "not_found.html", status_code=409, title="Not retried", message=error.detail
+        )
+    return RedirectResponse(f"/ui/transfers/{transfer_id}?notice=retried", status_code=303)
+
+
+@router.get("/ui/workers", response_class=HTMLResponse)
+def worker_list(request: Request, db: DbDep, page: Page = 1) -> HTMLResponse:
+    """Workers: instance, rank, device, transport, heartbeat age, health and current lease."""
+    list_workers, worker_read = _jobs_function("list_workers"), _jobs_function("worker_read")
+    registry = list_workers is not None and worker_read is not None
+    items: list[Any] = []
+    total = 0
+    now = _now(request)
+    with db.read() as session:
+        if registry:
+            assert list_workers is not None and worker_read is not None
+            total = queries.count_workers(session=session)
+            items = [
+                worker_read(session, row, now)
+                for row in list_workers(
+                    session=session, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+                )
+            ]
+    return _render(
+        request,
+        "workers.html",
+        nav="workers",
+        items=items,
+        registry=registry,
+        pager=_pages(total, page),
+        gone_after_s=_gone_after_s(),
+    )

@@ -1,0 +1,285 @@
+"""Read-only dashboard queries the services do not offer (counts, matrices, pages of transfers).
+
+Every query is paginated or aggregated in SQL and filters on indexed columns (``status``,
+``role``, ``pairing_id``, the pairings' instance ids), so a fleet of hundreds of instances and
+tens of thousands of transfers renders in one round trip per table.
+
+The job queue and worker registry (``JobRow``, ``WorkerRow``) land in ``api.models`` separately;
+until they do, the helpers below answer "nothing there" instead of failing. Their columns are
+looked up by name with fallbacks, so a renamed column degrades to an empty cell, not a 500.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, null, select
+from sqlalchemy.orm import Session, defer
+
+from api import models
+from api.db import utcnow
+from api.models import InstanceRow, PairingRow, TransferRow
+
+IN_FLIGHT_STATUSES = ("queued", "running")
+#: A worker whose last heartbeat is older than this is gone (the job queue's value wins).
+WORKER_GONE_AFTER_S = 10.0
+FAILED_WINDOW = timedelta(hours=1)
+
+
+def job_model() -> Any | None:
+    """The lead's ``JobRow`` model, or ``None`` before the job queue exists."""
+    return getattr(models, "JobRow", None)
+
+
+def worker_model() -> Any | None:
+    """The ``WorkerRow`` model, or ``None`` before the worker registry exists."""
+    return getattr(models, "WorkerRow", None)
+
+
+def column(model: Any, *names: str) -> Any | None:
+    """The first attribute of ``model`` among ``names`` (a column), or ``None``."""
+    for name in names:
+        attribute = getattr(model, name, None)
+        if attribute is not None:
+            return attribute
+    return None
+
+
+def value(row: Any, *names: str, default: Any = None) -> Any:
+    """The first attribute of ``row`` among ``names`` that is set."""
+    for name in names:
+        found = getattr(row, name, None)
+        if found is not None:
+            return found
+    return default
+
+
+HEARTBEAT_COLUMNS = ("last_heartbeat_at", "heartbeat_at", "last_seen_at", "updated_at")
+
+
+@dataclass
+class Overview:
+    """Fleet counts for the overview page."""
+
+    instances: dict[str, int] = field(default_factory=dict)
+    roles: dict[str, int] = field(default_factory=dict)
+    pairings: dict[str, int] = field(default_factory=dict)
+    transfers: dict[str, int] = field(default_factory=dict)
+    transfers_in_flight: int = 0
+    transfers_failed_last_hour: int = 0
+    bytes_moved: int = 0
+    bytes_planned: int = 0
+    workers_known: bool = False
+    workers_alive: int = 0
+    workers_gone: int = 0
+    jobs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def instance_total(self) -> int:
+        return sum(self.instances.values())
+
+    @property
+    def pairing_total(self) -> int:
+        return sum(self.pairings.values())
+
+    @property
+    def transfer_total(self) -> int:
+        return sum(self.transfers.values())
+
+
+def _grouped(session: Session, col: Any) -> dict[str, int]:
+    return {
+        str(key): int(count)
+        for key, count in session.execute(select(col, func.count()).group_by(col))
+    }
+
+
+def overview(
+    *,
+    session: Session,
+    now: datetime | None = None,
+    worker_gone_after_s: float = WORKER_GONE_AFTER_S,
+) -> Overview:
+    """Counts and health of the whole fleet (a handful of grouped, indexed queries)."""
+    now = now or utcnow()
+    result = Overview(
+        instances=_grouped(session, InstanceRow.status),
+        roles=_grouped(session, InstanceRow.role),
+        pairings=_grouped(session, PairingRow.status),
+        transfers=_grouped(session, TransferRow.status),
+    )
+    result.transfers_in_flight = sum(result.transfers.get(s, 0) for s in IN_FLIGHT_STATUSES)
+    result.transfers_failed_last_hour = int(
+        session.scalar(
+            select(func.count())
+            .select_from(TransferRow)
+            .where(TransferRow.status == "failed", TransferRow.updated_at >= now - FAILED_WINDOW)
+        )
+        or 0
+    )
+    result.bytes_moved = int(
+        session.scalar(
+            select(func.coalesce(func.sum(TransferRow.bytes), 0)).where(
+                TransferRow.status == "done"
+            )
+        )
+        or 0
+    )
+    result.bytes_planned = int(
+        session.scalar(select(func.coalesce(func.sum(TransferRow.bytes), 0))) or 0
+    )
+    workers = worker_model()
+    if workers is not None:
+        heartbeat = column(workers, *HEARTBEAT_COLUMNS)
+        stopped = column(workers, "stopped")
+        total = int(session.scalar(select(func.count()).select_from(workers)) or 0)
+        alive_query = select(func.count()).select_from(workers)
+        if heartbeat is not None:
+            alive_query = alive_query.where(
+                heartbeat >= now - timedelta(seconds=worker_gone_after_s)
+            )
+        if stopped is not None:
+            alive_query = alive_query.where(stopped.is_(False))
+        result.workers_known = True
+        result.workers_alive = int(session.scalar(alive_query) or 0)
+        result.workers_gone = total - result.workers_alive
+    jobs = job_model()
+    state = None if jobs is None else column(jobs, "state", "status")
+    if state is not None:
+        result.jobs = _grouped(session, state)
+    return result
+
+
+def instance_names(*, session: Session, ids: set[int]) -> dict[int, str]:
+    """``{id: name}`` of the given instances."""
+    if not ids:
+        return {}
+    rows = session.execute(select(InstanceRow.id, InstanceRow.name).where(InstanceRow.id.in_(ids)))
+    return {int(i): str(name) for i, name in rows}
+
+
+@dataclass
+class Matrix:
+    """One page of the context × generation compatibility matrix."""
+
+    contexts: list[tuple[int, str, str]]  # id, name, status
+    generations: list[tuple[int, str, str]]
+    cells: dict[tuple[int, int], tuple[str, str]]  # (ctx id, gen id) -> (pairing id, status)
+    context_total: int
+    generation_total: int
+
+
+def compatibility_matrix(
+    *,
+    session: Session,
+    context_offset: int,
+    generation_offset: int,
+    context_limit: int,
+    generation_limit: int,
+) -> Matrix:
+    """One page of contexts × generations (by name) with the stored pairing status."""
+
+    def side(role: str, offset: int, size: int) -> tuple[list[tuple[int, str, str]], int]:
+        total = int(
+            session.scalar(
+                select(func.count()).select_from(InstanceRow).where(InstanceRow.role == role)
+            )
+            or 0
+        )
+        rows = session.execute(
+            select(InstanceRow.id, InstanceRow.name, InstanceRow.status)
+            .where(InstanceRow.role == role)
+            .order_by(InstanceRow.name)
+            .limit(size)
+            .offset(offset)
+        )
+        return [(int(i), str(n), str(s)) for i, n, s in rows], total
+
+    contexts, context_total = side("context", context_offset, context_limit)
+    generations, generation_total = side("generation", generation_offset, generation_limit)
+    cells: dict[tuple[int, int], tuple[str, str]] = {}
+    if contexts and generations:
+        rows = session.execute(
+            select(
+                PairingRow.context_id, PairingRow.generation_id, PairingRow.id, PairingRow.status
+            ).where(
+                and_(
+                    PairingRow.context_id.in_([c[0] for c in contexts]),
+                    PairingRow.generation_id.in_([g[0] for g in generations]),
+                )
+            )
+        )
+        for ctx_id, gen_id, pairing_id, status in rows:
+            cells[(int(ctx_id), int(gen_id))] = (str(pairing_id), str(status))
+    return Matrix(contexts, generations, cells, context_total, generation_total)
+
+
+def pairings_of_instance(*, session: Session, instance_id: int) -> list[tuple[str, str, str]]:
+    """``(pairing id, peer name, status)`` of every pairing using one instance."""
+    ctx_side = session.execute(
+        select(PairingRow.id, InstanceRow.name, PairingRow.status)
+        .join(InstanceRow, InstanceRow.id == PairingRow.generation_id)
+        .where(PairingRow.context_id == instance_id)
+    )
+    gen_side = session.execute(
+        select(PairingRow.id, InstanceRow.name, PairingRow.status)
+        .join(InstanceRow, InstanceRow.id == PairingRow.context_id)
+        .where(PairingRow.generation_id == instance_id)
+    )
+    found = [(str(i), str(n), str(s)) for i, n, s in [*ctx_side, *gen_side]]
+    return sorted(found, key=lambda item: item[1])
+
+
+def list_transfers(
+    *, session: Session, status: str | None, limit: int, offset: int
+) -> tuple[list[TransferRow], int]:
+    """One page of transfers, newest first, without their block lists."""
+    query = select(TransferRow)
+    count = select(func.count()).select_from(TransferRow)
+    if status is not None:
+        query = query.where(TransferRow.status == status)
+        count = count.where(TransferRow.status == status)
+    total = int(session.scalar(count) or 0)
+    rows = session.scalars(
+        query.options(defer(TransferRow.blocks))
+        .order_by(TransferRow.created_at.desc(), TransferRow.id)
+        .limit(limit)
+        .offset(offset)
+    ).all()
+    return list(rows), total
+
+
+@dataclass
+class JobStats:
+    """What the jobs of one transfer say: how many, and the first error."""
+
+    jobs: int = 0
+    error: str | None = None
+
+
+def job_stats(*, session: Session, transfer_ids: list[str]) -> dict[str, JobStats]:
+    """Per-transfer job counts and first error for one page of transfers (one grouped query)."""
+    jobs = job_model()
+    transfer_id = None if jobs is None else column(jobs, "transfer_id")
+    if jobs is None or transfer_id is None or not transfer_ids:
+        return {}
+    error = column(jobs, "error")
+    first_error = func.min(error) if error is not None else null()
+    return {
+        str(tid): JobStats(int(n), None if message is None else str(message))
+        for tid, n, message in session.execute(
+            select(transfer_id, func.count(), first_error)
+            .where(transfer_id.in_(transfer_ids))
+            .group_by(transfer_id)
+        )
+    }
+
+
+def count_workers(*, session: Session) -> int:
+    """How many workers are registered (0 before the worker registry exists)."""
+    workers = worker_model()
+    if workers is None:
+        return 0
+    return int(session.scalar(select(func.count()).select_from(workers)) or 0)
