@@ -4,9 +4,7 @@ Every query is paginated or aggregated in SQL and filters on indexed columns (``
 ``role``, ``pairing_id``, the pairings' instance ids), so a fleet of hundreds of instances and
 tens of thousands of transfers renders in one round trip per table.
 
-The job queue and worker registry (``JobRow``, ``WorkerRow``) land in ``api.models`` separately;
-until they do, the helpers below answer "nothing there" instead of failing. Their columns are
-looked up by name with fallbacks, so a renamed column degrades to an empty cell, not a 500.
+Workers and jobs themselves are read through ``api.services.jobs``; only counts live here.
 """
 
 from __future__ import annotations
@@ -15,48 +13,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, null, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session, defer
 
-from api import models
 from api.db import utcnow
-from api.models import InstanceRow, PairingRow, TransferRow
+from api.models import InstanceRow, JobRow, PairingRow, TransferRow, WorkerRow
 
 IN_FLIGHT_STATUSES = ("queued", "running")
-#: A worker whose last heartbeat is older than this is gone (the job queue's value wins).
+#: A worker whose last heartbeat is older than this is gone (callers pass the job queue's value).
 WORKER_GONE_AFTER_S = 10.0
 FAILED_WINDOW = timedelta(hours=1)
-
-
-def job_model() -> Any | None:
-    """The lead's ``JobRow`` model, or ``None`` before the job queue exists."""
-    return getattr(models, "JobRow", None)
-
-
-def worker_model() -> Any | None:
-    """The ``WorkerRow`` model, or ``None`` before the worker registry exists."""
-    return getattr(models, "WorkerRow", None)
-
-
-def column(model: Any, *names: str) -> Any | None:
-    """The first attribute of ``model`` among ``names`` (a column), or ``None``."""
-    for name in names:
-        attribute = getattr(model, name, None)
-        if attribute is not None:
-            return attribute
-    return None
-
-
-def value(row: Any, *names: str, default: Any = None) -> Any:
-    """The first attribute of ``row`` among ``names`` that is set."""
-    for name in names:
-        found = getattr(row, name, None)
-        if found is not None:
-            return found
-    return default
-
-
-HEARTBEAT_COLUMNS = ("last_heartbeat_at", "heartbeat_at", "last_seen_at", "updated_at")
 
 
 @dataclass
@@ -71,7 +37,6 @@ class Overview:
     transfers_failed_last_hour: int = 0
     bytes_moved: int = 0
     bytes_planned: int = 0
-    workers_known: bool = False
     workers_alive: int = 0
     workers_gone: int = 0
     jobs: dict[str, int] = field(default_factory=dict)
@@ -130,25 +95,20 @@ def overview(
     result.bytes_planned = int(
         session.scalar(select(func.coalesce(func.sum(TransferRow.bytes), 0))) or 0
     )
-    workers = worker_model()
-    if workers is not None:
-        heartbeat = column(workers, *HEARTBEAT_COLUMNS)
-        stopped = column(workers, "stopped")
-        total = int(session.scalar(select(func.count()).select_from(workers)) or 0)
-        alive_query = select(func.count()).select_from(workers)
-        if heartbeat is not None:
-            alive_query = alive_query.where(
-                heartbeat >= now - timedelta(seconds=worker_gone_after_s)
+    total = int(session.scalar(select(func.count()).select_from(WorkerRow)) or 0)
+    result.workers_alive = int(
+        session.scalar(
+            select(func.count())
+            .select_from(WorkerRow)
+            .where(
+                WorkerRow.stopped.is_(False),
+                WorkerRow.heartbeat_at >= now - timedelta(seconds=worker_gone_after_s),
             )
-        if stopped is not None:
-            alive_query = alive_query.where(stopped.is_(False))
-        result.workers_known = True
-        result.workers_alive = int(session.scalar(alive_query) or 0)
-        result.workers_gone = total - result.workers_alive
-    jobs = job_model()
-    state = None if jobs is None else column(jobs, "state", "status")
-    if state is not None:
-        result.jobs = _grouped(session, state)
+        )
+        or 0
+    )
+    result.workers_gone = total - result.workers_alive
+    result.jobs = _grouped(session, JobRow.state)
     return result
 
 
@@ -255,31 +215,25 @@ def list_transfers(
 class JobStats:
     """What the jobs of one transfer say: how many, and the first error."""
 
-    jobs: int = 0
-    error: str | None = None
+    jobs: int
+    error: str | None
 
 
 def job_stats(*, session: Session, transfer_ids: list[str]) -> dict[str, JobStats]:
     """Per-transfer job counts and first error for one page of transfers (one grouped query)."""
-    jobs = job_model()
-    transfer_id = None if jobs is None else column(jobs, "transfer_id")
-    if jobs is None or transfer_id is None or not transfer_ids:
+    if not transfer_ids:
         return {}
-    error = column(jobs, "error")
-    first_error = func.min(error) if error is not None else null()
+    rows = session.execute(
+        select(JobRow.transfer_id, func.count(), func.min(JobRow.error))
+        .where(JobRow.transfer_id.in_(transfer_ids))
+        .group_by(JobRow.transfer_id)
+    )
     return {
         str(tid): JobStats(int(n), None if message is None else str(message))
-        for tid, n, message in session.execute(
-            select(transfer_id, func.count(), first_error)
-            .where(transfer_id.in_(transfer_ids))
-            .group_by(transfer_id)
-        )
+        for tid, n, message in rows
     }
 
 
 def count_workers(*, session: Session) -> int:
-    """How many workers are registered (0 before the worker registry exists)."""
-    workers = worker_model()
-    if workers is None:
-        return 0
-    return int(session.scalar(select(func.count()).select_from(workers)) or 0)
+    """How many workers are registered."""
+    return int(session.scalar(select(func.count()).select_from(WorkerRow)) or 0)

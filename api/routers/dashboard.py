@@ -8,9 +8,6 @@ host, so a cross-site form cannot deregister an instance.
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from collections.abc import Callable
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -27,6 +24,7 @@ from api.errors import KvplaneError, NotFound
 from api.geometry import GeometryError, Instance, active_ranks, view_geometry
 from api.routers.deps import DbDep
 from api.services import instances as instance_service
+from api.services import jobs as job_service
 from api.services import pairings as pairing_service
 from api.services import transfers as transfer_service
 from web import diagrams, queries
@@ -110,26 +108,9 @@ def _confirmed(form: dict[str, str]) -> bool:
     return form.get("confirm") == "yes"
 
 
-def _jobs_service() -> Any | None:
-    """``api.services.jobs`` (the job queue and worker registry), once it exists."""
-    try:
-        return importlib.import_module("api.services.jobs")
-    except ImportError:
-        return None
-
-
-def _jobs_function(name: str) -> Callable[..., Any] | None:
-    found = getattr(_jobs_service(), name, None)
-    return found if callable(found) else None
-
-
 def _now(request: Request) -> datetime:
     clock = getattr(request.app.state, "clock", None)
     return clock() if callable(clock) else utcnow()
-
-
-def _gone_after_s() -> float:
-    return float(getattr(_jobs_service(), "WORKER_GONE_S", queries.WORKER_GONE_AFTER_S))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +122,7 @@ def overview(request: Request, db: DbDep) -> HTMLResponse:
     """Counts and health of the fleet, refreshed live."""
     with db.read() as session:
         stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=_gone_after_s()
+            session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
         )
     return _render(request, "overview.html", stats=stats, nav="overview")
 
@@ -151,7 +132,7 @@ def overview_fragment(request: Request, db: DbDep) -> HTMLResponse:
     """The overview's counters alone (polled by htmx)."""
     with db.read() as session:
         stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=_gone_after_s()
+            session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
         )
     return _render(request, "_overview_stats.html", stats=stats)
 
@@ -255,7 +236,7 @@ def instance_deregister_confirm(request: Request, name: str, db: DbDep) -> HTMLR
         title=f"Deregister {name}?",
         consequences=[
             f"{len(pairings)} pairing(s) and their cached plans will be deleted.",
-            "Transfers are kept (they keep the instance's name).",
+            "Its transfers still in flight fail (peer_left); finished ones are kept.",
             "A running instance re-registers itself with PUT /v1/instances/{name}.",
         ],
         action=f"/ui/instances/{name}/deregister",
@@ -469,7 +450,7 @@ def pairing_validate(request: Request, pairing_id: str, form: FormDep, db: DbDep
 
 def _transfer_row(row: Any, stats: queries.JobStats | None) -> dict[str, Any]:
     routes = row.summary.get("routes", []) if isinstance(row.summary, dict) else []
-    started, finished = queries.value(row, "started_at"), queries.value(row, "finished_at")
+    started, finished = row.started_at, row.finished_at
     seconds = (finished - started).total_seconds() if started and finished else None
     return {
         "row": row,
@@ -477,8 +458,8 @@ def _transfer_row(row: Any, stats: queries.JobStats | None) -> dict[str, Any]:
         "routes": len(routes),
         "duration_s": seconds,
         "rate": rate(row.bytes, seconds) if row.status == "done" else "—",
-        "error": queries.value(row, "error") or (stats.error if stats else None),
-        "attempt": queries.value(row, "attempt"),
+        "error": row.error or (stats.error if stats else None),
+        "attempt": row.attempt,
         "jobs": stats.jobs if stats else 0,
     }
 
@@ -505,14 +486,12 @@ def transfer_list(
         status=status,
         statuses=TRANSFER_STATUSES,
         pager=_pages(total, page),
-        jobs_known=queries.job_model() is not None,
     )
 
 
 @router.get("/ui/transfers/{transfer_id}", response_class=HTMLResponse)
 def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLResponse:
     """One transfer: its routes and every job (state, worker, attempt, result)."""
-    list_jobs, job_read = _jobs_function("list_jobs"), _jobs_function("job_read")
     with db.read() as session:
         try:
             row = transfer_service.get_transfer(session=session, transfer_id=transfer_id)
@@ -521,15 +500,13 @@ def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLRespon
         stats = queries.job_stats(session=session, transfer_ids=[row.id]).get(row.id)
         item = _transfer_row(row, stats)
         transfer = transfer_service.transfer_read(row)
-        jobs = []
-        if list_jobs is not None and job_read is not None:
-            jobs = sorted(
-                (
-                    job_read(session, job)
-                    for job in list_jobs(session=session, transfer_id=row.id, limit=1000)
-                ),
-                key=lambda job: (-job.attempt, job.kind, job.rank),
-            )
+        jobs = sorted(
+            (
+                job_service.job_read(session, job)
+                for job in job_service.list_jobs(session=session, transfer_id=row.id, limit=1000)
+            ),
+            key=lambda job: (-job.attempt, job.kind, job.rank),
+        )
     return _render(
         request,
         "transfer.html",
@@ -537,8 +514,7 @@ def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLRespon
         item=item,
         transfer=transfer,
         jobs=jobs,
-        jobs_known=list_jobs is not None,
-        can_retry=_jobs_function("retry_transfer") is not None and transfer.status == "failed",
+        can_retry=transfer.status == "failed" and transfer.execute,
     )
 
 
@@ -564,27 +540,27 @@ def transfer_retry_confirm(request: Request, transfer_id: str, db: DbDep) -> HTM
         button="Retry",
         cancel=f"/ui/transfers/{transfer_id}",
         danger=False,
-        unavailable=None
-        if _jobs_function("retry_transfer")
-        else "The job queue does not offer retries in this version.",
     )
 
 
 @router.post("/ui/transfers/{transfer_id}/retry", response_model=None)
 def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep) -> Response:
     """Re-run a failed transfer (after confirmation)."""
-    retry = _jobs_function("retry_transfer")
-    if retry is None or not _confirmed(form):
+    if not _confirmed(form):
         return RedirectResponse(f"/ui/transfers/{transfer_id}/retry", status_code=303)
-    extra = {"now": _now(request)} if "now" in inspect.signature(retry).parameters else {}
     try:
         with db.write() as session:
-            retry(session=session, transfer_id=transfer_id, **extra)
+            job_service.retry_transfer(session=session, transfer_id=transfer_id, now=_now(request))
     except NotFound as error:
         return _not_found(request, error)
     except KvplaneError as error:
         return _render(
-            request, "not_found.html", status_code=409, title="Not retried", message=error.detail
+            request,
+            "not_found.html",
+            status_code=409,
+            title="Not retried",
+            message=error.detail,
+            back=f"/ui/transfers/{transfer_id}",
         )
     return RedirectResponse(f"/ui/transfers/{transfer_id}?notice=retried", status_code=303)
 
@@ -592,27 +568,18 @@ def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep)
 @router.get("/ui/workers", response_class=HTMLResponse)
 def worker_list(request: Request, db: DbDep, page: Page = 1) -> HTMLResponse:
     """Workers: instance, rank, device, transport, heartbeat age, health and current lease."""
-    list_workers, worker_read = _jobs_function("list_workers"), _jobs_function("worker_read")
-    registry = list_workers is not None and worker_read is not None
-    items: list[Any] = []
-    total = 0
     now = _now(request)
     with db.read() as session:
-        if registry:
-            assert list_workers is not None and worker_read is not None
-            total = queries.count_workers(session=session)
-            items = [
-                worker_read(session, row, now)
-                for row in list_workers(
-                    session=session, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
-                )
-            ]
+        total = queries.count_workers(session=session)
+        rows = job_service.list_workers(
+            session=session, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+        )
+        items = [job_service.worker_read(session, row, now) for row in rows]
     return _render(
         request,
         "workers.html",
         nav="workers",
         items=items,
-        registry=registry,
         pager=_pages(total, page),
-        gone_after_s=_gone_after_s(),
+        gone_after_s=job_service.WORKER_GONE_S,
     )

@@ -11,7 +11,7 @@ import pytest
 from playwright.sync_api import expect
 from sqlalchemy import insert, select
 
-from api import schemas
+from api import models, schemas
 from api.db import Database, utcnow
 from api.geometry.builders import ViewSpec, instance_body
 from api.models import TransferRow
@@ -306,10 +306,6 @@ def test_workers_and_jobs_of_a_failed_transfer(
     live_server: LiveServer, sqlite_url: str, page: Any
 ) -> None:
     """Workers (alive and gone) and the jobs of a failed transfer, from the job queue's tables."""
-    from api import models
-
-    if not hasattr(models, "WorkerRow") or not hasattr(models, "JobRow"):
-        pytest.skip("the job queue (WorkerRow, JobRow) is not in api.models yet")
     seed_fleet(live_server.api)
     transfer = live_server.api.post(
         "/v1/transfers",
@@ -392,3 +388,11 @@ def test_workers_and_jobs_of_a_failed_transfer(
     expect(failed).to_contain_text("NIXL write timed out")
     expect(jobs.filter(has_text="job-0")).to_contain_text("1 MiB")
     screenshot(page, "51-transfer-failed")
+
+    # Retry needs a live worker on every rank: the refusal names the missing ones.
+    page.get_by_role("link", name="Retry…").click()
+    page.get_by_role("button", name="Retry").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Not retried")
+    expect(page.locator("main")).to_contain_text("no live worker for context rank 3")
+    screenshot(page, "52-retry-refused")
+    assert live_server.api.get(f"/v1/transfers/{transfer['id']}").json()["status"] == "failed"
