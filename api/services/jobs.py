@@ -99,16 +99,6 @@ def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime)
         registered_at=now,
         heartbeat_at=now,
     )
-    # A rank has one live endpoint: earlier workers of the same rank are retired.
-    session.execute(
-        update(WorkerRow)
-        .where(
-            WorkerRow.instance_id == instance.id,
-            WorkerRow.rank == body.rank,
-            WorkerRow.stopped.is_(False),
-        )
-        .values(stopped=True)
-    )
     session.add(row)
     session.flush()
     return row
@@ -282,6 +272,7 @@ def enqueue_transfer(
             staging_offset=staging_offset,
             staging_bytes=staging_bytes,
             payload={**common, **payload, "epochs": epochs},
+            worker_id=payload.get("worker_id"),
             created_at=now,
             updated_at=now,
         )
@@ -437,6 +428,7 @@ def has_work(*, session: Session, worker_id: str, now: datetime) -> bool:
             JobRow.rank == worker.rank,
             JobRow.state == "queued",
             JobRow.not_before <= now,
+            or_(JobRow.worker_id.is_(None), JobRow.worker_id == worker_id),
         )
         .limit(1)
     )
@@ -462,6 +454,8 @@ def claim_job(
             JobRow.rank == worker.rank,
             JobRow.state == "queued",
             JobRow.not_before <= now,
+            # A receive job belongs to the worker whose staging area it reserved.
+            or_(JobRow.worker_id.is_(None), JobRow.worker_id == worker_id),
         )
         .order_by(JobRow.created_at, JobRow.id)
         .limit(1)

@@ -1,0 +1,41 @@
+"""A claiming process for the queue tests: ``python claimer.py DB_URL WORKER_ID OUT.json``.
+
+Claims and completes jobs of its worker's rank until none is left, then writes the claimed ids.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from api.db import Database, utcnow
+from api.schemas_exec import JobComplete
+from api.services import jobs
+
+
+def main(url: str, worker_id: str, out: str) -> None:
+    db = Database(url)
+    claimed: list[str] = []
+    try:
+        while True:
+            with db.write() as session:
+                job = jobs.claim_job(session=session, worker_id=worker_id, now=utcnow())
+                if job is None:
+                    break
+                job_id, token = job.id, str(job.lease_token)
+            claimed.append(job_id)
+            with db.write() as session:
+                jobs.complete_job(
+                    session=session,
+                    job_id=job_id,
+                    body=JobComplete(lease_token=token, bytes=1, duration_s=0.0),
+                    now=utcnow(),
+                )
+    finally:
+        db.dispose()
+        Path(out).write_text(json.dumps(claimed))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,110 @@
+"""Queue fixtures: a small paired fleet in a fresh database, driven through the services."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from api import schemas, schemas_exec
+from api.db import Database, utcnow
+from api.geometry.builders import ViewSpec, instance_body
+from api.services import instances, jobs, pairings, transfers
+
+VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
+
+
+def fleet_bodies(ctx_tp: int = 2, gen_tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+    ctx = instance_body(role="context", views=VIEWS, tp=ctx_tp, tokens_per_block=4, num_slots=64)
+    gen = instance_body(role="generation", views=VIEWS, tp=gen_tp, tokens_per_block=4,
+                        num_slots=64)
+    return ctx, gen
+
+
+def peer_for(rank_body: dict[str, Any], agent: str,
+             staging_bytes: int = 1 << 24) -> dict[str, Any]:
+    """A syntactically valid NIXL endpoint for a rank (the queue never dereferences it)."""
+    return {
+        "agent": agent,
+        "metadata_b64": "bWV0YWRhdGE=",
+        "mem_type": "DRAM",
+        "device_id": 0,
+        "pools": [{**pool, "base_address": 4096 * (pool["id"] + 1)} for pool in rank_body["pools"]],
+        "staging": {"address": 1 << 20, "bytes": staging_bytes},
+    }
+
+
+def attach_worker(db: Database, instance: str, rank: int, agent: str,
+                  now: datetime | None = None, staging_bytes: int = 1 << 24) -> str:
+    with db.write() as session:
+        row = instances.get_instance(session=session, name=instance)
+        body = next(r.body for r in row.ranks if r.rank == rank)
+        worker = jobs.register_worker(
+            session=session,
+            body=schemas_exec.WorkerCreate.model_validate(
+                {"instance": instance, "rank": rank, "peer": peer_for(body, agent, staging_bytes)}
+            ),
+            now=now or utcnow(),
+        )
+        return worker.id
+
+
+def setup_fleet(db: Database, *, ctx_tp: int = 2, gen_tp: int = 1,
+                now: datetime | None = None) -> dict[str, Any]:
+    """ctx (TP ctx_tp) and gen (TP gen_tp), paired, one live worker per rank."""
+    ctx, gen = fleet_bodies(ctx_tp, gen_tp)
+    with db.write() as session:
+        instances.register_instance(session=session, name="ctx",
+                                    body=schemas.InstanceCreate.model_validate(ctx))
+        instances.register_instance(session=session, name="gen",
+                                    body=schemas.InstanceCreate.model_validate(gen))
+        pairing, _ = pairings.create_pairing(session=session, context="ctx", generation="gen")
+        assert pairing.compatible
+    workers = {
+        ("ctx", r): attach_worker(db, "ctx", r, f"ctx.r{r}", now) for r in range(ctx_tp)
+    } | {("gen", r): attach_worker(db, "gen", r, f"gen.r{r}", now) for r in range(gen_tp)}
+    return {"workers": workers}
+
+
+def submit(db: Database, request_id: str, *, mode: str = "staged", verify: bool = False,
+           blocks: int = 4) -> str:
+    body = schemas.TransferCreate.model_validate({
+        "context": "ctx", "generation": "gen", "request_id": request_id,
+        "blocks": {"0": {"context": list(range(blocks)), "generation": list(range(blocks))}},
+        "execute": True, "mode": mode, "verify": verify,
+    })
+    with db.write() as session:
+        row, _ = transfers.create_transfer(session=session, body=body)
+        return row.id
+
+
+class Heartbeats:
+    """Keeps workers alive from a background thread while a test's processes run."""
+
+    def __init__(self, db: Database, worker_ids: list[str], interval_s: float = 1.0) -> None:
+        self.db, self.worker_ids, self.interval_s = db, worker_ids, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for worker_id in self.worker_ids:
+                with self.db.write() as session:
+                    jobs.heartbeat(session=session, worker_id=worker_id, now=utcnow())
+
+    def __enter__(self) -> Heartbeats:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def db(db_url: str) -> Any:
+    database = Database(db_url)
+    yield database
+    database.dispose()
