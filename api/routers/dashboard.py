@@ -127,9 +127,11 @@ def overview(request: Request, db: DbDep) -> HTMLResponse:
     return _render(request, "overview.html", stats=stats, nav="overview")
 
 
-@router.get("/ui/overview", response_class=HTMLResponse)
-def overview_fragment(request: Request, db: DbDep) -> HTMLResponse:
-    """The overview's counters alone (polled by htmx)."""
+@router.get("/ui/overview", response_class=HTMLResponse, response_model=None)
+def overview_fragment(request: Request, db: DbDep) -> Response:
+    """The overview's counters alone (polled by htmx); a browser asking for it gets ``/``."""
+    if request.headers.get("hx-request") != "true":
+        return RedirectResponse("/", status_code=303)
     with db.read() as session:
         stats = queries.overview(
             session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
@@ -350,10 +352,9 @@ def pairing_detail(
             and row.context.epoch == row.context_epoch
             and row.generation.epoch == row.generation_epoch
         )
-    if context.attention_dp and context_dp_rank is None:
-        context_dp_rank = 0
-    if generation.attention_dp and generation_dp_rank is None:
-        generation_dp_rank = 0
+    # A DP rank only means something under attention-DP; there it defaults to 0.
+    context_dp_rank = (context_dp_rank or 0) if context.attention_dp else None
+    generation_dp_rank = (generation_dp_rank or 0) if generation.attention_dp else None
     plan: dict[str, Any] | None = None
     plan_error: str | None = None
     if pairing.compatible and current:
