@@ -1,4 +1,4 @@
-"""Wire schemas: what clients send (``*Create``, strict, ``extra="forbid"``) and receive (``*Read``).
+"""Wire schemas: what clients send (``*Create``: strict, ``extra="forbid"``) and get (``*Read``).
 
 Request models are *strict*: JSON ``false`` is not ``0`` and ``"1"`` is not ``1``. Sizes are
 bounded (the planning core re-checks the same bounds and every page-table rule, with field paths).
