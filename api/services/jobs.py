@@ -308,7 +308,7 @@ def enqueue_transfer(
             need = sum(nbytes for _, nbytes in incoming)
             worker = _live_worker(session, generation, receiver_rank, now)
             assert worker is not None
-            offset = _reserve_staging(session, generation, receiver_rank, worker, need)
+            offset = _reserve_staging(session, generation, receiver_rank, worker, need, now)
             cursor = offset
             receive_routes = []
             for route, nbytes in incoming:
@@ -360,7 +360,8 @@ def enqueue_transfer(
 
 
 def _reserve_staging(
-    session: Session, instance: InstanceRow, rank: int, worker: WorkerRow, need: int
+    session: Session, instance: InstanceRow, rank: int, worker: WorkerRow, need: int,
+    now: datetime,
 ) -> int:
     """First fit of ``need`` bytes in the receiver's staging buffer, beside active transfers."""
     capacity = int(worker.peer["staging"]["bytes"])
@@ -378,8 +379,12 @@ def _reserve_staging(
                 JobRow.instance_id == instance.id,
                 JobRow.rank == rank,
                 JobRow.kind == "receive",
-                JobRow.state.in_(ACTIVE),
                 JobRow.staging_bytes > 0,
+                or_(
+                    JobRow.state.in_(ACTIVE),
+                    # quarantined: a superseded sender might still write into it
+                    and_(JobRow.state == "failed", JobRow.lease_expires_at > now),
+                ),
             )
         )
     )
@@ -662,6 +667,20 @@ def _retry_or_fail(
 def _supersede(
     session: Session, transfer_id: str, attempt: int, reason: str, now: datetime
 ) -> None:
+    """Fail every active job of one attempt.
+
+    A sender that still holds a lease may be writing right now (or wake up later), so receive
+    staging areas of the attempt stay reserved (quarantined) until such a lease could have run
+    out; only then may another transfer's bytes land there.
+    """
+    writing = session.scalar(
+        select(func.max(JobRow.lease_expires_at)).where(
+            JobRow.transfer_id == transfer_id,
+            JobRow.attempt == attempt,
+            JobRow.kind == "send",
+            JobRow.state == "leased",
+        )
+    )
     session.execute(
         update(JobRow)
         .where(
@@ -676,6 +695,17 @@ def _supersede(
         )
         .execution_options(synchronize_session=False)
     )
+    if writing is not None:
+        session.execute(
+            update(JobRow)
+            .where(
+                JobRow.transfer_id == transfer_id,
+                JobRow.attempt == attempt,
+                JobRow.kind == "receive",
+            )
+            .values(lease_expires_at=max(writing, now + timedelta(seconds=LEASE_TTL_S)))
+            .execution_options(synchronize_session=False)
+        )
 
 
 def _finish(
