@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -126,7 +127,9 @@ def _peer(role: str, cfg: dict[str, Any], cmds: Any, out: Any) -> None:
             fill_pattern(1, want[0])
             copy_local(route, src, want, ids, ids)
             del src
-        tr = NixlTransport(f"bench-{role}", pools, staging_bytes=size)
+        tr = NixlTransport(
+            f"bench-{role}", pools, staging_bytes=size, progress_thread=cfg["progress_thread"]
+        )
         out.put(("info", tr.peer_info().to_json()))
         peer = cmds.get(timeout=TIMEOUT_S)
         if role == "sender":
@@ -182,7 +185,8 @@ def _get(q: Any, procs: list[Any]) -> Any:
 
 def nixl_rows(layout: str, args: argparse.Namespace) -> list[tuple[str, float, float, str]]:
     ctx = mp.get_context("spawn")
-    cfg = {"layout": layout, "layers": args.layers, "blocks": args.blocks, "device": args.device}
+    cfg = {"layout": layout, "layers": args.layers, "blocks": args.blocks, "device": args.device,
+           "progress_thread": not args.no_progress_thread}  # fmt: skip
     cmds = {r: ctx.Queue() for r in ("sender", "receiver")}
     outs = {r: ctx.Queue() for r in ("sender", "receiver")}
     procs = {
@@ -237,10 +241,19 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="*", default=[32, 64])
     parser.add_argument("--layouts", nargs="*", default=["HND", "NHD"])
     parser.add_argument("--skip-nixl", action="store_true")
+    parser.add_argument("--skip-local", action="store_true")
+    parser.add_argument(
+        "--no-progress-thread", action="store_true", help="NIXL agents without progress thread"
+    )
     args = parser.parse_args()
     import torch
 
-    print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}")
+    print(
+        f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"cpus={os.cpu_count()} load(1m)={os.getloadavg()[0]:.1f} "
+        f"nixl progress thread={'off' if args.no_progress_thread else 'on'}",
+        flush=True,
+    )
     for layout in args.layouts:
         hs = head_slice(layout, args.layers)
         route = hs.route()
@@ -250,14 +263,15 @@ def main() -> None:
             f"\n{layout}: {args.blocks} blocks, {len(seg.runs)} runs × count "
             f"{seg.runs[0].count} × {seg.runs[0].len} B, {nbytes / 2**20:.0f} MiB per transfer"
         )
-        print(f"  {'local':34s} {'GB/s':>8s} {'vs copy_':>9s}")
-        for name, gbps, ratio in local_rows(layout, args):
-            print(f"  {name:34s} {gbps:8.2f} {ratio:9.2f}")
+        if not args.skip_local:
+            print(f"  {'local':34s} {'GB/s':>8s} {'vs copy_':>9s}")
+            for name, gbps, ratio in local_rows(layout, args):
+                print(f"  {name:34s} {gbps:8.2f} {ratio:9.2f}", flush=True)
         if args.skip_nixl:
             continue
         print(f"  {'NIXL, two processes':34s} {'GB/s':>8s} {'vs raw':>9s} {'bytes':>9s}")
         for name, gbps, ratio, check in nixl_rows(layout, args):
-            print(f"  {name:34s} {gbps:8.2f} {ratio:9.2f} {check:>9s}")
+            print(f"  {name:34s} {gbps:8.2f} {ratio:9.2f} {check:>9s}", flush=True)
 
 
 if __name__ == "__main__":

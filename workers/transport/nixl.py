@@ -150,6 +150,7 @@ class NixlTransport:
         staging_bytes: int,
         backends: Iterable[str] = ("UCX",),
         num_threads: int = 0,
+        progress_thread: bool = True,
     ) -> None:
         import torch
         from nixl._api import nixl_agent, nixl_agent_config
@@ -164,7 +165,14 @@ class NixlTransport:
         device = devices.pop()
         self.staging = torch.zeros(max(int(staging_bytes), 1), dtype=torch.uint8, device=device)
         self.mem_type, self.device_id = _device_of(self.staging)
-        cfg = nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        # NIXL's progress thread is required for correctness here: a WRITE into this agent must
+        # complete while this worker is not polling (its receive job runs only after every
+        # writer is done; without the thread such a WRITE times out, see test_nixl.py). It polls
+        # without sleeping, which costs a core: on the 2-core dev host a raw WRITE ran at 2.0
+        # GB/s without it, 0.8 with it (bench/transfer.py --no-progress-thread).
+        cfg = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
+        )
         self._agent = nixl_agent(name, cfg)
         self._regs = [self._agent.register_memory(p.tensor) for p in self.pools.values()]
         self._regs.append(self._agent.register_memory(self.staging))
