@@ -112,6 +112,8 @@ def _peer(role: str, cfg: dict[str, Any], cmds: Any, out: Any) -> None:
 
         from workers.transport.nixl import NixlTransport
 
+        if cfg["torch_threads"]:
+            torch.set_num_threads(cfg["torch_threads"])
         hs = head_slice(cfg["layout"], cfg["layers"])
         route = hs.route()
         n, device = cfg["blocks"], cfg["device"]
@@ -186,7 +188,8 @@ def _get(q: Any, procs: list[Any]) -> Any:
 def nixl_rows(layout: str, args: argparse.Namespace) -> list[tuple[str, float, float, str]]:
     ctx = mp.get_context("spawn")
     cfg = {"layout": layout, "layers": args.layers, "blocks": args.blocks, "device": args.device,
-           "progress_thread": not args.no_progress_thread}  # fmt: skip
+           "progress_thread": not args.no_progress_thread,
+           "torch_threads": args.peer_torch_threads}  # fmt: skip
     cmds = {r: ctx.Queue() for r in ("sender", "receiver")}
     outs = {r: ctx.Queue() for r in ("sender", "receiver")}
     procs = {
@@ -242,6 +245,9 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", default=["HND", "NHD"])
     parser.add_argument("--skip-nixl", action="store_true")
     parser.add_argument("--skip-local", action="store_true")
+    parser.add_argument(
+        "--peer-torch-threads", type=int, default=0, help="torch intra-op threads in NIXL peers"
+    )
     parser.add_argument(
         "--no-progress-thread", action="store_true", help="NIXL agents without progress thread"
     )
