@@ -6,10 +6,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from sqlalchemy.exc import IntegrityError
 
-from api import __version__
+from api import __version__, auth
 from api.db import Database, utcnow
 from api.errors import Conflict, install_error_handlers
 from api.limits import BodyLimitMiddleware
@@ -85,14 +85,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             Conflict("a concurrent request changed the same resource; retry", code="conflict"),
         )
 
-    app.include_router(health.router)
-    app.include_router(instances.router)
-    app.include_router(pairings.router)
-    app.include_router(pairings.compatibility_router)
-    app.include_router(transfers.router)
-    app.include_router(execution.workers_router)
-    app.include_router(execution.jobs_router)
-    dashboard.install(app)
+    # Access rules live in api/auth.py (POLICY); every router gets the same guard here.
+    guard = [Depends(auth.authorize)]
+    app.include_router(health.router, dependencies=guard)
+    app.include_router(instances.router, dependencies=guard)
+    app.include_router(pairings.router, dependencies=guard)
+    app.include_router(pairings.compatibility_router, dependencies=guard)
+    app.include_router(transfers.router, dependencies=guard)
+    app.include_router(execution.workers_router, dependencies=guard)
+    app.include_router(execution.jobs_router, dependencies=guard)
+    auth.install(app)
+    dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(TimingMiddleware, metrics=metrics)
     return app

@@ -21,6 +21,9 @@ def serve(
     migrate: bool = typer.Option(
         True, "--migrate/--no-migrate", help="Upgrade the database to the newest schema first."
     ),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="Allow a non-loopback --host without KVPLANE_AUTH=true."
+    ),
 ) -> None:
     """Run the control-plane HTTP server (API docs at /docs)."""
     import uvicorn
@@ -29,10 +32,27 @@ def serve(
     from api.settings import Settings
 
     settings = Settings(host=host, port=port, demo_fleet=demo_fleet, migrate_on_startup=migrate)
+    _refuse_exposure(host, auth=settings.auth, insecure=insecure)
     typer.echo(
         f"kvplane on http://{host}:{port} (API docs: /docs), database {settings.database_url}"
     )
     uvicorn.run(create_app(settings), host=host, port=port)
+
+
+def _refuse_exposure(host: str, *, auth: bool, insecure: bool) -> None:
+    """Exit 2 on a non-loopback host without auth; with --insecure, warn (at every start)."""
+    import logging
+
+    from api.auth import exposure_refusal
+
+    refusal = exposure_refusal(host, auth=auth)
+    if refusal and not insecure:
+        typer.echo(f"error: {refusal}", err=True)
+        raise typer.Exit(2)
+    if refusal:
+        logging.getLogger("kvplane.serve").warning(
+            "INSECURE: serving on %s without authentication (--insecure)", host
+        )
 
 
 @cli.command()
@@ -159,6 +179,9 @@ def worker(
         False, "--fill-pattern", help="Fill pools with the (rank, pool, byte) test pattern and "
         "verify every byte after each verified transfer (demos and tests)."),
     max_jobs: int | None = typer.Option(None, help="Exit after this many jobs."),
+    token: str | None = typer.Option(
+        None, envvar="KVPLANE_TOKEN", show_default=False,
+        help="Bearer token (scope worker, bound to the instance) when auth is on."),
 ) -> None:
     """Serve one rank: allocate its pools, attach over NIXL, run transfer jobs until stopped."""
     import logging
@@ -168,7 +191,7 @@ def worker(
     from workers.agent import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    with Client(control_plane) as client:
+    with Client(control_plane, token=token) as client:
         agent = Worker(client, instance, rank, device=device, staging_bytes=staging_mib << 20,
                        fill=fill_pattern)
         signal.signal(signal.SIGTERM, lambda *_: agent._stop.set())
@@ -194,6 +217,11 @@ def demo(
 
     raise typer.Exit(run_demo(blocks=blocks, port=port, database=database,
                               keep_running=keep_running))
+
+
+from api.cli_tokens import tokens_app  # noqa: E402
+
+cli.add_typer(tokens_app, name="tokens")
 
 
 def main() -> None:

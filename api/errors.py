@@ -108,6 +108,25 @@ class LeaseLost(Conflict):
     title = "Lease lost"
 
 
+class Unauthorized(KvplaneError):
+    """No bearer token, or one that is unknown or revoked."""
+
+    status = 401
+    code = "unauthorized"
+    title = "Unauthorized"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": 'Bearer realm="kvplane"'})
+
+
+class Forbidden(KvplaneError):
+    """A valid token whose scope (or bound instance) does not cover the request."""
+
+    status = 403
+    code = "forbidden"
+    title = "Forbidden"
+
+
 class PreconditionFailed(KvplaneError):
     """An ``If-Match`` precondition did not hold."""
 
@@ -146,6 +165,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "malformed_json": (400, "The body is not valid JSON."),
     "invalid_geometry": (422, "The registration breaks a page-table rule; see `errors[].loc`."),
     "payload_too_large": (413, "The body exceeds `KVPLANE_MAX_BODY_BYTES`."),
+    "unauthorized": (401, "Auth is on and the bearer token is missing, unknown or revoked."),
+    "forbidden": (403, "The token's scope or bound instance does not cover this request."),
     "instance_not_found": (404, "No instance with that name."),
     "pairing_not_found": (404, "No pairing with that id (or for that context/generation)."),
     "transfer_not_found": (404, "No transfer with that id."),
@@ -278,6 +299,8 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses=`` entries documenting problem+json for ``statuses``."""
     descriptions = {
         400: "Malformed request (problem+json)",
+        401: "Missing, unknown or revoked bearer token (problem+json)",
+        403: "The token's scope does not cover this request (problem+json)",
         404: "Not found (problem+json)",
         409: "Conflict (problem+json)",
         412: "Precondition failed (problem+json)",

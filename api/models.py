@@ -225,3 +225,21 @@ class JobRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class TokenRow(Base):
+    """An API bearer token: only the sha256 of its secret is stored (the secret is shown once).
+
+    ``scope`` is ``instance``, ``worker``, ``operator`` or ``admin``; ``instance`` binds an
+    instance or worker token to one instance name. A revoked token keeps its row (audit).
+    """
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), default="")
+    scope: Mapped[str] = mapped_column(String(16))
+    instance: Mapped[str | None] = mapped_column(String(NAME_LENGTH), nullable=True)
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

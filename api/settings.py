@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SQLITE_PATH = Path("var") / "kvplane.db"
@@ -28,3 +29,10 @@ class Settings(BaseSettings):
     demo_fleet: bool = False
     #: How long a worker's job lease lasts without a heartbeat before the job is retried.
     lease_ttl_s: float = 30.0
+    #: Require bearer tokens (``kvplane tokens create``) on every route but /healthz, /readyz.
+    auth: bool = False
+    #: Key that signs dashboard session cookies; a random one per process when unset (then a
+    #: session only works against the process that issued it: set it when running several).
+    session_secret: SecretStr | None = None
+    #: Lifetime of a dashboard session.
+    session_ttl_s: int = 8 * 3600

@@ -8,6 +8,7 @@ host, so a cross-site form cannot deregister an instance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -55,9 +56,9 @@ Page = Annotated[int, Query(ge=1, le=1 << 20)]
 DpRank = Annotated[int | None, Query(ge=0, lt=4096)]
 
 
-def install(app: FastAPI) -> None:
-    """Serve the dashboard pages and their static files from ``app``."""
-    app.include_router(router)
+def install(app: FastAPI, dependencies: Sequence[Any] = ()) -> None:
+    """Serve the dashboard pages (behind ``dependencies``) and their static files from ``app``."""
+    app.include_router(router, dependencies=list(dependencies))
     app.mount(STATIC_URL, StaticFiles(directory=str(WEB_DIR / "static")), name="dashboard-static")
 
 

@@ -12,7 +12,9 @@ from sqlalchemy import create_engine, inspect
 from api.db import Base
 from api.migrate import current_revisions, downgrade, head_revisions, upgrade
 
-TABLES = {"instances", "instance_ranks", "pairings", "plans", "transfers", "workers", "jobs"}
+TABLES = {
+    "instances", "instance_ranks", "pairings", "plans", "transfers", "workers", "jobs", "tokens"
+}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -1,0 +1,467 @@
+"""Bearer tokens, scopes and the one table that says who may call which route.
+
+Auth is off by default (a loopback development server); ``KVPLANE_AUTH=true`` turns it on.
+Then every request carries ``Authorization: Bearer <secret>``; the database stores only
+``sha256(secret)`` (the secret is 256 random bits, shown once by ``kvplane tokens create``).
+
+Scopes:
+
+- ``instance``: register, update, read and deregister **its own** instance (token bound to a name);
+- ``worker``: register workers, heartbeat, claim and report jobs of **its own** instance;
+- ``operator``: pairings, transfers, compatibility, every read, ``/metrics``, the dashboard;
+- ``admin``: everything (and tokens, which are managed on the database by the CLI).
+
+:data:`POLICY` maps each ``operationId`` to a :class:`Rule`; :func:`authorize` is added to every
+API router at include time (``api/app.py``). A route missing from the table is admin-only (fail
+closed) and ``tests/api/test_auth.py`` fails until it gets a rule. ``/healthz`` and ``/readyz``
+stay open. The dashboard uses a signed session cookie made at ``/ui/login`` from an operator token
+(``HttpOnly``, ``SameSite=Strict``); the cookie carries the token id, an expiry and an HMAC, never
+the secret, and the token is looked up on every request, so revoking it ends the session.
+No secret or hash ever appears in a log line, an error or a page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api.db import Database, utcnow
+from api.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from api.models import NAME_LENGTH, InstanceRow, JobRow, TokenRow, WorkerRow
+
+SCOPES = ("instance", "worker", "operator", "admin")
+#: Scopes bound to one instance name.
+BOUND_SCOPES = ("instance", "worker")
+TOKEN_PREFIX = "kvp_"
+SESSION_COOKIE = "kvplane_session"
+LOGIN_PATH = "/ui/login"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a token's id, scope and (for bound scopes) instance name."""
+
+    token_id: str
+    scope: str
+    instance: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens (services: keyword-only, take session=, never commit)
+
+
+def new_secret() -> str:
+    """A fresh token secret: 256 random bits, URL-safe."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    """What the database stores: sha256 of the secret (hex)."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def create_token(
+    *, session: Session, scope: str, instance: str | None = None, name: str = ""
+) -> tuple[TokenRow, str]:
+    """Store a new token; returns the row and the secret (the only time it exists in clear)."""
+    if scope not in SCOPES:
+        raise BadRequest(f"scope must be one of {', '.join(SCOPES)}", code="validation_error")
+    if scope in BOUND_SCOPES and not instance:
+        raise BadRequest(f"a {scope} token must be bound to an instance", code="validation_error")
+    if scope not in BOUND_SCOPES and instance:
+        raise BadRequest(f"a {scope} token is not bound to an instance", code="validation_error")
+    if instance is not None and len(instance) > NAME_LENGTH:
+        raise BadRequest("instance name too long", code="validation_error")
+    secret = new_secret()
+    row = TokenRow(
+        id=uuid.uuid4().hex,
+        name=name[:NAME_LENGTH],
+        scope=scope,
+        instance=instance,
+        secret_hash=hash_secret(secret),
+        created_at=utcnow(),
+    )
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def list_tokens(*, session: Session) -> list[TokenRow]:
+    """Every token, oldest first (revoked ones included)."""
+    return list(session.scalars(select(TokenRow).order_by(TokenRow.created_at, TokenRow.id)))
+
+
+def revoke_token(*, session: Session, token_id: str, now: datetime | None = None) -> TokenRow:
+    """Revoke a token (idempotent); its sessions end with it."""
+    row = session.get(TokenRow, token_id)
+    if row is None:
+        raise NotFound(f"no token {token_id!r}", code="token_not_found")
+    if row.revoked_at is None:
+        row.revoked_at = now or utcnow()
+    return row
+
+
+def _principal(row: TokenRow | None) -> Principal | None:
+    if row is None or row.revoked_at is not None:
+        return None
+    return Principal(token_id=row.id, scope=row.scope, instance=row.instance)
+
+
+def principal_for_secret(*, session: Session, secret: str) -> Principal | None:
+    """The live token with this secret, or None."""
+    row = session.scalar(select(TokenRow).where(TokenRow.secret_hash == hash_secret(secret)))
+    return _principal(row)
+
+
+def principal_for_id(*, session: Session, token_id: str) -> Principal | None:
+    """The live token with this id, or None."""
+    return _principal(session.get(TokenRow, token_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy: operationId -> who may call it
+
+_UNKNOWN = object()  # the target does not exist: let the route answer 404
+Owner = Callable[[Request], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``scopes`` may call the route on anything; ``own`` only on their own instance."""
+
+    scopes: frozenset[str] = frozenset()
+    own: frozenset[str] = frozenset()
+    owner: Owner | None = None
+    open: bool = False
+
+
+async def _json_field(request: Request, key: str) -> Any:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return None
+    value = body.get(key) if isinstance(body, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _db(request: Request) -> Database:
+    db: Database = request.app.state.db
+    return db
+
+
+async def _path_name(request: Request) -> Any:
+    return request.path_params.get("name")
+
+
+async def _body_instance(request: Request) -> Any:
+    return await _json_field(request, "instance")
+
+
+def _instance_of(request: Request, model: type[WorkerRow] | type[JobRow], key: str | None) -> Any:
+    if key is None:
+        return None
+    with _db(request).read() as session:
+        name = session.scalar(
+            select(InstanceRow.name)
+            .join(model, model.instance_id == InstanceRow.id)
+            .where(model.id == key)
+        )
+    return _UNKNOWN if name is None else name
+
+
+async def _path_worker(request: Request) -> Any:
+    return await run_in_threadpool(
+        _instance_of, request, WorkerRow, request.path_params.get("worker_id")
+    )
+
+
+async def _body_worker(request: Request) -> Any:
+    worker_id = await _json_field(request, "worker_id")
+    return await run_in_threadpool(_instance_of, request, WorkerRow, worker_id)
+
+
+async def _path_job(request: Request) -> Any:
+    return await run_in_threadpool(_instance_of, request, JobRow, request.path_params.get("job_id"))
+
+
+OPEN = Rule(open=True)
+ADMIN = Rule()
+OPERATOR = Rule(scopes=frozenset({"operator"}))
+_INSTANCE = frozenset({"instance"})
+_WORKER = frozenset({"worker"})
+
+POLICY: dict[str, Rule] = {
+    # health
+    "healthz": OPEN,
+    "readyz": OPEN,
+    "metrics": OPERATOR,
+    # instances: an instance registers itself; operators read and deregister
+    "register_instance": Rule(own=_INSTANCE, owner=_path_name),
+    "report_rank": Rule(own=_INSTANCE, owner=_path_name),
+    "get_instance": Rule(scopes=frozenset({"operator"}), own=_INSTANCE | _WORKER, owner=_path_name),
+    "list_instances": OPERATOR,
+    "delete_instance": Rule(scopes=frozenset({"operator"}), own=_INSTANCE, owner=_path_name),
+    # pairings, compatibility, transfers
+    "create_pairing": OPERATOR,
+    "list_pairings": OPERATOR,
+    "get_pairing": OPERATOR,
+    "validate_pairing": OPERATOR,
+    "get_pairing_plan": OPERATOR,
+    "check_compatibility": OPERATOR,
+    "create_transfer": OPERATOR,
+    "list_transfers": OPERATOR,
+    "get_transfer": OPERATOR,
+    "retry_transfer": OPERATOR,
+    "get_transfer_fragments": OPERATOR,
+    # workers and jobs: a worker acts for its own instance; operators read
+    "register_worker": Rule(own=_WORKER, owner=_body_instance),
+    "list_workers": OPERATOR,
+    "worker_heartbeat": Rule(own=_WORKER, owner=_path_worker),
+    "stop_worker": Rule(own=_WORKER, owner=_path_worker),
+    "claim_job": Rule(own=_WORKER, owner=_body_worker),
+    "complete_job": Rule(own=_WORKER, owner=_path_job),
+    "fail_job": Rule(own=_WORKER, owner=_path_job),
+    "list_jobs": OPERATOR,
+}
+
+
+def operation_of(request: Request) -> str:
+    """The matched route's operationId (or function name)."""
+    route = request.scope.get("route")
+    return str(getattr(route, "operation_id", None) or getattr(route, "name", ""))
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def _lookup_secret(request: Request, secret: str) -> Principal | None:
+    with _db(request).read() as session:
+        return principal_for_secret(session=session, secret=secret)
+
+
+async def authenticate(request: Request) -> Principal:
+    """The caller's principal from its bearer token (401 when missing, unknown or revoked)."""
+    secret = _bearer(request)
+    if secret is None:
+        raise Unauthorized("this server requires `Authorization: Bearer <token>`")
+    principal = await run_in_threadpool(_lookup_secret, request, secret)
+    if principal is None:
+        raise Unauthorized("the bearer token is unknown or revoked")
+    request.state.principal = principal
+    return principal
+
+
+async def check(request: Request, principal: Principal, operation: str) -> None:
+    """403 unless ``principal`` may call ``operation`` (on this request's target)."""
+    rule = POLICY.get(operation, ADMIN)
+    if principal.scope == "admin" or principal.scope in rule.scopes:
+        return
+    if principal.scope in rule.own and rule.owner is not None:
+        target = await rule.owner(request)
+        if target is _UNKNOWN or (target is not None and target == principal.instance):
+            return
+        raise Forbidden(
+            f"this {principal.scope} token is bound to instance {principal.instance!r}; "
+            f"{operation} here concerns another instance"
+        )
+    raise Forbidden(f"a {principal.scope} token may not call {operation}")
+
+
+async def authorize(request: Request) -> None:
+    """Router dependency: enforce :data:`POLICY` when auth is on."""
+    if not request.app.state.settings.auth:
+        return
+    operation = operation_of(request)
+    if POLICY.get(operation, ADMIN).open:
+        return
+    await check(request, await authenticate(request), operation)
+
+
+# ---------------------------------------------------------------------------------------------
+# dashboard sessions
+
+
+class LoginRequired(Exception):
+    """The dashboard needs a session; answered with a redirect to the login form."""
+
+    def __init__(self, next_path: str) -> None:
+        super().__init__(next_path)
+        self.next_path = next_path
+
+
+@dataclass
+class SessionKeys:
+    """The HMAC key of session cookies (from settings, else random per process)."""
+
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+
+    def sign(self, token_id: str, expires_at: int) -> str:
+        payload = f"{token_id}.{expires_at}"
+        mac = hmac.new(self.key, payload.encode(), hashlib.sha256).hexdigest()
+        return f"{payload}.{mac}"
+
+    def verify(self, cookie: str, now: float) -> str | None:
+        """The token id of a well-signed, unexpired cookie, or None."""
+        parts = cookie.split(".")
+        if len(parts) != 3:
+            return None
+        token_id, expires, mac = parts
+        expected = hmac.new(self.key, f"{token_id}.{expires}".encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(mac, expected):
+            return None
+        if not expires.isdigit() or int(expires) < now:
+            return None
+        return token_id
+
+
+def _dashboard_principal(request: Request) -> Principal | None:
+    cookie = request.cookies.get(SESSION_COOKIE)
+    if not cookie:
+        return None
+    keys: SessionKeys = request.app.state.session_keys
+    token_id = keys.verify(cookie, time.time())
+    if token_id is None:
+        return None
+    with _db(request).read() as session:
+        return principal_for_id(session=session, token_id=token_id)
+
+
+def _safe_next(path: str | None) -> str:
+    # Only local paths: a login form must not become an open redirect.
+    if not path or not path.startswith("/") or path.startswith("//") or "\\" in path:
+        return "/"
+    return path
+
+
+async def dashboard_session(request: Request) -> None:
+    """Dashboard dependency: an operator (or admin) session, or a bearer token, when auth is on."""
+    if not request.app.state.settings.auth:
+        return
+    if _bearer(request) is not None:
+        principal = await authenticate(request)
+    else:
+        found = await run_in_threadpool(_dashboard_principal, request)
+        if found is None:
+            target = request.url.path
+            if request.url.query:
+                target += "?" + request.url.query
+            raise LoginRequired(target if request.method == "GET" else "/")
+        principal = found
+    if principal.scope not in ("operator", "admin"):
+        raise Forbidden(f"the dashboard needs an operator token, not a {principal.scope} token")
+    request.state.principal = principal
+
+
+login_router = APIRouter(include_in_schema=False)
+
+
+def _login_page(request: Request, next_path: str, error: str | None, status_code: int) -> Response:
+    from api.routers.dashboard import templates
+
+    return templates.TemplateResponse(
+        request,
+        "login.html",
+        {"next": _safe_next(next_path), "error": error, "notice": None, "nav": None},
+        status_code=status_code,
+    )
+
+
+@login_router.get(LOGIN_PATH, response_class=HTMLResponse)
+def login_form(request: Request, next: str = "/") -> Response:
+    """The dashboard's login form (paste an operator token)."""
+    return _login_page(request, next, None, 200)
+
+
+@login_router.post(LOGIN_PATH, response_model=None)
+async def login(request: Request) -> Response:
+    """Exchange an operator token for a session cookie (the token itself is never stored)."""
+    from api.routers.dashboard import form_fields
+
+    form = await form_fields(request)
+    next_path = _safe_next(form.get("next"))
+    secret = form.get("token", "").strip()
+    principal = await run_in_threadpool(_lookup_secret, request, secret) if secret else None
+    if principal is None:
+        return _login_page(request, next_path, "Unknown or revoked token.", 401)
+    if principal.scope not in ("operator", "admin"):
+        return _login_page(
+            request, next_path, f"A {principal.scope} token cannot open the dashboard.", 403
+        )
+    settings = request.app.state.settings
+    expires_at = int(time.time()) + int(settings.session_ttl_s)
+    keys: SessionKeys = request.app.state.session_keys
+    response = RedirectResponse(next_path, status_code=303)
+    response.set_cookie(
+        SESSION_COOKIE,
+        keys.sign(principal.token_id, expires_at),
+        max_age=int(settings.session_ttl_s),
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@login_router.post("/ui/logout", response_model=None)
+async def logout(request: Request) -> Response:
+    """End the dashboard session."""
+    from api.routers.dashboard import form_fields
+
+    await form_fields(request)
+    response = RedirectResponse(LOGIN_PATH, status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+    return response
+
+
+def install(app: FastAPI) -> None:
+    """Session keys, the login routes and the login redirect (call before the dashboard)."""
+    secret = app.state.settings.session_secret
+    app.state.session_keys = (
+        SessionKeys(key=secret.get_secret_value().encode()) if secret else SessionKeys()
+    )
+    app.include_router(login_router)
+
+    @app.exception_handler(LoginRequired)
+    async def _login_required(_request: Request, exc: LoginRequired) -> Response:
+        return RedirectResponse(f"{LOGIN_PATH}?next={quote(exc.next_path, safe='')}", 303)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_refusal(host: str, *, auth: bool) -> str | None:
+    """Why ``kvplane serve`` must not bind ``host`` as configured, or None when it may."""
+    if auth or is_loopback(host):
+        return None
+    return (
+        f"refusing to serve on {host} without authentication: set KVPLANE_AUTH=true (tokens: "
+        "`kvplane tokens create`), or pass --insecure"
+    )

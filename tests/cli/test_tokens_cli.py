@@ -1,0 +1,120 @@
+"""`kvplane tokens` on the database, and `kvplane serve` refusing to expose an open server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from api.app import create_app
+from api.settings import Settings
+
+runner = CliRunner()
+
+
+def invoke(db_url: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    from api.cli import cli
+
+    return runner.invoke(cli, list(args), env={"KVPLANE_DATABASE_URL": db_url, **(env or {})})
+
+
+def test_create_list_revoke(db_url: str) -> None:
+    created = invoke(
+        db_url, "tokens", "create", "--scope", "admin", "--name", "bootstrap", "--json"
+    )
+    assert created.exit_code == 0, created.output
+    admin = json.loads(created.stdout)
+    assert admin["token"].startswith("kvp_") and len(admin["token"]) > 40
+
+    plain = invoke(db_url, "tokens", "create", "--scope", "instance", "--instance", "ctx")
+    assert plain.exit_code == 0, plain.output
+    secret = plain.stdout.splitlines()[1]
+    assert "shown only now" in plain.stderr
+
+    listed = invoke(db_url, "tokens", "list")
+    assert listed.exit_code == 0
+    assert admin["id"] in listed.stdout and "bootstrap" in listed.stdout
+    for leaked in (admin["token"], secret, hashlib.sha256(secret.encode()).hexdigest()):
+        assert leaked not in listed.stdout
+
+    with TestClient(create_app(Settings(database_url=db_url, auth=True))) as api:
+        headers = {"Authorization": f"Bearer {admin['token']}"}
+        assert api.get("/v1/instances", headers=headers).status_code == 200
+        assert invoke(db_url, "tokens", "revoke", admin["id"]).exit_code == 0
+        assert api.get("/v1/instances", headers=headers).status_code == 401
+    rows = [
+        json.loads(line) for line in invoke(db_url, "tokens", "list", "--json").stdout.splitlines()
+    ]
+    assert {row["id"]: row["revoked_at"] is not None for row in rows}[admin["id"]]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--scope", "root"),
+        ("--scope", "instance"),  # a bound scope needs --instance
+        ("--scope", "worker"),
+        ("--scope", "operator", "--instance", "ctx"),  # an operator is not bound
+    ],
+)
+def test_create_refuses_bad_scopes(sqlite_url: str, args: tuple[str, ...]) -> None:
+    result = invoke(sqlite_url, "tokens", "create", *args)
+    assert result.exit_code == 2
+    assert "error:" in result.stderr
+
+
+def test_revoke_unknown_token(sqlite_url: str) -> None:
+    result = invoke(sqlite_url, "tokens", "revoke", "nope")
+    assert result.exit_code == 2 and "no token" in result.stderr
+
+
+@pytest.fixture
+def fake_uvicorn(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    import uvicorn
+
+    runs: list[dict[str, Any]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(kwargs))
+    return runs
+
+
+def test_serve_refuses_public_host_without_auth(
+    sqlite_url: str, fake_uvicorn: list[dict[str, Any]]
+) -> None:
+    result = invoke(sqlite_url, "serve", "--host", "0.0.0.0", "--no-migrate")
+    assert result.exit_code == 2
+    assert "KVPLANE_AUTH=true" in result.stderr and "--insecure" in result.stderr
+    assert fake_uvicorn == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_serve_on_loopback_needs_no_auth(
+    sqlite_url: str, fake_uvicorn: list[dict[str, Any]], host: str
+) -> None:
+    assert invoke(sqlite_url, "serve", "--host", host, "--no-migrate").exit_code == 0
+    assert fake_uvicorn[0]["host"] == host
+
+
+def test_serve_public_host_with_auth(sqlite_url: str, fake_uvicorn: list[dict[str, Any]]) -> None:
+    result = invoke(
+        sqlite_url, "serve", "--host", "0.0.0.0", "--no-migrate", env={"KVPLANE_AUTH": "true"}
+    )
+    assert result.exit_code == 0, result.output
+    assert fake_uvicorn[0]["host"] == "0.0.0.0"
+
+
+def test_serve_insecure_warns_at_every_start(
+    sqlite_url: str, fake_uvicorn: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="kvplane.serve"):
+            result = invoke(sqlite_url, "serve", "--host", "10.1.2.3", "--insecure", "--no-migrate")
+        assert result.exit_code == 0, result.output
+    assert len(fake_uvicorn) == 2
+    warnings = [r for r in caplog.records if r.name == "kvplane.serve"]
+    assert len(warnings) == 2
+    assert all("INSECURE" in r.getMessage() and "10.1.2.3" in r.getMessage() for r in warnings)
