@@ -42,9 +42,9 @@ def demo_bodies(num_slots: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _spawn(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    log_file = log_path.open("wb")
-    return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    with log_path.open("wb") as log_file:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
 
 
 def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from api.client import ApiError, Client, ConflictError, LeaseLostError, NotFoundError
 from workers.executors import align_blocks, as_route, expand_fragments
 from workers.pools import Pool, PoolSpec, allocate_pools, attach_pools, fill_pattern
+from workers.transport import TransferCancelled
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +105,9 @@ class Worker:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._peer_of_rank: dict[tuple[str, int], str] = {}
+        self._running_job: str | None = None
+        # Fault injection for tests and chaos drills: hold every claimed job this long first.
+        self.pause_after_claim_s = float(os.environ.get("KVPLANE_WORKER_PAUSE_AFTER_CLAIM_S", 0))
 
     # --- attach --------------------------------------------------------------------------
 
@@ -149,7 +153,13 @@ class Worker:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
                 if self.worker_id is not None:
-                    self.client.heartbeat(self.worker_id)
+                    seen = self.client.heartbeat(self.worker_id)
+                    running = self._running_job
+                    if (running is not None and seen.get("current_job") != running
+                            and self.transport is not None):
+                        log.warning("job %s was withdrawn by the control plane; stopping it",
+                                    running)
+                        self.transport.cancel.set()
             except ConflictError:
                 log.warning("heartbeat refused: worker retired or stale; re-attaching")
             except ApiError as error:
@@ -188,8 +198,25 @@ class Worker:
 
     def run_job(self, job: Mapping[str, Any]) -> None:
         """Execute one leased job and report its outcome."""
-        started = time.perf_counter()
+        self._running_job = job["id"]
+        if self.transport is not None:
+            self.transport.cancel.clear()
         try:
+            self._run(job)
+        finally:
+            self._running_job = None
+
+    def _pause(self) -> None:
+        deadline = time.monotonic() + self.pause_after_claim_s
+        while time.monotonic() < deadline:
+            if self.transport is not None and self.transport.cancel.is_set():
+                raise TransferCancelled("the job was withdrawn while the worker was paused")
+            time.sleep(0.05)
+
+    def _run(self, job: Mapping[str, Any]) -> None:
+        try:
+            self._pause()
+            started = time.perf_counter()
             result = self._send(job) if job["kind"] == "send" else self._receive(job)
         except LeaseLostError:
             return
@@ -199,9 +226,12 @@ class Worker:
             log.warning("job %s (%s) failed: %s", job["id"], job["kind"], reason)
             self.stats.jobs_failed += 1
             self.stats.errors.append(reason)
+            # A withdrawn job's lease is gone: the report gets 409, which is expected.
             with contextlib.suppress(LeaseLostError):
-                self.client.fail_job(job["id"], {"lease_token": job["lease_token"],
-                                                 "reason": reason, "retryable": retryable})
+                self.client.fail_job(
+                    job["id"],
+                    {"lease_token": job["lease_token"], "reason": reason, "retryable": retryable},
+                )
             return
         elapsed = time.perf_counter() - started
         result["duration_s"] = elapsed

@@ -580,9 +580,10 @@ def complete_job(*, session: Session, job_id: str, body: wire.JobComplete, now: 
             JobRow.id == job_id, JobRow.lease_token == body.lease_token, JobRow.state == "leased"
         )
         .values(state="done", result=result, finished_at=now, updated_at=now, lease_expires_at=None)
+        .returning(JobRow.id)
         .execution_options(synchronize_session=False)
-    ).rowcount
-    if changed != 1:
+    ).scalar_one_or_none()
+    if changed is None:
         raise LeaseLost(f"job {job_id} changed concurrently")
     session.refresh(job)
     _settle(session, job.transfer_id, job.attempt, now)
@@ -610,9 +611,10 @@ def _fail(
             updated_at=now,
             lease_expires_at=None,
         )
+        .returning(JobRow.id)
         .execution_options(synchronize_session=False)
-    ).rowcount
-    if changed != 1:
+    ).scalar_one_or_none()
+    if changed is None:
         raise LeaseLost(f"job {job.id} changed concurrently")
     _retry_or_fail(
         session,

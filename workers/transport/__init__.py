@@ -13,3 +13,7 @@ class TransportError(RuntimeError):
 
 class TransferTimeout(TransportError):
     """A transfer or an awaited notification did not complete in time."""
+
+
+class TransferCancelled(TransportError):
+    """The control plane withdrew the job (lease lost, transfer failed or retried): stop."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from workers.executors import (
     staging_layout,
 )
 from workers.pools import Pool, PoolSpec
-from workers.transport import TransferTimeout, TransportError
+from workers.transport import TransferCancelled, TransferTimeout, TransportError
 
 if TYPE_CHECKING:
     import torch
@@ -179,6 +180,9 @@ class NixlTransport:
         self._peers: dict[str, PeerInfo] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._closed = False
+        # Set by the owner (the worker) when the control plane withdrew the current job: every
+        # wait then stops at its next poll instead of running into its deadline.
+        self.cancel = threading.Event()
 
     # --- peers ---------------------------------------------------------------------------
 
@@ -272,6 +276,8 @@ class NixlTransport:
             while True:
                 if all([self._poll(p) for p in pending]):
                     return
+                if self.cancel.is_set():
+                    raise TransferCancelled("the job was withdrawn while writes were in flight")
                 now = time.monotonic()
                 if now > deadline:
                     left = [p.what for p in pending if not p.done]
@@ -314,6 +320,8 @@ class NixlTransport:
             self._collect()
             if any(m in want for m in self._inbox.get(peer, [])):
                 continue
+            if self.cancel.is_set():
+                raise TransferCancelled("the job was withdrawn while waiting for notifications")
             now = time.monotonic()
             if now > deadline:
                 raise TransferTimeout(
@@ -369,6 +377,8 @@ class NixlTransport:
         pending: list[_Pending] = []
         try:
             for i, ch in enumerate(chunks):
+                if self.cancel.is_set():  # a withdrawn job must not write another byte
+                    raise TransferCancelled(f"the job was withdrawn before chunk {i}")
                 gather(
                     route, self.pools, src_blocks, out=self.staging, offset=local_offset, chunk=ch
                 )
