@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
+	# The main job first: control plane + 6 real workers, a byte-verified NIXL transfer TP4 -> TP2.
+	$(VENV)/bin/kvplane demo
+	# Then the server for the dashboard and API docs, with a demo fleet registered.
 	$(VENV)/bin/kvplane migrate
 	$(VENV)/bin/kvplane serve --host $(HOST) --port $(PORT) --demo-fleet
 
