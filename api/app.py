@@ -13,9 +13,11 @@ from api import __version__, auth
 from api.db import Database, utcnow
 from api.errors import Conflict, install_error_handlers
 from api.limits import BodyLimitMiddleware
+from api.logs import RequestIdMiddleware
 from api.metrics import Metrics, TimingMiddleware
 from api.migrate import head_revisions, upgrade
 from api.routers import dashboard, execution, health, instances, pairings, transfers
+from api.services import stats
 from api.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with db.read() as session:
             return count_pairings_by_status(session=session)
 
-    metrics = Metrics(_pairing_counts)
+    def _job_counts() -> dict[str, int]:
+        with db.read() as session:
+            return stats.count_jobs_by_state(session=session)
+
+    def _worker_counts() -> dict[str, int]:
+        with db.read() as session:
+            return stats.count_workers_by_status(session=session, now=app.state.clock())
+
+    metrics = Metrics(_pairing_counts, job_counts=_job_counts, worker_counts=_worker_counts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,4 +108,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(TimingMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-ID
     return app

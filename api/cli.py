@@ -29,14 +29,17 @@ def serve(
     import uvicorn
 
     from api.app import create_app
+    from api.logs import configure_logging
     from api.settings import Settings
 
     settings = Settings(host=host, port=port, demo_fleet=demo_fleet, migrate_on_startup=migrate)
+    configure_logging(json_lines=settings.log_json)
     _refuse_exposure(host, auth=settings.auth, insecure=insecure)
     typer.echo(
         f"kvplane on http://{host}:{port} (API docs: /docs), database {settings.database_url}"
     )
-    uvicorn.run(create_app(settings), host=host, port=port)
+    # Our handler formats uvicorn's records too; access lines come from RequestIdMiddleware.
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=None, access_log=False)
 
 
 def _refuse_exposure(host: str, *, auth: bool, insecure: bool) -> None:
@@ -182,21 +185,32 @@ def worker(
     token: str | None = typer.Option(
         None, envvar="KVPLANE_TOKEN", show_default=False,
         help="Bearer token (scope worker, bound to the instance) when auth is on."),
+    metrics_port: int | None = typer.Option(
+        None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."),
 ) -> None:
     """Serve one rank: allocate its pools, attach over NIXL, run transfer jobs until stopped."""
-    import logging
     import signal
 
     from api.client import Client
+    from api.logs import configure_logging, set_process_context
+    from api.settings import Settings
+    from workers import metrics as worker_metrics
     from workers.agent import Worker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(json_lines=Settings().log_json)
     with Client(control_plane, token=token) as client:
         agent = Worker(client, instance, rank, device=device, staging_bytes=staging_mib << 20,
                        fill=fill_pattern)
+        worker_metrics.instrument(agent)
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port)
         signal.signal(signal.SIGTERM, lambda *_: agent._stop.set())
         try:
             agent.attach()
+            set_process_context(worker_id=agent.worker_id)
+            worker_metrics.describe_worker(agent)
             typer.echo(f"worker {agent.worker_id}: {instance} rank {rank} on {device}")
             agent.serve(max_jobs=max_jobs)
         except KeyboardInterrupt:
@@ -217,6 +231,15 @@ def demo(
 
     raise typer.Exit(run_demo(blocks=blocks, port=port, database=database,
                               keep_running=keep_running))
+
+
+def _install_operator_commands() -> None:
+    from api.cli_ops import install
+
+    install(cli)
+
+
+_install_operator_commands()
 
 
 from api.cli_tokens import tokens_app  # noqa: E402

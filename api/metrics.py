@@ -12,12 +12,29 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PAIRING_STATUSES = ("compatible", "incompatible", "stale")
+JOB_STATES = ("queued", "leased", "done", "failed")
+WORKER_STATUSES = ("alive", "gone", "stopped", "stale")
+#: Fragments and template runs per transfer span orders of magnitude (1 to millions).
+COUNT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+Counts = Callable[[], dict[str, int]]
+
+
+def pairing_label(context: str, generation: str) -> str:
+    """The ``pairing`` label value of a (context, generation) pair."""
+    return f"{context}->{generation}"
 
 
 class Metrics:
     """The app's metrics; ``pairing_counts`` is read from the database at scrape time."""
 
-    def __init__(self, pairing_counts: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        pairing_counts: Counts,
+        *,
+        job_counts: Counts | None = None,
+        worker_counts: Counts | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registrations = Counter(
             "kvplane_registrations_total",
@@ -59,28 +76,101 @@ class Metrics:
         )
         self.transfer_duration = Histogram(
             "kvplane_transfer_duration_seconds",
-            "Executed transfers: creation to done",
+            "Executed transfers: creation to done or failed, by final status",
+            ["status"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,
         )
-        self.registry.register(_PairingCollector(pairing_counts))
+        self.transfers_finished = Counter(
+            "kvplane_transfers_finished_total",
+            "Executed transfers that reached done or failed, by status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.transfer_fragments = Histogram(
+            "kvplane_transfer_fragments",
+            "Contiguous fragments per planned transfer, by pairing",
+            ["pairing"],
+            buckets=COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.transfer_runs = Histogram(
+            "kvplane_transfer_runs",
+            "Template runs (strided copies) per planned transfer, by pairing",
+            ["pairing"],
+            buckets=COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.lease_expiries = Counter(
+            "kvplane_lease_expiries_total",
+            "Job leases that expired (worker stopped heartbeating); the transfer is retried",
+            registry=self.registry,
+        )
+        self.registry.register(
+            _CountsCollector(
+                "kvplane_pairings", "Pairings by status", "status", PAIRING_STATUSES, pairing_counts
+            )
+        )
+        if job_counts is not None:
+            self.registry.register(
+                _CountsCollector(
+                    "kvplane_jobs", "Transfer jobs by state", "state", JOB_STATES, job_counts
+                )
+            )
+        if worker_counts is not None:
+            self.registry.register(
+                _CountsCollector(
+                    "kvplane_workers",
+                    "Registered workers by status",
+                    "status",
+                    WORKER_STATUSES,
+                    worker_counts,
+                )
+            )
+
+    def transfer_planned(
+        self, *, context: str, generation: str, bytes_: int, fragments: int, runs: int
+    ) -> None:
+        """A new transfer was planned (not a replay)."""
+        pairing = pairing_label(context, generation)
+        self.transfers.inc()
+        self.transfer_bytes.inc(bytes_)
+        self.transfer_fragments.labels(pairing).observe(fragments)
+        self.transfer_runs.labels(pairing).observe(runs)
+
+    def transfers_settled(self, finished: Iterable[tuple[str, float]]) -> None:
+        """Transfers that just became done or failed: ``(status, seconds since creation)``."""
+        for status, seconds in finished:
+            self.transfers_finished.labels(status).inc()
+            self.transfer_duration.labels(status).observe(max(0.0, seconds))
 
 
-class _PairingCollector(Collector):
-    def __init__(self, pairing_counts: Callable[[], dict[str, int]]) -> None:
-        self._counts = pairing_counts
+class _CountsCollector(Collector):
+    """A gauge family read from the database at scrape time (same value in every process)."""
+
+    def __init__(
+        self, name: str, documentation: str, label: str, known: tuple[str, ...], counts: Counts
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._label = label
+        self._known = known
+        self._counts = counts
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
 
     def describe(self) -> Iterable[Metric]:
-        return [GaugeMetricFamily("kvplane_pairings", "Pairings by status", labels=["status"])]
+        return [self._family()]
 
     def collect(self) -> Iterable[Metric]:
-        family = GaugeMetricFamily("kvplane_pairings", "Pairings by status", labels=["status"])
+        family = self._family()
         try:
             counts = self._counts()
         except Exception:  # a scrape must not fail because the database is busy
             return [family]
-        for status in sorted(set(PAIRING_STATUSES) | set(counts)):
-            family.add_metric([status], counts.get(status, 0))
+        for value in sorted(set(self._known) | set(counts)):
+            family.add_metric([value], counts.get(value, 0))
         return [family]
 
 

@@ -365,6 +365,15 @@ class TransferRead(_Response):
     duration_s: float | None = Field(default=None, description="First claim to done/failed")
 
 
+class TransferList(_Response):
+    """One page of transfers."""
+
+    items: list[TransferRead]
+    total: int
+    limit: int
+    offset: int
+
+
 class RouteFragments(_Response):
     """Expanded fragments of one route: ``[src_pool, src_offset, dst_pool, dst_offset, length]``."""
 

@@ -12,6 +12,7 @@ from api import schemas_exec as wire
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import jobs as service
+from api.services import stats
 
 workers_router = APIRouter(prefix="/v1/workers", tags=["workers"])
 jobs_router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -131,6 +132,13 @@ def claim_job(
             time.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
             continue
         with db.write() as session:
+            # Reaped here (claim_job would do it too) so that expiries reach the metrics.
+            before = stats.transfer_statuses(
+                session=session,
+                transfer_ids=stats.expired_lease_transfer_ids(session=session, now=now),
+            )
+            expired = service.reap_expired(session=session, now=now)
+            finished = stats.newly_finished(session=session, before=before)
             job = service.claim_job(
                 session=session,
                 worker_id=body.worker_id,
@@ -138,6 +146,8 @@ def claim_job(
                 lease_ttl_s=lease_ttl_of(request),
             )
             lease = None if job is None else service.job_lease(session, job)
+        metrics.lease_expiries.inc(expired)
+        metrics.transfers_settled(finished)
         if lease is not None:
             metrics.jobs_claimed.inc()
             return lease
@@ -157,8 +167,13 @@ def complete_job(
 ) -> wire.JobRead:
     """Report a job done with its bytes, duration and checksums (409 if the lease was lost)."""
     with db.write() as session:
+        before = stats.transfer_statuses(
+            session=session, transfer_ids=stats.job_transfer_ids(session=session, job_id=job_id)
+        )
         row = service.complete_job(session=session, job_id=job_id, body=body, now=now_of(request))
         read = service.job_read(session, row)
+        finished = stats.newly_finished(session=session, before=before)
+    metrics.transfers_settled(finished)
     metrics.job_results.labels(state="done").inc()
     metrics.moved_bytes.labels(kind=read.kind).inc(body.bytes)
     return read
@@ -175,8 +190,13 @@ def fail_job(
 ) -> wire.JobRead:
     """Report a job failed with a reason; the transfer is retried (bounded) or failed."""
     with db.write() as session:
+        before = stats.transfer_statuses(
+            session=session, transfer_ids=stats.job_transfer_ids(session=session, job_id=job_id)
+        )
         row = service.fail_job(session=session, job_id=job_id, body=body, now=now_of(request))
         read = service.job_read(session, row)
+        finished = stats.newly_finished(session=session, before=before)
+    metrics.transfers_settled(finished)
     metrics.job_results.labels(state="failed").inc()
     return read
 

@@ -10,6 +10,7 @@ from api import schemas
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import instances as service
+from api.services import stats
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 
@@ -44,10 +45,16 @@ def register_instance(
 ) -> schemas.InstanceRead:
     """Register or replace an instance (identical body: no change; else new generation/epoch)."""
     with db.write() as session:
+        # A changed registration fails the instance's active transfers (peer_restarted).
+        before = stats.transfer_statuses(
+            session=session, transfer_ids=stats.transfer_ids_of_instance(session=session, name=name)
+        )
         row, created, changed = service.register_instance(
             session=session, name=name, body=body, if_match=if_match
         )
         result = service.instance_read(row)
+        finished = stats.newly_finished(session=session, before=before)
+    metrics.transfers_settled(finished)
     outcome = "created" if created else ("changed" if changed else "unchanged")
     metrics.registrations.labels("instance", outcome).inc()
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
@@ -76,10 +83,16 @@ def report_rank(
 ) -> schemas.InstanceRead:
     """Report one rank's page table; the instance is `ready` once every rank has reported."""
     with db.write() as session:
+        # A changed registration fails the instance's active transfers (peer_restarted).
+        before = stats.transfer_statuses(
+            session=session, transfer_ids=stats.transfer_ids_of_instance(session=session, name=name)
+        )
         row, created, changed = service.report_rank(
             session=session, name=name, rank=rank, body=body, if_match=if_match
         )
         result = service.instance_read(row)
+        finished = stats.newly_finished(session=session, before=before)
+    metrics.transfers_settled(finished)
     outcome = "created" if created else ("changed" if changed else "unchanged")
     metrics.registrations.labels("rank", outcome).inc()
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
@@ -132,8 +145,15 @@ def get_instance(name: InstanceName, response: Response, db: DbDep) -> schemas.I
     response_class=Response,
     responses=problem_responses(404, 412, 422, 503),
 )
-def delete_instance(name: InstanceName, db: DbDep, if_match: IfMatch = None) -> Response:
+def delete_instance(
+    name: InstanceName, db: DbDep, metrics: MetricsDep, if_match: IfMatch = None
+) -> Response:
     """Delete an instance; its pairings and cached plans go with it (transfers are kept)."""
     with db.write() as session:
+        before = stats.transfer_statuses(
+            session=session, transfer_ids=stats.transfer_ids_of_instance(session=session, name=name)
+        )
         service.delete_instance(session=session, name=name, if_match=if_match)
+        finished = stats.newly_finished(session=session, before=before)
+    metrics.transfers_settled(finished)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -11,6 +11,7 @@ from api import schemas
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import jobs as jobs_service
+from api.services import stats
 from api.services import transfers as service
 
 router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
@@ -53,10 +54,47 @@ def create_transfer(
         )
         result = service.transfer_read(row)
     if created:
-        metrics.transfers.inc()
-        metrics.transfer_bytes.inc(result.bytes)
+        metrics.transfer_planned(
+            context=result.context,
+            generation=result.generation,
+            bytes_=result.bytes,
+            fragments=result.fragments,
+            runs=sum(int(getattr(route, "runs", 0) or 0) for route in result.routes),
+        )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return result
+
+
+@router.get(
+    "",
+    operation_id="list_transfers",
+    response_model=schemas.TransferList,
+    responses=problem_responses(422, 503),
+)
+def list_transfers(
+    db: DbDep,
+    status_: Annotated[
+        schemas.TransferStatus | None, Query(alias="status", description="Filter by status")
+    ] = None,
+    context: Annotated[str | None, Query(max_length=128, description="Context instance")] = None,
+    generation: Annotated[
+        str | None, Query(max_length=128, description="Generation instance")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
+) -> schemas.TransferList:
+    """List transfers, newest first, optionally by status and instances."""
+    with db.read() as session:
+        rows, total = service.list_transfers(
+            session=session,
+            status=status_,
+            context=context,
+            generation=generation,
+            limit=limit,
+            offset=offset,
+        )
+        items = [service.transfer_read(row) for row in rows]
+    return schemas.TransferList(items=items, total=total, limit=limit, offset=offset)
 
 
 @router.get(
@@ -69,6 +107,7 @@ def get_transfer(
     transfer_id: TransferId,
     request: Request,
     db: DbDep,
+    metrics: MetricsDep,
     wait: Annotated[
         float,
         Query(
@@ -89,8 +128,16 @@ def get_transfer(
         if result.status not in ("queued", "running") or time.monotonic() >= deadline:
             return result
         # Expired leases must make progress even when no worker of that rank is claiming.
+        now = request.app.state.clock()
         with db.write() as session:
-            jobs_service.reap_expired(session=session, now=request.app.state.clock())
+            before = stats.transfer_statuses(
+                session=session,
+                transfer_ids=stats.expired_lease_transfer_ids(session=session, now=now),
+            )
+            expired = jobs_service.reap_expired(session=session, now=now)
+            finished = stats.newly_finished(session=session, before=before)
+        metrics.lease_expiries.inc(expired)
+        metrics.transfers_settled(finished)
         time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
 
 

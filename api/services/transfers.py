@@ -11,7 +11,7 @@ import hashlib
 import json
 import uuid
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, contains_eager
 
@@ -160,6 +160,30 @@ def get_transfer(*, session: Session, transfer_id: str) -> TransferRow:
     if row is None:
         raise NotFound(f"transfer {transfer_id!r} does not exist", code="transfer_not_found")
     return row
+
+
+def list_transfers(
+    *,
+    session: Session,
+    status: str | None = None,
+    context: str | None = None,
+    generation: str | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> tuple[list[TransferRow], int]:
+    """One page of transfers, newest first, with the total count matching the filters."""
+    query = select(TransferRow)
+    if status is not None:
+        query = query.where(TransferRow.status == status)
+    if context is not None:
+        query = query.where(TransferRow.context_name == context)
+    if generation is not None:
+        query = query.where(TransferRow.generation_name == generation)
+    total = int(session.scalar(select(func.count()).select_from(query.subquery())) or 0)
+    rows = session.scalars(
+        query.order_by(TransferRow.created_at.desc(), TransferRow.id).limit(limit).offset(offset)
+    )
+    return list(rows), total
 
 
 def transfer_fragments(*, session: Session, transfer_id: str) -> schemas.TransferFragments:

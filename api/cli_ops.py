@@ -1,0 +1,543 @@
+"""Operator commands of ``kvplane`` against a running control plane (through :class:`Client`).
+
+``kvplane instances list|show``, ``pairings check``, ``plan show``, ``transfers list|show``,
+``workers list``. Every command takes ``--control-plane`` (env ``KVPLANE_URL``), ``--token``
+(env ``KVPLANE_TOKEN``) and ``--json``; without ``--json`` it prints aligned tables. An API error
+prints ``error: <code>: <detail>`` on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+
+from api.client import ApiError, Client
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+ControlPlane = Annotated[
+    str, typer.Option("--control-plane", envvar="KVPLANE_URL", help="Control-plane URL.")
+]
+Token = Annotated[
+    str | None, typer.Option("--token", envvar="KVPLANE_TOKEN", help="Bearer token, if required.")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
+
+instances_app = typer.Typer(help="Registered instances.", no_args_is_help=True)
+pairings_app = typer.Typer(
+    help="Pairings of a context and a generation instance.", no_args_is_help=True
+)
+plan_app = typer.Typer(help="Compiled transfer plans.", no_args_is_help=True)
+transfers_app = typer.Typer(help="Planned and executed transfers.", no_args_is_help=True)
+workers_app = typer.Typer(help="Worker processes.", no_args_is_help=True)
+
+
+def install(cli: typer.Typer) -> None:
+    """Add the operator sub-commands to the ``kvplane`` app."""
+    cli.add_typer(instances_app, name="instances")
+    cli.add_typer(pairings_app, name="pairings")
+    cli.add_typer(plan_app, name="plan")
+    cli.add_typer(transfers_app, name="transfers")
+    cli.add_typer(workers_app, name="workers")
+
+
+@contextmanager
+def _client(url: str, token: str | None) -> Iterator[Client]:
+    # Few, short retries: an operator at a terminal wants an answer, not a long backoff.
+    try:
+        with Client(url, token=token, retries=2, backoff_s=0.2, max_backoff_s=1.0) as client:
+            yield client
+    except ApiError as error:
+        typer.echo(f"error: {error.code}: {error.detail}", err=True)
+        for field_error in error.errors:
+            where = ".".join(str(part) for part in field_error.get("loc", []))
+            typer.echo(f"  {where}: {field_error.get('msg', '')}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _dump(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Aligned columns; numbers right-aligned, everything else left-aligned."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    numeric = [
+        bool(rows)
+        and all(isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in rows)
+        for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            value.rjust(width) if num else value.ljust(width)
+            for value, width, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(list(headers)), *(line(row) for row in cells)])
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def ranges(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` → ``0-2,5,7-8``."""
+    ordered = sorted(set(values))
+    parts: list[str] = []
+    start = previous = None
+    for value in [*ordered, None]:
+        if value is not None and previous is not None and value == previous + 1:
+            previous = value
+            continue
+        if start is not None:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+        start = previous = value
+    return ",".join(parts) or "-"
+
+
+def _heads(span: Sequence[int] | None) -> str:
+    return "all" if span is None else f"[{span[0]},{span[1]})"
+
+
+# --- instances ---------------------------------------------------------------------------
+
+
+@instances_app.command("list")
+def instances_list(
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+    role: Annotated[str | None, typer.Option(help="context or generation.")] = None,
+    status: Annotated[str | None, typer.Option(help="incomplete or ready.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 1000,
+) -> None:
+    """List registered instances."""
+    params = {k: v for k, v in (("role", role), ("status", status)) if v is not None}
+    with _client(control_plane, token) as client:
+        page = client.list_instances(limit=limit, **params)
+    if as_json:
+        _dump(page)
+        return
+    rows = [
+        [
+            i["name"],
+            i["role"],
+            i["status"],
+            i.get("model"),
+            i["tp"],
+            i["pp"],
+            i["cp"],
+            i["attention_dp"],
+            i["tokens_per_block"],
+            i["generation"],
+            ranges(i["missing_ranks"]) if i["missing_ranks"] else "-",
+        ]
+        for i in page["items"]
+    ]
+    typer.echo(
+        table(
+            [
+                "NAME",
+                "ROLE",
+                "STATUS",
+                "MODEL",
+                "TP",
+                "PP",
+                "CP",
+                "ATTN_DP",
+                "TOKENS/BLOCK",
+                "GENERATION",
+                "MISSING_RANKS",
+            ],
+            rows,
+        )
+    )
+    if page["total"] > len(rows):
+        typer.echo(f"({len(rows)} of {page['total']}; raise --limit)")
+
+
+@instances_app.command("show")
+def instances_show(
+    name: Annotated[str, typer.Argument(help="Instance name.")],
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """One instance: parallelism, and per rank its pools and views (head geometry)."""
+    with _client(control_plane, token) as client:
+        inst = client.get_instance(name)
+    if as_json:
+        _dump(inst)
+        return
+    typer.echo(
+        f"{inst['name']}: {inst['role']}, {inst['status']}, model {inst.get('model') or '-'}, "
+        f"tp={inst['tp']} pp={inst['pp']} cp={inst['cp']} attention_dp={inst['attention_dp']}, "
+        f"{inst['tokens_per_block']} tokens/block, generation {inst['generation']}, "
+        f"epoch {inst['epoch'][:8]}"
+    )
+    if inst["missing_ranks"]:
+        typer.echo(f"missing ranks: {ranges(inst['missing_ranks'])}")
+    rows = []
+    for rank in inst["ranks"]:
+        pools = {pool["id"]: pool for pool in rank["pools"]}
+        for view in rank["views"]:
+            pool = pools.get(view["pool"], {})
+            rows.append(
+                [
+                    rank["rank"],
+                    view["pool"],
+                    pool.get("layer_group"),
+                    pool.get("num_slots"),
+                    pool.get("slot_bytes"),
+                    view["owner"],
+                    "+".join(view["roles"]),
+                    view["layout"],
+                    view.get("num_kv_heads")
+                    or rank.get("kv_heads_per_rank")
+                    or inst.get("kv_heads_per_rank"),
+                    view.get("total_kv_heads") or inst.get("total_kv_heads"),
+                    view.get("head_dim"),
+                    view["dtype"],
+                    ranges(sorted({b["layer"] for b in view["buffers"]})),
+                ]
+            )
+    typer.echo(
+        table(
+            [
+                "RANK",
+                "POOL",
+                "GROUP",
+                "SLOTS",
+                "SLOT_BYTES",
+                "OWNER",
+                "ROLES",
+                "LAYOUT",
+                "KV_HEADS",
+                "TOTAL_HEADS",
+                "HEAD_DIM",
+                "DTYPE",
+                "LAYERS",
+            ],
+            rows,
+        )
+    )
+
+
+# --- pairings ----------------------------------------------------------------------------
+
+
+@pairings_app.command("check")
+def pairings_check(
+    context: Annotated[str, typer.Argument(help="Context instance name.")],
+    generation: Annotated[str, typer.Argument(help="Generation instance name.")],
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create or re-validate the pairing and print its report: exit 0 compatible, 1 not."""
+    with _client(control_plane, token) as client:
+        pairing = client.create_pairing(context, generation)
+    if as_json:
+        _dump(pairing)
+    else:
+        verdict = "compatible" if pairing["compatible"] else "INCOMPATIBLE"
+        typer.echo(f"{context} -> {generation}: {verdict} (pairing {pairing['id']})")
+        rows = [
+            [kind[:-1], issue["code"], issue["message"]]
+            for kind in ("errors", "warnings")
+            for issue in pairing[kind]
+        ]
+        if rows:
+            typer.echo(table(["KIND", "CODE", "MESSAGE"], rows))
+    raise typer.Exit(0 if pairing["compatible"] else 1)
+
+
+def _find_pairing(client: Client, context: str, generation: str) -> dict[str, Any]:
+    offset = 0
+    while True:
+        page = client.list_pairings(instance=context, limit=1000, offset=offset)
+        for item in page["items"]:
+            if item["context"] == context and item["generation"] == generation:
+                return dict(item)
+        offset += len(page["items"])
+        if not page["items"] or offset >= page["total"]:
+            raise ApiError(
+                404,
+                "pairing_not_found",
+                f"no pairing of {context!r} with {generation!r}; "
+                f"run: kvplane pairings check {context} {generation}",
+            )
+
+
+# --- plan --------------------------------------------------------------------------------
+
+
+@plan_app.command("show")
+def plan_show(
+    context: Annotated[str, typer.Argument(help="Context instance name.")],
+    generation: Annotated[str, typer.Argument(help="Generation instance name.")],
+    receiver_rank: Annotated[int, typer.Option(min=0, help="The generation rank to explain.")],
+    context_dp_rank: Annotated[int | None, typer.Option(min=0)] = None,
+    generation_dp_rank: Annotated[int | None, typer.Option(min=0)] = None,
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Which sender rank fills which head range of each view on one receiver rank."""
+    with _client(control_plane, token) as client:
+        pairing = _find_pairing(client, context, generation)
+        plan = client.get_plan(
+            pairing["id"], context_dp_rank=context_dp_rank, generation_dp_rank=generation_dp_rank
+        )
+    routes = [r for r in plan["routes"] if r["receiver_rank"] == receiver_rank]
+    entries = sorted(
+        (
+            {"sender_rank": route["sender_rank"], **piece}
+            for route in routes
+            for piece in route.get("slices", [])
+        ),
+        key=lambda e: (
+            e["receiver_view"],
+            e["layers"][:1],
+            (e["receiver_local_heads"] or [0])[0],
+            e["sender_rank"],
+        ),
+    )
+    receiver = next((r for r in plan["receivers"] if r["rank"] == receiver_rank), None)
+    if as_json:
+        _dump(
+            {
+                "pairing_id": pairing["id"],
+                "receiver_rank": receiver_rank,
+                "receiver": receiver,
+                "slices": entries,
+            }
+        )
+        return
+    writers = receiver["writers"] if receiver else 0
+    typer.echo(
+        f"{context} -> {generation} receiver rank {receiver_rank}: {writers} writer(s), "
+        f"{sum(r['bytes_per_block'] for r in routes):,} bytes per block"
+        + ("" if receiver is None else f", equal-split safe: {receiver['equal_split_safe']}")
+    )
+    if not entries:
+        typer.echo("nothing is sent to this rank in this plan")
+        return
+    rows = [
+        [
+            e["receiver_view"],
+            e["owner"],
+            "+".join(e["roles"]),
+            e["layout"],
+            ranges(e["layers"]),
+            _heads(e["receiver_local_heads"]),
+            _heads(e["global_heads"]),
+            e["sender_rank"],
+            e["sender_view"],
+            _heads(e["sender_local_heads"]),
+            e["bytes_per_block"],
+        ]
+        for e in entries
+    ]
+    typer.echo(
+        table(
+            [
+                "VIEW",
+                "OWNER",
+                "ROLES",
+                "LAYOUT",
+                "LAYERS",
+                "RECV_HEADS",
+                "GLOBAL_HEADS",
+                "SENDER",
+                "SENDER_VIEW",
+                "SENDER_HEADS",
+                "BYTES/BLOCK",
+            ],
+            rows,
+        )
+    )
+    for warning in plan.get("warnings", []):
+        text = warning.get("message", warning) if isinstance(warning, dict) else warning
+        typer.echo(f"warning: {text}")
+
+
+# --- transfers ---------------------------------------------------------------------------
+
+
+@transfers_app.command("list")
+def transfers_list(
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+    status: Annotated[
+        str | None, typer.Option(help="planned, queued, running, done or failed.")
+    ] = None,
+    context: Annotated[str | None, typer.Option(help="Context instance.")] = None,
+    generation: Annotated[str | None, typer.Option(help="Generation instance.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+) -> None:
+    """List transfers, newest first."""
+    params = {
+        k: v
+        for k, v in (("status", status), ("context", context), ("generation", generation))
+        if v is not None
+    }
+    with _client(control_plane, token) as client:
+        page = client.list_transfers(limit=limit, **params)
+    if as_json:
+        _dump(page)
+        return
+    rows = [
+        [
+            t["id"],
+            t["status"],
+            t["context"],
+            t["generation"],
+            t["request_id"],
+            t["bytes"],
+            t["fragments"],
+            t["attempt"],
+            t["duration_s"],
+            t["created_at"][:19],
+        ]
+        for t in page["items"]
+    ]
+    typer.echo(
+        table(
+            [
+                "ID",
+                "STATUS",
+                "CONTEXT",
+                "GENERATION",
+                "REQUEST",
+                "BYTES",
+                "FRAGMENTS",
+                "ATTEMPT",
+                "DURATION_S",
+                "CREATED",
+            ],
+            rows,
+        )
+    )
+    if page["total"] > len(rows):
+        typer.echo(f"({len(rows)} of {page['total']}; raise --limit)")
+
+
+@transfers_app.command("show")
+def transfers_show(
+    transfer_id: Annotated[str, typer.Argument(help="Transfer id.")],
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """One transfer: status, routes and its jobs."""
+    with _client(control_plane, token) as client:
+        transfer = client.get_transfer(transfer_id)
+        jobs = client.list_jobs(transfer_id=transfer_id) if transfer["execute"] else []
+    if as_json:
+        _dump({**transfer, "jobs": jobs})
+        return
+    typer.echo(
+        f"transfer {transfer['id']}: {transfer['status']}, {transfer['context']} -> "
+        f"{transfer['generation']}, request {transfer['request_id']}, "
+        f"{transfer['bytes']:,} bytes, {transfer['fragments']:,} fragments, "
+        f"mode {transfer['mode']}, attempt {transfer['attempt']}"
+    )
+    if transfer.get("error"):
+        typer.echo(f"error: {transfer['error']}")
+    typer.echo(
+        table(
+            ["SENDER", "RECEIVER", "BYTES", "FRAGMENTS"],
+            [
+                [r["sender_rank"], r["receiver_rank"], r["bytes"], r["fragments"]]
+                for r in transfer["routes"]
+            ],
+        )
+    )
+    if jobs:
+        typer.echo("")
+        typer.echo(
+            table(
+                ["JOB", "KIND", "INSTANCE", "RANK", "STATE", "ATTEMPT", "WORKER", "ERROR"],
+                [
+                    [
+                        j["id"],
+                        j["kind"],
+                        j["instance"],
+                        j["rank"],
+                        j["state"],
+                        j["attempt"],
+                        j["worker_id"],
+                        (j.get("error") or "")[:60],
+                    ]
+                    for j in jobs
+                ],
+            )
+        )
+
+
+# --- workers -----------------------------------------------------------------------------
+
+
+@workers_app.command("list")
+def workers_list(
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+    instance: Annotated[str | None, typer.Option(help="Only this instance's workers.")] = None,
+) -> None:
+    """Workers with their status and current job."""
+    params: dict[str, Any] = {} if instance is None else {"instance": instance}
+    with _client(control_plane, token) as client:
+        page = client.list_workers(**params)
+    if as_json:
+        _dump(page)
+        return
+    rows = [
+        [
+            w["id"],
+            w["instance"],
+            w["rank"],
+            w["status"],
+            w["device"],
+            w["host"],
+            w["pid"],
+            w["heartbeat_age_s"],
+            w.get("current_job"),
+        ]
+        for w in page["items"]
+    ]
+    typer.echo(
+        table(
+            [
+                "ID",
+                "INSTANCE",
+                "RANK",
+                "STATUS",
+                "DEVICE",
+                "HOST",
+                "PID",
+                "HEARTBEAT_AGE_S",
+                "CURRENT_JOB",
+            ],
+            rows,
+        )
+    )
