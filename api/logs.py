@@ -40,6 +40,7 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
     "message",
     "asctime",
     "taskName",
+    "color_message",  # uvicorn's ANSI-coloured copy of the message
 }
 
 access_log = logging.getLogger("kvplane.access")
