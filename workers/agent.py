@@ -106,6 +106,7 @@ class Worker:
         self._heartbeat: threading.Thread | None = None
         self._peer_of_rank: dict[tuple[str, int], str] = {}
         self._running_job: str | None = None
+        self._tensors: Mapping[int, torch.Tensor] | None = None
         # Fault injection for tests and chaos drills: hold every claimed job this long first.
         self.pause_after_claim_s = float(os.environ.get("KVPLANE_WORKER_PAUSE_AFTER_CLAIM_S", 0))
 
@@ -121,10 +122,14 @@ class Worker:
             raise JobError(f"{self.instance} rank {self.rank} has not reported its page table",
                            retryable=False)
         specs = [PoolSpec.from_dict(pool) for pool in rank_body["pools"]]
-        if tensors is None:
+        if tensors is not None:
+            self._tensors = tensors
+        if self._tensors is not None:
+            # An engine's memory: re-attaching (after a re-registration) wraps the same tensors.
+            self.pools = attach_pools(specs, self._tensors, self.device)
+        elif sorted(specs, key=lambda spec: spec.id) != [p.spec for _, p in sorted(
+                self.pools.items())]:
             self.pools = allocate_pools(specs, self.device)
-        else:
-            self.pools = attach_pools(specs, tensors, self.device)
         if self.fill:
             for pool in self.pools.values():
                 fill_pattern(self.rank, pool)
