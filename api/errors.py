@@ -186,6 +186,17 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "not_implemented": (501, "The feature exists in the API but not in this release."),
     "database_busy": (503, "The database is locked or unreachable; honour `Retry-After`."),
     "not_ready": (503, "`/readyz`: the database is unreachable or not migrated to head."),
+    "workers_unavailable": (503, "`execute=true`: a rank has no live worker; `Retry-After`."),
+    "staging_busy": (503, "A receiver's staging buffer is full of other transfers; retry."),
+    "staging_too_small": (422, "A receiver's staging buffer cannot hold this transfer."),
+    "pool_mismatch": (409, "A worker's pools differ from the rank's registered pools."),
+    "rank_not_reported": (409, "A worker attached to a rank that has not reported yet."),
+    "worker_not_found": (404, "No worker with that id."),
+    "worker_retired": (409, "The worker was stopped (DELETE); attach a new one."),
+    "worker_stale": (409, "The instance re-registered since the worker attached."),
+    "job_not_found": (404, "No job with that id."),
+    "lease_lost": (409, "The job's lease expired or its transfer was retried (fencing)."),
+    "transfer_not_retryable": (409, "Only a failed executed transfer can be retried."),
     "internal_error": (500, "A bug: please report it."),
 }
 
