@@ -434,8 +434,45 @@ async def logout(request: Request) -> Response:
     return response
 
 
+def _problem(description: str) -> dict[str, Any]:
+    schema = {"$ref": "#/components/schemas/Problem"}
+    return {"description": description, "content": {"application/problem+json": {"schema": schema}}}
+
+
+def document(app: FastAPI) -> None:
+    """Declare bearer auth in the OpenAPI spec: scheme, per-operation scopes, 401 and 403."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        spec = build()
+        spec.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A kvplane token (`kvplane tokens create`); enforced when the "
+            "server runs with KVPLANE_AUTH=true.",
+        }
+        for item in spec["paths"].values():
+            for operation in item.values():
+                rule = POLICY.get(operation.get("operationId", ""), ADMIN)
+                if rule.open:
+                    continue
+                operation["security"] = [{"bearer": []}]
+                operation["x-kvplane-scopes"] = sorted(
+                    {"admin", *rule.scopes} | {f"{scope} (own instance)" for scope in rule.own}
+                )
+                responses = operation.setdefault("responses", {})
+                responses.setdefault("401", _problem("Missing, unknown or revoked bearer token"))
+                responses.setdefault("403", _problem("The token's scope does not cover this"))
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install(app: FastAPI) -> None:
     """Session keys, the login routes and the login redirect (call before the dashboard)."""
+    document(app)
     secret = app.state.settings.session_secret
     app.state.session_keys = (
         SessionKeys(key=secret.get_secret_value().encode()) if secret else SessionKeys()
