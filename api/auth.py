@@ -42,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.db import Database, utcnow
 from api.errors import BadRequest, Forbidden, NotFound, Unauthorized
-from api.models import NAME_LENGTH, InstanceRow, JobRow, TokenRow, WorkerRow
+from api.models import NAME_LENGTH, InstanceRow, JobRow, TokenRow, TransferRow, WorkerRow
 
 SCOPES = ("instance", "worker", "operator", "admin")
 #: Scopes bound to one instance name.
@@ -199,6 +199,36 @@ async def _path_job(request: Request) -> Any:
     return await run_in_threadpool(_instance_of, request, JobRow, request.path_params.get("job_id"))
 
 
+async def _body_transfer_parties(request: Request) -> Any:
+    """A transfer concerns both its instances: either engine may plan it."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    names = tuple(body.get(k) for k in ("context", "generation") if isinstance(body.get(k), str))
+    return names or None
+
+
+def _transfer_parties(request: Request, transfer_id: str | None) -> Any:
+    if transfer_id is None:
+        return None
+    with _db(request).read() as session:
+        row = session.execute(
+            select(TransferRow.context_name, TransferRow.generation_name).where(
+                TransferRow.id == transfer_id
+            )
+        ).first()
+    return _UNKNOWN if row is None else (row[0], row[1])
+
+
+async def _path_transfer(request: Request) -> Any:
+    return await run_in_threadpool(
+        _transfer_parties, request, request.path_params.get("transfer_id")
+    )
+
+
 OPEN = Rule(open=True)
 ADMIN = Rule()
 OPERATOR = Rule(scopes=frozenset({"operator"}))
@@ -223,9 +253,12 @@ POLICY: dict[str, Rule] = {
     "validate_pairing": OPERATOR,
     "get_pairing_plan": OPERATOR,
     "check_compatibility": OPERATOR,
-    "create_transfer": OPERATOR,
+    # an engine (instance token) plans and long-polls the transfers of its own instance
+    "create_transfer": Rule(
+        scopes=frozenset({"operator"}), own=_INSTANCE, owner=_body_transfer_parties
+    ),
     "list_transfers": OPERATOR,
-    "get_transfer": OPERATOR,
+    "get_transfer": Rule(scopes=frozenset({"operator"}), own=_INSTANCE, owner=_path_transfer),
     "retry_transfer": OPERATOR,
     "get_transfer_fragments": OPERATOR,
     # workers and jobs: a worker acts for its own instance; operators read
@@ -278,7 +311,8 @@ async def check(request: Request, principal: Principal, operation: str) -> None:
         return
     if principal.scope in rule.own and rule.owner is not None:
         target = await rule.owner(request)
-        if target is _UNKNOWN or (target is not None and target == principal.instance):
+        parties = target if isinstance(target, tuple) else (target,)
+        if target is _UNKNOWN or principal.instance in parties:
             return
         raise Forbidden(
             f"this {principal.scope} token is bound to instance {principal.instance!r}; "

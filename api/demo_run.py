@@ -79,7 +79,9 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool) -> i
         Path(f"{database}{suffix}").unlink(missing_ok=True)
     logs = database.parent / "demo-logs"
     logs.mkdir(exist_ok=True)
-    env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{database.resolve()}"}
+    # The demo's own control plane listens on loopback only, without auth.
+    env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{database.resolve()}",
+           "KVPLANE_AUTH": "false"}
     kvplane = [sys.executable, "-m", "api.cli"]
     url = f"http://127.0.0.1:{port}"
     processes: list[subprocess.Popen[bytes]] = []

@@ -185,7 +185,9 @@ def test_instance_token_registers_only_its_own_instance(
         403,
         "forbidden",
     )
-    problem(api.post("/v1/transfers", json=TRANSFER, headers=own), 403, "forbidden")
+    # transfers only between other instances are not its business (its own: see below)
+    elsewhere = {**TRANSFER, "context": "c2", "generation": "g2"}
+    problem(api.post("/v1/transfers", json=elsewhere, headers=own), 403, "forbidden")
     problem(api.delete("/v1/instances/gen", headers=own), 403, "forbidden")
     assert api.delete("/v1/instances/ctx", headers=own).status_code == 204
 
@@ -205,6 +207,27 @@ def test_operator_scope(api: TestClient, tokens: dict[str, str]) -> None:
         assert api.get(path, headers=op).status_code == 200, path
     # Operators do not act as workers.
     problem(api.post("/v1/jobs/claim", json={"worker_id": "x" * 32}, headers=op), 403, "forbidden")
+
+
+def test_engines_plan_and_poll_their_own_transfers(
+    api: TestClient, db_url: str, tokens: dict[str, str]
+) -> None:
+    register_fleet(api, tokens)
+    planned = {**TRANSFER, "execute": False}
+    # the generation engine posts the transfer and long-polls it (DESIGN: "one transfer")
+    created = api.post("/v1/transfers", json=planned, headers=bearer(tokens["gen"]))
+    assert created.status_code == 201, created.text
+    path = f"/v1/transfers/{created.json()['id']}"
+    assert api.get(path, headers=bearer(tokens["gen"])).status_code == 200
+    assert api.get(path, headers=bearer(tokens["ctx"])).status_code == 200
+    # an engine of another instance neither plans nor reads it
+    other = make_token(db_url, "instance", "elsewhere")[1]
+    problem(api.post("/v1/transfers", json=planned, headers=bearer(other)), 403, "forbidden")
+    problem(api.get(path, headers=bearer(other)), 403, "forbidden")
+    # nor do worker tokens, and an unknown transfer stays a plain 404 for an engine
+    problem(api.get(path, headers=bearer(tokens["gen-worker"])), 403, "forbidden")
+    problem(api.get("/v1/transfers/" + "0" * 32, headers=bearer(tokens["gen"])), 404,
+            "transfer_not_found")
 
 
 def test_worker_token_acts_only_for_its_instance(api: TestClient, tokens: dict[str, str]) -> None:
