@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -144,11 +145,11 @@ class Segment:
     layer_group: int
     runs: np.ndarray  # int64 [n, 6]: src, dst, len, count, src_step, dst_step
 
-    @property
+    @cached_property
     def bytes_per_block(self) -> int:
         return int((self.runs[:, 2] * self.runs[:, 3]).sum())
 
-    @property
+    @cached_property
     def fragments_per_block(self) -> int:
         return int(self.runs[:, 3].sum())
 
@@ -178,11 +179,11 @@ class Route:
     cp_remainder: int = 0
     cp_side: str | None = None  # which side's block list is split over CP ranks
 
-    @property
+    @cached_property
     def bytes_per_block(self) -> int:
         return sum(segment.bytes_per_block for segment in self.segments)
 
-    @property
+    @cached_property
     def runs(self) -> int:
         return sum(len(segment.runs) for segment in self.segments)
 
@@ -250,11 +251,11 @@ class Plan:
     # (side, rank, pool id) -> PoolRef, side in {"context", "generation"}
     pools: Mapping[tuple[str, int, int], PoolRef]
 
-    @property
+    @cached_property
     def bytes_per_block(self) -> int:
         return sum(route.bytes_per_block for route in self.routes)
 
-    @property
+    @cached_property
     def runs(self) -> int:
         return sum(route.runs for route in self.routes)
 
