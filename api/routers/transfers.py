@@ -128,7 +128,13 @@ def get_transfer(
         if result.status not in ("queued", "running") or time.monotonic() >= deadline:
             return result
         # Expired leases must make progress even when no worker of that rank is claiming.
+        # Checked read-only first: a waiting client must not take the write lock every poll.
         now = request.app.state.clock()
+        with db.read() as session:
+            stuck = stats.expired_lease_transfer_ids(session=session, now=now)
+        if not stuck:
+            time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+            continue
         with db.write() as session:
             before = stats.transfer_statuses(
                 session=session,
