@@ -215,6 +215,30 @@ def _decode(response: httpx.Response) -> Any:
     return response.json()
 
 
+class _Retry:
+    """The retry policy shared by both clients: what to do after each attempt."""
+
+    def __init__(self, retries: int, backoff_s: float, max_backoff_s: float) -> None:
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+
+    def delay_after(self, attempt: int, response: httpx.Response | None,
+                    error: Exception | None) -> float:
+        """Seconds to wait before the next attempt; raises when the outcome is final."""
+        if error is not None:
+            if attempt >= self.retries:
+                raise TransportError(0, "unreachable", str(error)) from error
+        elif response is not None and (
+            response.status_code not in RETRY_STATUSES or attempt >= self.retries
+        ):
+            raise _error_for(response)
+        return _retry_delay(attempt, response, self.backoff_s, self.max_backoff_s)
+
+
+_NETWORK_ERRORS = (httpx.TransportError, httpx.TimeoutException)
+
+
 class Client(_Calls):
     """Synchronous client; ``with Client(url) as c: c.get_instance("ctx")``."""
 
@@ -225,25 +249,19 @@ class Client(_Calls):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s,
                                   transport=transport)
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self._retry = _Retry(retries, backoff_s, max_backoff_s)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         attempt = 0
         while True:
-            response: httpx.Response | None = None
+            response, error = None, None
             try:
                 response = self._http.request(method, path, **kwargs)
-            except (httpx.TransportError, httpx.TimeoutException) as error:
-                if attempt >= self.retries:
-                    raise TransportError(0, "unreachable", str(error)) from error
-            else:
-                if response.status_code < 400:
-                    return _decode(response)
-                if response.status_code not in RETRY_STATUSES or attempt >= self.retries:
-                    raise _error_for(response)
-            time.sleep(_retry_delay(attempt, response, self.backoff_s, self.max_backoff_s))
+            except _NETWORK_ERRORS as caught:
+                error = caught
+            if response is not None and response.status_code < 400:
+                return _decode(response)
+            time.sleep(self._retry.delay_after(attempt, response, error))
             attempt += 1
 
     def close(self) -> None:
@@ -266,26 +284,19 @@ class AsyncClient(_Calls):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s,
                                        transport=transport)
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self._retry = _Retry(retries, backoff_s, max_backoff_s)
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> Any:
         attempt = 0
         while True:
-            response: httpx.Response | None = None
+            response, error = None, None
             try:
                 response = await self._http.request(method, path, **kwargs)
-            except (httpx.TransportError, httpx.TimeoutException) as error:
-                if attempt >= self.retries:
-                    raise TransportError(0, "unreachable", str(error)) from error
-            else:
-                if response.status_code < 400:
-                    return _decode(response)
-                if response.status_code not in RETRY_STATUSES or attempt >= self.retries:
-                    raise _error_for(response)
-            await asyncio.sleep(_retry_delay(attempt, response, self.backoff_s,
-                                             self.max_backoff_s))
+            except _NETWORK_ERRORS as caught:
+                error = caught
+            if response is not None and response.status_code < 400:
+                return _decode(response)
+            await asyncio.sleep(self._retry.delay_after(attempt, response, error))
             attempt += 1
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
