@@ -39,6 +39,19 @@ def _memo_get(key: PlanKey) -> tuple[int, Plan] | None:
         return hit
 
 
+def cached_plan(
+    pairing_id: str,
+    context_epoch: str,
+    generation_epoch: str,
+    context_dp_rank: int | None,
+    generation_dp_rank: int | None,
+) -> tuple[int, Plan] | None:
+    """``(plan_id, plan)`` from this process's plan cache, or None (no database access)."""
+    cdp = NO_DP_RANK if context_dp_rank is None else context_dp_rank
+    gdp = NO_DP_RANK if generation_dp_rank is None else generation_dp_rank
+    return _memo_get((pairing_id, context_epoch, generation_epoch, cdp, gdp))
+
+
 def _memo_put(key: PlanKey, value: tuple[int, Plan]) -> None:
     with _memo_lock:
         _memo[key] = value

@@ -18,10 +18,10 @@ from sqlalchemy.orm import Session, aliased, contains_eager
 from api import schemas
 from api.db import utcnow
 from api.errors import BadRequest, Conflict, NotFound
-from api.geometry import GeometryError, expand
+from api.geometry import GeometryError, Plan, expand
 from api.models import InstanceRow, PairingRow, TransferRow
 from api.services.jobs import enqueue_transfer
-from api.services.pairings import load_plan, plan_for_pairing
+from api.services.pairings import cached_plan, load_plan, plan_for_pairing
 
 
 def request_hash(body: schemas.TransferCreate) -> str:
@@ -63,6 +63,48 @@ _PAIRING_BY_NAMES = (
 )
 
 
+_CURRENT_PLAN_KEY = (
+    select(
+        PairingRow.id,
+        PairingRow.status,
+        PairingRow.compatible,
+        PairingRow.context_epoch,
+        PairingRow.generation_epoch,
+        _CTX.epoch,
+        _GEN.epoch,
+    )
+    .join(_CTX, PairingRow.context_id == _CTX.id)
+    .join(_GEN, PairingRow.generation_id == _GEN.id)
+    .where(_CTX.name == bindparam("context"), _GEN.name == bindparam("generation"))
+)
+
+
+def _cached_plan(
+    session: Session, body: schemas.TransferCreate
+) -> tuple[str, int, Plan] | None:
+    """Hot path: a current, compatible pairing whose plan is in this process's plan cache.
+
+    One column query instead of loading three ORM rows; anything unusual (no pairing, stale,
+    incompatible, a cache miss) returns None and takes the full path with its errors.
+    """
+    row = session.execute(
+        _CURRENT_PLAN_KEY, {"context": body.context, "generation": body.generation}
+    ).first()
+    if row is None:
+        return None
+    pairing_id, status, compatible, context_epoch, generation_epoch, ctx_now, gen_now = row
+    if status == "stale" or not compatible or (ctx_now, gen_now) != (
+        context_epoch,
+        generation_epoch,
+    ):
+        return None
+    hit = cached_plan(
+        pairing_id, context_epoch, generation_epoch, body.context_dp_rank,
+        body.generation_dp_rank,
+    )
+    return None if hit is None else (pairing_id, *hit)
+
+
 def _find_pairing(session: Session, context: str, generation: str) -> PairingRow:
     # One round trip on the hot path: the pairing with both instances (for the epoch check).
     pairing = session.scalars(
@@ -91,13 +133,18 @@ def create_transfer(
         existing = _by_key(session, idempotency_key)
         if existing is not None:
             return _replay(existing, digest, idempotency_key), False
-    pairing = _find_pairing(session, body.context, body.generation)
-    plan_id, plan = plan_for_pairing(
-        session=session,
-        pairing=pairing,
-        context_dp_rank=body.context_dp_rank,
-        generation_dp_rank=body.generation_dp_rank,
-    )
+    cached = _cached_plan(session, body)
+    if cached is not None:
+        pairing_id, plan_id, plan = cached
+    else:
+        pairing = _find_pairing(session, body.context, body.generation)
+        pairing_id = pairing.id
+        plan_id, plan = plan_for_pairing(
+            session=session,
+            pairing=pairing,
+            context_dp_rank=body.context_dp_rank,
+            generation_dp_rank=body.generation_dp_rank,
+        )
     raw_blocks = {
         group: {"context": lists.context, "generation": lists.generation}
         for group, lists in body.blocks.items()
@@ -114,7 +161,7 @@ def create_transfer(
     summary = expansion.to_summary()
     row = TransferRow(
         id=uuid.uuid4().hex,
-        pairing_id=pairing.id,
+        pairing_id=pairing_id,
         plan_id=plan_id,
         context_name=body.context,
         generation_name=body.generation,
