@@ -10,13 +10,13 @@ from api.db import Database
 from api.metrics import Metrics
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
     """The app's database."""
     db: Database = request.app.state.db
     return db
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     """The app's metrics."""
     metrics: Metrics = request.app.state.metrics
     return metrics
