@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
+from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
+from api.db import Database
 from api.errors import problem_responses
+from api.metrics import Metrics
+from api.models import JobRow
 from api.routers.deps import DbDep, MetricsDep
 from api.services import jobs as service
 from api.services import stats
@@ -156,6 +161,20 @@ def claim_job(
         time.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
+def _report(
+    db: Database, metrics: Metrics, job_id: str, act: Callable[[Session], JobRow]
+) -> wire.JobRead:
+    """Run a worker's report in one transaction and count the transfers it finished."""
+    with db.write() as session:
+        before = stats.transfer_statuses(
+            session=session, transfer_ids=stats.job_transfer_ids(session=session, job_id=job_id)
+        )
+        read = service.job_read(session, act(session))
+        finished = stats.newly_finished(session=session, before=before)
+    metrics.transfers_settled(finished)
+    return read
+
+
 @jobs_router.post(
     "/{job_id}/complete",
     operation_id="complete_job",
@@ -166,14 +185,14 @@ def complete_job(
     job_id: JobId, body: wire.JobComplete, request: Request, db: DbDep, metrics: MetricsDep
 ) -> wire.JobRead:
     """Report a job done with its bytes, duration and checksums (409 if the lease was lost)."""
-    with db.write() as session:
-        before = stats.transfer_statuses(
-            session=session, transfer_ids=stats.job_transfer_ids(session=session, job_id=job_id)
-        )
-        row = service.complete_job(session=session, job_id=job_id, body=body, now=now_of(request))
-        read = service.job_read(session, row)
-        finished = stats.newly_finished(session=session, before=before)
-    metrics.transfers_settled(finished)
+    read = _report(
+        db,
+        metrics,
+        job_id,
+        lambda session: service.complete_job(
+            session=session, job_id=job_id, body=body, now=now_of(request)
+        ),
+    )
     metrics.job_results.labels(state="done").inc()
     metrics.moved_bytes.labels(kind=read.kind).inc(body.bytes)
     return read
@@ -189,14 +208,14 @@ def fail_job(
     job_id: JobId, body: wire.JobFail, request: Request, db: DbDep, metrics: MetricsDep
 ) -> wire.JobRead:
     """Report a job failed with a reason; the transfer is retried (bounded) or failed."""
-    with db.write() as session:
-        before = stats.transfer_statuses(
-            session=session, transfer_ids=stats.job_transfer_ids(session=session, job_id=job_id)
-        )
-        row = service.fail_job(session=session, job_id=job_id, body=body, now=now_of(request))
-        read = service.job_read(session, row)
-        finished = stats.newly_finished(session=session, before=before)
-    metrics.transfers_settled(finished)
+    read = _report(
+        db,
+        metrics,
+        job_id,
+        lambda session: service.fail_job(
+            session=session, job_id=job_id, body=body, now=now_of(request)
+        ),
+    )
     metrics.job_results.labels(state="failed").inc()
     return read
 
