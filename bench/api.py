@@ -9,7 +9,11 @@ on a fresh migrated database:
 - re-validate a TP8 → TP2 pairing (``POST /v1/pairings/{id}/validate``),
 - ``POST /v1/transfers`` with 256 blocks (plan cached after the first request).
 
-Usage: ``.venv/bin/python bench/api.py [--requests N] [--concurrency C] [--postgres URL]``.
+The operations take turns in rounds (``--rounds``), so the "vs /healthz" ratios compare
+requests sent in the same minutes of the run.
+
+Usage: ``.venv/bin/python bench/api.py [--requests N] [--concurrency C] [--rounds R]
+[--postgres URL]``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -120,11 +125,31 @@ def postgres_database(admin_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+@dataclass
+class Tally:
+    """Requests, busy seconds and latencies of one operation, summed over the rounds."""
+
+    requests: int = 0
+    elapsed: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+    def row(self, label: str, name: str, ceiling: float) -> list[str]:
+        rate = self.requests / self.elapsed
+        quantiles = statistics.quantiles(self.latencies, n=100)
+        p50, p99 = quantiles[49] * 1000, quantiles[98] * 1000
+        return [label, name, f"{rate:,.0f}", f"{p50:.2f}", f"{p99:.2f}", f"{rate / ceiling:.0%}"]
+
+
+Call = Callable[[httpx.Client, int], httpx.Response]
+
+
 def measure(
-    base: str, requests: int, concurrency: int, call: Callable[[httpx.Client, int], httpx.Response]
-) -> tuple[float, float, float]:
-    """``(req/s, p50 ms, p99 ms)`` of ``requests`` calls spread over ``concurrency`` clients."""
-    latencies: list[float] = []
+    base: str, requests: int, concurrency: int, call: Call, start: int, tally: Tally
+) -> None:
+    """Send ``requests`` calls spread over ``concurrency`` clients; add them to ``tally``.
+
+    Call ``i`` gets the index ``start + i`` (operations that create resources name them by it).
+    """
     lock = threading.Lock()
     per_client = max(1, requests // concurrency)
 
@@ -132,26 +157,26 @@ def measure(
         with httpx.Client(base_url=base, timeout=30) as client:
             local = []
             for i in range(per_client):
-                start = time.perf_counter()
-                response = call(client, client_index * per_client + i)
-                local.append(time.perf_counter() - start)
+                began = time.perf_counter()
+                response = call(client, start + client_index * per_client + i)
+                local.append(time.perf_counter() - began)
                 if response.status_code >= 300:
                     raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
             with lock:
-                latencies.extend(local)
+                tally.latencies.extend(local)
 
-    started = time.perf_counter()
+    began = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(worker, range(concurrency)))
-    elapsed = time.perf_counter() - started
-    quantiles = statistics.quantiles(latencies, n=100)
-    return len(latencies) / elapsed, quantiles[49] * 1000, quantiles[98] * 1000
+    tally.elapsed += time.perf_counter() - began
+    tally.requests += per_client * concurrency
 
 
 def bench_database(
-    label: str, url: str, requests: int, concurrency: int, in_thread: bool
+    label: str, url: str, requests: int, concurrency: int, in_thread: bool, rounds: int
 ) -> list[list[str]]:
-    rows: list[list[str]] = []
+    """One row per operation. The operations take turns in ``rounds`` rounds, so that a drift of
+    the machine's speed during the run touches every row alike and the ratios stay comparable."""
     context = instance_body(role="context", tp=8, draft_heads=2, num_slots=4096)
     generation = instance_body(role="generation", tp=2, draft_heads=2, num_slots=4096)
     with serve(url, in_thread=in_thread) as base, httpx.Client(base_url=base, timeout=30) as setup:
@@ -165,7 +190,7 @@ def bench_database(
             "generation": "gen",
             "blocks": {"0": {"context": list(range(BLOCKS)), "generation": list(range(BLOCKS))}},
         }
-        cases: list[tuple[str, Callable[[httpx.Client, int], httpx.Response]]] = [
+        cases: list[tuple[str, Call]] = [
             ("GET /healthz (ceiling)", lambda c, i: c.get("/healthz")),
             (
                 "PUT instance TP8, 8 ranks x 2 views",
@@ -180,26 +205,27 @@ def bench_database(
                 lambda c, i: c.post("/v1/transfers", json={**transfer, "request_id": f"r{i}"}),
             ),
         ]
-        ceiling = None
-        for name, call in cases:
-            measure(
-                base,
-                max(10, requests // 10),
-                1,
-                call if "PUT" not in name else (lambda c, i, call=call: call(c, i + 10**6)),
-            )  # warm-up
-            rate, p50, p99 = measure(base, requests, concurrency, call)
-            ceiling = ceiling or rate
-            rows.append(
-                [label, name, f"{rate:,.0f}", f"{p50:.2f}", f"{p99:.2f}", f"{rate / ceiling:.0%}"]
-            )
-    return rows
+        tallies = [Tally() for _ in cases]
+        warm_up = max(10, requests // 10)
+        for _, call in cases:
+            measure(base, warm_up, 1, call, start=10**6, tally=Tally())
+        per_round = max(concurrency, requests // rounds)
+        for round_ in range(rounds):
+            for (_, call), tally in zip(cases, tallies, strict=True):
+                measure(base, per_round, concurrency, call, start=round_ * per_round, tally=tally)
+    ceiling = tallies[0].requests / tallies[0].elapsed
+    return [
+        tally.row(label, name, ceiling) for (name, _), tally in zip(cases, tallies, strict=True)
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="operations take turns, requests/rounds at a time"
+    )
     parser.add_argument("--postgres", default=DEFAULT_POSTGRES, help="admin URL; '' to skip")
     parser.add_argument(
         "--in-thread", action="store_true", help="server in a thread of this process"
@@ -208,12 +234,14 @@ def main() -> None:
 
     rows: list[list[str]] = []
     with sqlite_database() as url:
-        rows += bench_database("SQLite", url, args.requests, args.concurrency, args.in_thread)
+        rows += bench_database(
+            "SQLite", url, args.requests, args.concurrency, args.in_thread, args.rounds
+        )
     if args.postgres:
         try:
             with postgres_database(args.postgres) as url:
                 rows += bench_database(
-                    "PostgreSQL", url, args.requests, args.concurrency, args.in_thread
+                    "PostgreSQL", url, args.requests, args.concurrency, args.in_thread, args.rounds
                 )
         except Exception as error:  # no server: report, keep the SQLite numbers
             print(f"PostgreSQL skipped: {error.__class__.__name__}: {error}", file=sys.stderr)
@@ -221,7 +249,10 @@ def main() -> None:
     header = ["database", "operation", "req/s", "p50 ms", "p99 ms", "vs /healthz"]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     where = "thread" if args.in_thread else "child process"
-    print(f"requests={args.requests} concurrency={args.concurrency} server={where}")
+    print(
+        f"requests={args.requests} concurrency={args.concurrency} rounds={args.rounds} "
+        f"server={where}"
+    )
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:

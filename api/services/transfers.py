@@ -11,7 +11,7 @@ import hashlib
 import json
 import uuid
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, contains_eager
 
@@ -79,27 +79,35 @@ _CURRENT_PLAN_KEY = (
 )
 
 
-def _cached_plan(
-    session: Session, body: schemas.TransferCreate
-) -> tuple[str, int, Plan] | None:
+def _cached_plan(session: Session, body: schemas.TransferCreate) -> tuple[str, int, Plan] | None:
     """Hot path: a current, compatible pairing whose plan is in this process's plan cache.
 
-    One column query instead of loading three ORM rows; anything unusual (no pairing, stale,
+    One Core column query instead of loading three ORM rows; anything unusual (no pairing, stale,
     incompatible, a cache miss) returns None and takes the full path with its errors.
     """
-    row = session.execute(
-        _CURRENT_PLAN_KEY, {"context": body.context, "generation": body.generation}
-    ).first()
+    row = (
+        session.connection()
+        .execute(_CURRENT_PLAN_KEY, {"context": body.context, "generation": body.generation})
+        .first()
+    )
     if row is None:
         return None
     pairing_id, status, compatible, context_epoch, generation_epoch, ctx_now, gen_now = row
-    if status == "stale" or not compatible or (ctx_now, gen_now) != (
-        context_epoch,
-        generation_epoch,
+    if (
+        status == "stale"
+        or not compatible
+        or (ctx_now, gen_now)
+        != (
+            context_epoch,
+            generation_epoch,
+        )
     ):
         return None
     hit = cached_plan(
-        pairing_id, context_epoch, generation_epoch, body.context_dp_rank,
+        pairing_id,
+        context_epoch,
+        generation_epoch,
+        body.context_dp_rank,
         body.generation_dp_rank,
     )
     return None if hit is None else (pairing_id, *hit)
@@ -127,8 +135,14 @@ def create_transfer(
     body: schemas.TransferCreate,
     idempotency_key: str | None = None,
 ) -> tuple[TransferRow, bool]:
-    """Plan a transfer and store it; returns ``(row, created)`` (``created`` false on replay)."""
-    digest = request_hash(body)
+    """Plan a transfer and store it; returns ``(row, created)`` (``created`` false on replay).
+
+    The row is inserted with one Core INSERT (the ORM unit of work costs more than the insert on
+    this hot path). Without ``execute`` the returned row is a detached copy of what was inserted;
+    with it, the stored row, which enqueueing updates.
+    """
+    # The digest only serves Idempotency-Key replays; without a key nothing ever compares it.
+    digest = "" if idempotency_key is None else request_hash(body)
     if idempotency_key is not None:
         existing = _by_key(session, idempotency_key)
         if existing is not None:
@@ -159,45 +173,47 @@ def create_transfer(
         raise BadRequest(str(error), code="invalid_blocks", errors=errors) from None
     now = utcnow()
     summary = expansion.to_summary()
-    row = TransferRow(
-        id=uuid.uuid4().hex,
-        pairing_id=pairing_id,
-        plan_id=plan_id,
-        context_name=body.context,
-        generation_name=body.generation,
-        request_id=body.request_id,
-        context_dp_rank=body.context_dp_rank,
-        generation_dp_rank=body.generation_dp_rank,
-        status="planned",
-        execute=body.execute,
-        blocks=raw_blocks,
-        summary=summary,
-        bytes=int(summary["bytes"]),
-        fragments=int(summary["fragments"]),
-        idempotency_key=idempotency_key,
-        request_hash=digest,
-        created_at=now,
-        updated_at=now,
-        mode=body.mode,
-        verify=body.verify,
-        attempt=0,
-        max_attempts=3,
-    )
+    values = {
+        "id": uuid.uuid4().hex,
+        "pairing_id": pairing_id,
+        "plan_id": plan_id,
+        "context_name": body.context,
+        "generation_name": body.generation,
+        "request_id": body.request_id,
+        "context_dp_rank": body.context_dp_rank,
+        "generation_dp_rank": body.generation_dp_rank,
+        "status": "planned",
+        "execute": body.execute,
+        "blocks": raw_blocks,
+        "summary": summary,
+        "bytes": int(summary["bytes"]),
+        "fragments": int(summary["fragments"]),
+        "idempotency_key": idempotency_key,
+        "request_hash": digest,
+        "created_at": now,
+        "updated_at": now,
+        "mode": body.mode,
+        "verify": body.verify,
+        "attempt": 0,
+        "max_attempts": 3,
+    }
+    statement = insert(TransferRow.__table__)
     if idempotency_key is None:
-        session.add(row)
-        session.flush()
+        session.connection().execute(statement, values)
     else:
         try:
             with session.begin_nested():
-                session.add(row)
+                session.connection().execute(statement, values)
         except IntegrityError:
             # A concurrent request with the same key won the insert.
             existing = _by_key(session, idempotency_key)
             if existing is None:
                 raise
             return _replay(existing, digest, idempotency_key), False
-    if body.execute:
-        enqueue_transfer(session=session, transfer=row, plan=plan, now=now)
+    if not body.execute:
+        return TransferRow(**values), True
+    row = session.get_one(TransferRow, values["id"])
+    enqueue_transfer(session=session, transfer=row, plan=plan, now=now)
     return row, True
 
 
