@@ -1,7 +1,8 @@
 """Demo fleet and registration-body builders (used by ``kvplane serve --demo-fleet``, tests, bench).
 
 Bodies follow the DESIGN's contract: one pool per rank holding a target K/V view and, optionally,
-a draft K/V view with its own (smaller) head count, both HND, bfloat16.
+a draft K/V view with its own (smaller) head count, both HND, bfloat16. They are thin defaults
+over :mod:`api.geometry.builders`, which lays out the bytes.
 """
 
 from __future__ import annotations
@@ -12,63 +13,23 @@ from typing import Any
 from api import schemas
 from api.db import Database
 from api.errors import KvplaneError
+from api.geometry import builders
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+HEAD_DIM = 128
+
 DEMO_CONTEXT = "demo-context-tp4"
 DEMO_GENERATION = "demo-generation-tp2"
 
 
-def _heads_per_rank(total_heads: int, group_size: int) -> int:
-    return total_heads // min(group_size, total_heads)
-
-
-def rank_body(
-    rank: int,
-    *,
-    group_size: int,
-    target_heads: int = 8,
-    target_layers: int = 4,
-    draft_heads: int | None = None,
-    draft_layers: int = 1,
-    tokens_per_block: int = 32,
-    head_dim: int = 128,
-    dtype: str = "bfloat16",
-    num_slots: int = 256,
-) -> dict[str, Any]:
-    """One rank's page table: a target K/V view (+ a draft view) sharing one pool."""
-    views: list[dict[str, Any]] = []
-    offset = 0
-    specs = [("target", target_heads, range(target_layers))]
+def _views(
+    target_heads: int, target_layers: int, draft_heads: int | None, draft_layers: int
+) -> list[builders.ViewSpec]:
+    views = [builders.ViewSpec("target", target_layers, target_heads, HEAD_DIM)]
     if draft_heads is not None:
-        specs.append(("draft", draft_heads, range(target_layers, target_layers + draft_layers)))
-    for owner, total, layers in specs:
-        heads = _heads_per_rank(total, group_size)
-        size = heads * head_dim * tokens_per_block * DTYPE_BYTES.get(dtype, 2)
-        buffers = []
-        for layer in layers:
-            for _role in ("key", "value"):
-                buffers.append({"layer": layer, "offset": offset, "size": size})
-                offset += size
-        views.append(
-            {
-                "pool": 0,
-                "owner": owner,
-                "roles": ["key", "value"],
-                "layout": "HND",
-                "num_kv_heads": heads,
-                "total_kv_heads": total,
-                "head_dim": head_dim,
-                "dtype": dtype,
-                "buffers": buffers,
-            }
-        )
-    return {
-        "rank": rank,
-        "pools": [{"id": 0, "layer_group": 0, "slot_bytes": offset, "num_slots": num_slots}],
-        "views": views,
-    }
+        views.append(builders.ViewSpec("draft", draft_layers, draft_heads, HEAD_DIM))
+    return views
 
 
 def instance_body(
@@ -85,32 +46,49 @@ def instance_body(
     model: str | None = "demo-8b",
     num_slots: int = 256,
 ) -> dict[str, Any]:
-    """A full registration body (``ranks`` included unless ``with_ranks`` is false)."""
-    body: dict[str, Any] = {
-        "role": role,
-        "model": model,
-        "tp": tp,
-        "pp": pp,
-        "cp": 1,
-        "attention_dp": False,
-        "tokens_per_block": tokens_per_block,
-        "total_kv_heads": target_heads,
-    }
-    if with_ranks:
-        body["ranks"] = [
-            rank_body(
-                rank,
-                group_size=tp,
-                target_heads=target_heads,
-                target_layers=target_layers,
-                draft_heads=draft_heads,
-                draft_layers=draft_layers,
-                tokens_per_block=tokens_per_block,
-                num_slots=num_slots,
-            )
-            for rank in range(tp * pp)
-        ]
+    """A full registration body (``ranks`` included unless ``with_ranks`` is false).
+
+    Built by :func:`api.geometry.builders.instance_body`: target layers split over the pipeline
+    stages, draft layers on the last stage, one pool per rank, HND bfloat16.
+    """
+    body = builders.instance_body(
+        role=role,
+        views=_views(target_heads, target_layers, draft_heads, draft_layers),
+        tp=tp,
+        pp=pp,
+        tokens_per_block=tokens_per_block,
+        num_slots=num_slots,
+        model=model,
+    )
+    if not with_ranks:
+        del body["ranks"]
     return body
+
+
+def rank_body(
+    rank: int,
+    *,
+    group_size: int,
+    target_heads: int = 8,
+    target_layers: int = 4,
+    draft_heads: int | None = None,
+    draft_layers: int = 1,
+    tokens_per_block: int = 32,
+    num_slots: int = 256,
+) -> dict[str, Any]:
+    """One rank's page table (``PUT .../ranks/{rank}``) of a single-stage TP ``group_size``
+    instance; ``rank`` is written as given, even outside the world (bad-input tests need that)."""
+    body = instance_body(
+        role="context",
+        tp=group_size,
+        target_heads=target_heads,
+        target_layers=target_layers,
+        draft_heads=draft_heads,
+        draft_layers=draft_layers,
+        tokens_per_block=tokens_per_block,
+        num_slots=num_slots,
+    )
+    return {**body["ranks"][0], "rank": rank}
 
 
 def demo_fleet_bodies() -> dict[str, dict[str, Any]]:

@@ -109,7 +109,7 @@ class Fleet:
 
     def stop(self) -> None:
         self.client.close()
-        for name, process in reversed(list(self.processes.items())):
+        for process in reversed(list(self.processes.values())):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
         for process in self.processes.values():
