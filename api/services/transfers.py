@@ -197,7 +197,7 @@ def create_transfer(
         "attempt": 0,
         "max_attempts": 3,
     }
-    statement = insert(TransferRow.__table__)
+    statement = insert(TransferRow)
     if idempotency_key is None:
         session.connection().execute(statement, values)
     else:
