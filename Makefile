@@ -28,7 +28,7 @@ run: install
 demo: install
 	$(VENV)/bin/kvplane demo
 
-test: install
+test: install lint
 	$(VENV)/bin/pytest -q
 
 lint: install
