@@ -151,8 +151,9 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool) -> i
         print()
         print("end-to-end: first claim to done (claims, NIXL connection set-up, the receivers' "
               "full-pool verification); send jobs: the slowest sender's gather + NIXL writes; "
-              "GB/s = bytes / send jobs s. Per-fragment mode has no receiver jobs, so nothing "
-              "is verified there beyond the NIXL completion.")
+              "GB/s = bytes / send jobs s (with verify, both include the sender's crc32). "
+              "Per-fragment mode moves no bytes on the receivers; its receive jobs only wait "
+              "for the writes and check them.")
         print()
         print("verified: every byte of both generation ranks' pools (written bytes carry the "
               "sending rank's pattern, all others are untouched), and sender/receiver crc32 of "

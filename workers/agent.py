@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from api.client import ApiError, Client, ConflictError, LeaseLostError, NotFoundError
-from workers.executors import align_blocks, as_route, expand_fragments
+from workers.executors import align_blocks, as_route, expand_fragments, fragments_crc32
 from workers.pools import Pool, PoolSpec, allocate_pools, attach_pools, fill_pattern
 from workers.transport import TransferCancelled
 
@@ -284,6 +284,10 @@ class Worker:
                     timeout_s=payload["timeout_s"],
                 )
                 checksum = None
+                if payload["verify"]:
+                    dst_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer["pools"]}
+                    fragments = expand_fragments(route, self.pools, dst_specs, src, dst)
+                    checksum = fragments_crc32(self.pools, fragments, side="src")
             else:
                 sent = self.transport.write_staged(
                     agent, route, src, dst_offset=int(entry["dst_offset"]),
@@ -310,15 +314,28 @@ class Worker:
         for entry in payload["routes"]:
             route = as_route(entry["route"])
             sender = entry["sender_rank"]
-            agent = str(payload["peers"][str(sender)]["agent"])
-            _, dst = align_blocks(route, blocks)
-            got = self.transport.receive_staged(
-                agent, route, dst, offset=int(entry["offset"]), tag=self._tag(payload, sender),
-                chunk_blocks=payload["chunk_blocks"], timeout_s=payload["timeout_s"],
-            )
-            offset = int(entry["offset"])
-            checksum = (_crc32(self.transport.staging[offset:offset + got])
-                        if payload["verify"] else None)
+            peer = payload["peers"][str(sender)]
+            agent = str(peer["agent"])
+            src, dst = align_blocks(route, blocks)
+            checksum: int | None
+            if payload["mode"] == "fragments":
+                # The sender wrote straight into the pools; its notification says it is done.
+                # Such a receive job exists only with verify: check the bytes where they landed.
+                self.transport.wait_notif(agent, [self._tag(payload, sender)],
+                                          payload["timeout_s"])
+                src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer["pools"]}
+                fragments = expand_fragments(route, src_specs, self.pools, src, dst)
+                got = int(entry["bytes"])
+                checksum = fragments_crc32(self.pools, fragments, side="dst")
+            else:
+                got = self.transport.receive_staged(
+                    agent, route, dst, offset=int(entry["offset"]),
+                    tag=self._tag(payload, sender), chunk_blocks=payload["chunk_blocks"],
+                    timeout_s=payload["timeout_s"],
+                )
+                offset = int(entry["offset"])
+                checksum = (_crc32(self.transport.staging[offset:offset + got])
+                            if payload["verify"] else None)
             total += got
             routes.append({"sender_rank": sender, "receiver_rank": self.rank, "bytes": got,
                            "checksum": checksum})

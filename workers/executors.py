@@ -654,3 +654,31 @@ def expand_fragments(
         )
         for k, v in acc.items()
     }
+
+
+def fragments_crc32(
+    pools: Mapping[int, Pool],
+    fragments: Mapping[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+    *,
+    side: Literal["src", "dst"],
+) -> int:
+    """crc32 of a route's bytes read fragment by fragment from this side's ``pools``.
+
+    ``fragments`` is :func:`expand_fragments` of the route; sender (``side="src"``) and receiver
+    (``"dst"``) compute it from the same route and block lists, so they read the same bytes in
+    the same order when the transfer was right. Reads a CUDA pool through one host copy. One
+    ``zlib.crc32`` per fragment over a buffer view: measured faster than a vectorized gather
+    for both 16 KiB (HND) and 512-byte (NHD) fragments.
+    """
+    import zlib
+
+    crc = 0
+    images: dict[int, memoryview] = {}
+    for (src_pool, dst_pool), (so, do, ln) in fragments.items():
+        pid, offsets = (src_pool, so) if side == "src" else (dst_pool, do)
+        if pid not in images:
+            images[pid] = pools[pid].tensor.detach().cpu().numpy().data
+        image = images[pid]
+        for offset, length in zip(offsets.tolist(), ln.tolist(), strict=True):
+            crc = zlib.crc32(image[offset : offset + length], crc)
+    return crc & 0xFFFFFFFF

@@ -7,8 +7,10 @@ A transfer with ``execute=true`` becomes jobs for the ranks involved:
   the transfer (first fit in the receiver worker's registered staging buffer) and gives every
   writer its exact offset in it; senders gather, NIXL-WRITE chunk by chunk with notifications;
   receivers scatter each chunk as it lands.
-- mode ``fragments``: ``send`` jobs only, one NIXL descriptor per fragment straight into the
-  receiver's pools (the comparison path; nothing to reserve, nothing for the receiver to do).
+- mode ``fragments``: one NIXL descriptor per fragment straight into the receiver's pools (the
+  comparison path; nothing to reserve). Without ``verify`` only ``send`` jobs; with it, also one
+  ``receive`` job per receiver rank, which waits for its senders' notifications and checksums
+  the bytes where they landed, in the same fragment order as the sender.
 
 Job states ``queued → leased → done | failed``. Claiming is one guarded statement:
 ``UPDATE jobs … WHERE id = (SELECT id … FOR UPDATE SKIP LOCKED LIMIT 1) AND state = 'queued'
@@ -339,14 +341,28 @@ def enqueue_transfer(
                 staging_bytes=need,
             )
     else:
+        # Fragments land in the receiver's pools with no receive step. With verify, a receive
+        # job per receiver waits for its senders and checksums the bytes where they landed.
+        checks: dict[int, list[dict[str, Any]]] = {}
         for route, nbytes in routes:
-            send_routes.setdefault(route.sender_rank, []).append(
-                {
-                    "route": _route_wire(route.to_dict()),
-                    "receiver_rank": route.receiver_rank,
-                    "bytes": nbytes,
-                }
-            )
+            wire_route = _route_wire(route.to_dict())
+            send: dict[str, Any] = {
+                "route": wire_route,
+                "receiver_rank": route.receiver_rank,
+                "bytes": nbytes,
+            }
+            if transfer.verify:
+                receiver = _live_worker(session, generation, route.receiver_rank, now)
+                assert receiver is not None
+                send["receiver_worker"] = receiver.id
+                checks.setdefault(route.receiver_rank, []).append(
+                    {"route": wire_route, "sender_rank": route.sender_rank, "bytes": nbytes}
+                )
+            send_routes.setdefault(route.sender_rank, []).append(send)
+        for receiver_rank, checked in sorted(checks.items()):
+            receiver = _live_worker(session, generation, receiver_rank, now)
+            assert receiver is not None
+            job("receive", generation, receiver_rank, {"routes": checked, "worker_id": receiver.id})
     for sender_rank, outgoing in sorted(send_routes.items()):
         job("send", context, sender_rank, {"routes": outgoing})
     session.add_all(jobs)
@@ -542,15 +558,18 @@ def _attach_peers(session: Session, job: JobRow, now: datetime) -> tuple[str, st
                 f"{peer_instance.name} rank {rank} has no live worker",
                 True,
             )
-        if job.kind == "send" and transfer.mode == "staged":
+        if job.kind == "send":
+            # Staged, and fragments with verify: a receive job is pinned to this worker.
             planned = next(
-                r["receiver_worker"] for r in job.payload["routes"] if r["receiver_rank"] == rank
+                r.get("receiver_worker")
+                for r in job.payload["routes"]
+                if r["receiver_rank"] == rank
             )
-            if worker.id != planned:
+            if planned is not None and worker.id != planned:
                 return (
                     "peer_unavailable",
                     f"the worker of {peer_instance.name} rank {rank} changed since its "
-                    "staging area was reserved",
+                    "receive job was planned",
                     True,
                 )
         peers[str(rank)] = worker.peer

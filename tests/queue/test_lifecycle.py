@@ -88,6 +88,40 @@ def test_staged_transfer_reserves_exact_offsets_and_settles_done(db: Database) -
     assert done.status == "done" and done.error is None
 
 
+def test_fragments_with_verify_get_a_pinned_receive_job_per_receiver(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    transfer_id = submit(db, "checked", mode="fragments", verify=True)
+    rows = job_rows(db, transfer_id)
+    assert sorted((row.kind, row.rank) for row in rows) == [
+        ("receive", 0), ("send", 0), ("send", 1)
+    ]
+    receive = next(row for row in rows if row.kind == "receive")
+    gen_worker = fleet["workers"][("gen", 0)]
+    assert receive.worker_id == gen_worker
+    assert receive.staging_bytes == 0  # nothing reserved: the fragments land in the pools
+    assert sorted(r["sender_rank"] for r in receive.payload["routes"]) == [0, 1]
+    assert sum(r["bytes"] for r in receive.payload["routes"]) == transfer(db, transfer_id).bytes
+    sends = [row for row in rows if row.kind == "send"]
+    assert {r["receiver_worker"] for row in sends for r in row.payload["routes"]} == {gen_worker}
+
+    # A new worker for generation rank 0: the senders must not write into its pools while the
+    # receive job that checks them is pinned to the old worker.
+    restarted = attach_worker(db, "gen", 0, "gen-0-restarted")
+    now = utcnow()
+    assert claim(db, fleet["workers"][("ctx", 0)], now) is None
+    first = [row for row in job_rows(db, transfer_id) if row.attempt == 1]
+    failed = next(row for row in first if row.kind == "send" and row.rank == 0)
+    assert failed.state == "failed"
+    assert failed.error is not None and "receive job was planned" in failed.error
+    retry = [row for row in job_rows(db, transfer_id) if row.attempt == 2]
+    assert [row.worker_id for row in retry if row.kind == "receive"] == [restarted]
+
+    plain = submit(db, "plain", mode="fragments")  # without verify: nothing to check, no pin
+    assert {row.kind for row in job_rows(db, plain)} == {"send"}
+    assert all("receiver_worker" not in r for row in job_rows(db, plain)
+               for r in row.payload["routes"])
+
+
 def test_checksum_disagreement_fails_the_transfer(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1", verify=True)

@@ -162,11 +162,30 @@ def test_transfer_moves_exactly_the_planned_bytes_and_every_byte_verifies(
     assert {job["state"] for job in jobs} == {"done"}
     sent = sum(job["result"]["bytes"] for job in jobs if job["kind"] == "send")
     assert sent == done["bytes"]
-    if mode == "staged":
-        (receive,) = [job for job in jobs if job["kind"] == "receive"]
-        pool = gen["ranks"][0]["pools"][0]
-        assert receive["result"]["verified_bytes"] == pool["num_slots"] * pool["slot_bytes"]
-        assert receive["result"]["bytes"] == done["bytes"]
+    # Both modes have a receive job with verify: staged scatters, fragments only checks.
+    (receive,) = [job for job in jobs if job["kind"] == "receive"]
+    pool = gen["ranks"][0]["pools"][0]
+    assert receive["result"]["verified_bytes"] == pool["num_slots"] * pool["slot_bytes"]
+    assert receive["result"]["bytes"] == done["bytes"]
+    sent_sums = {(r["sender_rank"], r["receiver_rank"]): r["checksum"]
+                 for job in jobs if job["kind"] == "send" for r in job["result"]["routes"]}
+    received = {(r["sender_rank"], r["receiver_rank"]): r["checksum"]
+                for r in receive["result"]["routes"]}
+    assert received == sent_sums
+    assert None not in received.values()
+
+
+def test_fragments_without_verify_have_no_receive_job(fleet: Fleet) -> None:
+    fleet.register(ctx_tp=2, gen_tp=1)
+    for instance, world in (("ctx", 2), ("gen", 1)):
+        for rank in range(world):
+            fleet.start_worker(instance, rank)
+    fleet.wait(lambda: fleet.alive_workers() == 3, "three workers")
+    created = _transfer(fleet, "req-plain", mode="fragments", verify=False)
+    done = fleet.client.get_transfer(created["id"], wait_s=60)
+    assert done["status"] == "done", done["error"]
+    jobs = fleet.client.list_jobs(transfer_id=created["id"])
+    assert {job["kind"] for job in jobs} == {"send"}
 
 
 def test_worker_killed_mid_job_is_retried_on_another_worker_of_its_rank(fleet: Fleet) -> None:

@@ -20,6 +20,8 @@ from workers.executors import (
     _progressions,
     align_blocks,
     copy_local,
+    expand_fragments,
+    fragments_crc32,
     gather,
     scatter,
     staging_layout,
@@ -105,6 +107,28 @@ def test_head_slice_copy_gather_scatter_match_oracle(layout, kind, method):
     got = _clone(dst)
     scatter(route, staged, got, bd, method=method)
     _assert_pools_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fragments_crc32_agrees_after_a_copy_and_catches_one_wrong_byte(layout):
+    import zlib
+
+    hs = HeadSlice(layout, 3, 8, 16, 2, 2, 4, 0, 2, 2)
+    route = hs.route()
+    src, dst = _pools_pair([hs.sender_spec(20, pad=48)], [hs.receiver_spec(24, pad=16)])
+    bs, bd = np.array([3, 1, 7, 7, 0]), np.array([10, 2, 23, 5, 6])
+    fragments = expand_fragments(route, src, dst, bs, bd)
+    (so, do, ln), = fragments.values()
+    # Reference: the crc32 of all the fragments' bytes joined, sliced from the torch tensor.
+    source = src[0].tensor
+    pieces = [bytes(source[o : o + n].tolist()) for o, n in zip(so, ln, strict=True)]
+    expected = zlib.crc32(b"".join(pieces))
+    assert fragments_crc32(src, fragments, side="src") == expected
+    assert fragments_crc32(dst, fragments, side="dst") != expected  # nothing copied yet
+    copy_local(route, src, dst, bs, bd)
+    assert fragments_crc32(dst, fragments, side="dst") == expected
+    dst[0].tensor[int(do[-1]) + int(ln[-1]) - 1] ^= 1  # last byte of the last fragment
+    assert fragments_crc32(dst, fragments, side="dst") != expected
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
