@@ -138,6 +138,14 @@ def test_name_with_slash_is_not_a_route(client: TestClient) -> None:
     _nothing_stored(client)
 
 
+@pytest.mark.parametrize("method", ["PUT", "GET", "DELETE"])
+def test_name_with_an_encoded_slash_is_422_naming_it(client: TestClient, method: str) -> None:
+    response = client.request(method, "/v1/instances/a%2Fb", json=_body())
+    problem = _assert_problem(response, 422, ["path", "name"])
+    assert "'/'" in problem["errors"][0]["msg"]
+    _nothing_stored(client)
+
+
 def test_ten_megabyte_body_is_413(client: TestClient) -> None:
     body = _body()
     body["model"] = "x" * (10 << 20)
