@@ -3,7 +3,8 @@
 A pairing's ``status`` is ``compatible`` or ``incompatible`` after validation and ``stale`` once
 either instance re-registers (new epoch); ``validate_pairing_by_id`` re-validates and clears it.
 Plans are cached in ``plans`` under (pairing, both epochs, both dp ranks) and, because such a row
-never changes, also in a small in-process LRU keyed by the same (globally unique) values.
+never changes, also in a small in-process LRU keyed by the same (globally unique) values. A plan
+enters the LRU only when the transaction that stored or read it commits.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import event, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
@@ -58,6 +59,33 @@ def _memo_put(key: PlanKey, value: tuple[int, Plan]) -> None:
         _memo.move_to_end(key)
         while len(_memo) > PLAN_MEMO_SIZE:
             _memo.popitem(last=False)
+
+
+_PENDING = "kvplane_pending_plans"
+
+
+def _memo_on_commit(session: Session, key: PlanKey, value: tuple[int, Plan]) -> None:
+    """Cache ``value`` once ``session``'s transaction commits.
+
+    A plan row that is rolled back with its request (bad blocks, no live worker, ...) must never
+    be served from the cache: its id would dangle, and the database may hand it out again to
+    another pairing's plan.
+    """
+    session.info.setdefault(_PENDING, {})[key] = value
+
+
+@event.listens_for(Session, "after_commit")
+def _publish_pending_plans(session: Session) -> None:
+    if session.in_nested_transaction():  # a savepoint released: the outer one may still fail
+        return
+    for key, value in session.info.pop(_PENDING, {}).items():
+        _memo_put(key, value)
+
+
+@event.listens_for(Session, "after_rollback")
+def _drop_pending_plans(session: Session) -> None:
+    # Any rollback, a savepoint's included: a cache miss later is cheap, a dangling id is not.
+    session.info.pop(_PENDING, None)
 
 
 def mark_stale_for_instance(*, session: Session, instance_id: int) -> int:
@@ -261,7 +289,7 @@ def plan_for_pairing(
     stored = session.scalars(select(PlanRow).where(*where)).one_or_none()
     if stored is not None:
         value = (stored.id, Plan.from_dict(stored.body))
-        _memo_put(key, value)
+        _memo_on_commit(session, key, value)
         return value
     try:
         plan = compile_plan(
@@ -289,7 +317,7 @@ def plan_for_pairing(
         # Another process compiled the same plan first; theirs is identical.
         row = session.scalars(select(PlanRow).where(*where)).one()
     value = (row.id, plan)
-    _memo_put(key, value)
+    _memo_on_commit(session, key, value)
     return value
 
 

@@ -108,6 +108,35 @@ def test_block_id_out_of_range_is_422_naming_the_field(client: TestClient) -> No
     assert client.post("/v1/transfers", json=unknown_group).status_code == 422
 
 
+def test_a_first_transfer_that_fails_leaves_no_dangling_plan_in_the_cache(
+    client: TestClient,
+) -> None:
+    # The pairing's plan is compiled and stored by the first transfer, whose transaction then
+    # rolls back (a block id out of range, then no live worker): later transfers must neither
+    # fail on the vanished plan row nor reference another pairing's plan that reused its id.
+    pairing_id = _setup(client)
+    bad = _transfer(blocks=2)
+    bad["blocks"]["0"]["generation"] = [0, 10**6]
+    assert client.post("/v1/transfers", json=bad).status_code == 422
+    executed = client.post("/v1/transfers", json=_transfer(request_id="r-exec", execute=True))
+    assert executed.status_code == 503
+    client.put("/v1/instances/gen-c", json=instance_body(role="generation", tp=1))
+    other = client.post("/v1/pairings", json={"context": "ctx-a", "generation": "gen-c"}).json()
+    assert client.post(
+        "/v1/transfers", json={**_transfer(request_id="r-other"), "generation": "gen-c"}
+    ).status_code == 201
+    response = client.post("/v1/transfers", json=_transfer(blocks=4))
+    assert response.status_code == 201, response.json()
+    transfer = response.json()
+    assert transfer["pairing_id"] == pairing_id != other["id"]
+    fragments = client.get(f"/v1/transfers/{transfer['id']}/fragments").json()
+    receivers = {route["receiver_rank"] for route in fragments["routes"]}
+    assert receivers == {route["receiver_rank"] for route in transfer["routes"]} == {0, 1}
+    assert sum(row[4] for route in fragments["routes"] for row in route["fragments"]) == (
+        transfer["bytes"]
+    )
+
+
 def test_stale_pairing_refuses_transfers(client: TestClient) -> None:
     _setup(client)
     client.put("/v1/instances/gen-b", json=instance_body(role="generation", tp=2, num_slots=9))
