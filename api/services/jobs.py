@@ -281,17 +281,20 @@ def enqueue_transfer(
         jobs.append(row)
         return row
 
+    # One lookup per receiver rank, used for the check and for every job that pins the worker
+    # (two lookups could disagree when a worker attaches or stops in between).
+    found = {
+        rank: _live_worker(session, generation, rank, now)
+        for rank in sorted({r.receiver_rank for r, _ in routes})
+    }
+    receivers = {rank: worker for rank, worker in found.items() if worker is not None}
     missing = sorted(
         {
             ("context", r.sender_rank)
             for r, _ in routes
             if _live_worker(session, context, r.sender_rank, now) is None
         }
-        | {
-            ("generation", r.receiver_rank)
-            for r, _ in routes
-            if _live_worker(session, generation, r.receiver_rank, now) is None
-        }
+        | {("generation", rank) for rank in found if rank not in receivers}
     )
     if missing:
         names = ", ".join(f"{side} rank {rank}" for side, rank in missing)
@@ -308,8 +311,7 @@ def enqueue_transfer(
             by_receiver.setdefault(route.receiver_rank, []).append((route, nbytes))
         for receiver_rank, incoming in sorted(by_receiver.items()):
             need = sum(nbytes for _, nbytes in incoming)
-            worker = _live_worker(session, generation, receiver_rank, now)
-            assert worker is not None
+            worker = receivers[receiver_rank]
             offset = _reserve_staging(session, generation, receiver_rank, worker, need, now)
             cursor = offset
             receive_routes = []
@@ -352,17 +354,14 @@ def enqueue_transfer(
                 "bytes": nbytes,
             }
             if transfer.verify:
-                receiver = _live_worker(session, generation, route.receiver_rank, now)
-                assert receiver is not None
-                send["receiver_worker"] = receiver.id
+                send["receiver_worker"] = receivers[route.receiver_rank].id
                 checks.setdefault(route.receiver_rank, []).append(
                     {"route": wire_route, "sender_rank": route.sender_rank, "bytes": nbytes}
                 )
             send_routes.setdefault(route.sender_rank, []).append(send)
         for receiver_rank, checked in sorted(checks.items()):
-            receiver = _live_worker(session, generation, receiver_rank, now)
-            assert receiver is not None
-            job("receive", generation, receiver_rank, {"routes": checked, "worker_id": receiver.id})
+            worker_id = receivers[receiver_rank].id
+            job("receive", generation, receiver_rank, {"routes": checked, "worker_id": worker_id})
     for sender_rank, outgoing in sorted(send_routes.items()):
         job("send", context, sender_rank, {"routes": outgoing})
     session.add_all(jobs)
