@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
@@ -453,9 +453,11 @@ def has_work(*, session: Session, worker_id: str, now: datetime) -> bool:
         .limit(1)
     )
     expired = select(JobRow.id).where(JobRow.state == "leased", JobRow.lease_expires_at < now)
+    stranded = select(JobRow.id).join(WorkerRow, JobRow.worker_id == WorkerRow.id)
     return (
         session.scalars(runnable).first() is not None
         or session.scalars(expired.limit(1)).first() is not None
+        or session.scalars(stranded.where(stranded_condition(now)).limit(1)).first() is not None
     )
 
 
@@ -781,8 +783,20 @@ def _checksum_mismatch(jobs: Iterable[JobRow]) -> str | None:
     return None
 
 
+def stranded_condition(now: datetime) -> ColumnElement[bool]:
+    """A queued job pinned to a worker that is gone (stopped, or no heartbeat for
+    ``WORKER_GONE_S``): nobody else may claim it, so it must be failed. Select ``JobRow``
+    joined to its ``WorkerRow``."""
+    cutoff = now - timedelta(seconds=WORKER_GONE_S)
+    return and_(
+        JobRow.state == "queued",
+        or_(WorkerRow.stopped.is_(True), WorkerRow.heartbeat_at < cutoff),
+    )
+
+
 def reap_expired(*, session: Session, now: datetime) -> int:
-    """Jobs whose lease expired: their transfer is retried (or failed after max attempts)."""
+    """Jobs whose lease expired, and queued jobs pinned to a worker that is gone: their
+    transfer is retried (or failed after max attempts). Returns the number of expired leases."""
     expired = list(
         session.scalars(
             select(JobRow)
@@ -803,6 +817,26 @@ def reap_expired(*, session: Session, now: datetime) -> int:
             )
         except LeaseLost:
             continue
+    stranded = session.scalars(
+        select(JobRow)
+        .join(WorkerRow, JobRow.worker_id == WorkerRow.id)
+        .where(stranded_condition(now))
+        .with_for_update(skip_locked=True, of=JobRow)
+    )
+    for job in list(stranded):
+        changed = session.execute(
+            update(JobRow)
+            .where(JobRow.id == job.id, JobRow.state == "queued")
+            .values(state="failed", error="its worker is gone", finished_at=now, updated_at=now)
+            .returning(JobRow.id)
+            .execution_options(synchronize_session=False)
+        ).scalar_one_or_none()
+        if changed is not None:
+            reason = f"worker {job.worker_id}, which this job was pinned to, is gone"
+            _retry_or_fail(
+                session, job.transfer_id, job.attempt, f"{job.kind} job of rank {job.rank}: "
+                f"{reason}", True, now,
+            )
     return len(expired)
 
 

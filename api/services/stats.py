@@ -16,7 +16,7 @@ from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.models import InstanceRow, JobRow, TransferRow, WorkerRow
-from api.services.jobs import WORKER_GONE_S, count_jobs_by_state
+from api.services.jobs import WORKER_GONE_S, count_jobs_by_state, stranded_condition
 
 ACTIVE_TRANSFER = ("queued", "running")
 FINISHED_TRANSFER = ("done", "failed")
@@ -67,14 +67,22 @@ def job_transfer_ids(*, session: Session, job_id: str) -> list[str]:
 
 
 def expired_lease_transfer_ids(*, session: Session, now: datetime) -> list[str]:
-    """Transfers with a job whose lease has expired (what ``reap_expired`` would act on)."""
-    return list(
+    """Transfers with a job whose lease has expired, or with a queued job pinned to a worker
+    that is gone (what ``reap_expired`` would act on)."""
+    expired = set(
         session.scalars(
             select(JobRow.transfer_id)
             .where(JobRow.state == "leased", JobRow.lease_expires_at < now)
             .distinct()
         )
     )
+    stranded = session.scalars(
+        select(JobRow.transfer_id)
+        .join(WorkerRow, JobRow.worker_id == WorkerRow.id)
+        .where(stranded_condition(now))
+        .distinct()
+    )
+    return sorted(expired.union(stranded))
 
 
 def transfer_ids_of_instance(*, session: Session, name: str) -> list[str]:

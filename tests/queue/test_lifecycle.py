@@ -122,6 +122,35 @@ def test_fragments_with_verify_get_a_pinned_receive_job_per_receiver(db: Databas
                for r in row.payload["routes"])
 
 
+@pytest.mark.parametrize("mode", ["staged", "fragments"])
+def test_a_receive_job_pinned_to_a_gone_worker_is_not_stranded(db: Database, mode: str) -> None:
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    old = fleet["workers"][("gen", 0)]
+    transfer_id = submit(db, "r1", mode=mode, verify=True)
+    replacement = attach_worker(db, "gen", 0, "gen-0-new")
+    with db.write() as session:
+        jobs.stop_worker(session=session, worker_id=old)  # before it claimed its receive job
+    now = utcnow()
+    # Any claim reaps: the pinned job fails and the transfer is retried on the live worker.
+    got = claim(db, fleet["workers"][("ctx", 0)], now)
+    assert got is None  # the retry waits for its backoff
+    first = {row.kind: row for row in job_rows(db, transfer_id) if row.attempt == 1}
+    assert first["receive"].state == "failed"
+    row = transfer(db, transfer_id)
+    assert row.status == "queued" and row.attempt == 2
+    assert row.error is not None and f"worker {old}" in row.error and "is gone" in row.error
+    retry = [job for job in job_rows(db, transfer_id) if job.attempt == 2]
+    assert [job.worker_id for job in retry if job.kind == "receive"] == [replacement]
+
+    # Gone by silence (no heartbeat for WORKER_GONE_S), with no live worker left: failed.
+    later = now + timedelta(seconds=jobs.WORKER_GONE_S + 1)
+    beat(db, later, fleet["workers"][("ctx", 0)])
+    assert claim(db, fleet["workers"][("ctx", 0)], later) is None
+    row = transfer(db, transfer_id)
+    assert row.status == "failed"
+    assert row.error is not None and "retry impossible" in row.error
+
+
 def test_checksum_disagreement_fails_the_transfer(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1", verify=True)
