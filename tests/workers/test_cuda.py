@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.executors import copy_local, gather, scatter
+from workers.executors import copy_local, expand_fragments, fragments_crc32, gather, scatter
 from workers.pools import allocate_pools, attach_pools, fill_pattern
 from workers.testing import HeadSlice, reference_copy, reference_staging
 
@@ -47,6 +47,20 @@ def test_cuda_executors_match_cpu_oracle(layout, method):
     scatter(route, staged, fresh, torch.as_tensor(bd, device="cuda"), method=method)
     torch.cuda.synchronize()
     assert torch.equal(fresh[0].tensor.cpu(), dst_cpu[0].tensor)
+
+
+@pytest.mark.timeout(120)
+def test_cuda_fragments_crc32_matches_cpu():
+    hs = HeadSlice("NHD", 4, 16, 64, 2, 2, 4, 0, 2, 2)
+    route = hs.route()
+    src_cpu, src = _cpu_and_cuda([hs.sender_spec(64, pad=128)], 0)
+    dst_cpu, dst = _cpu_and_cuda([hs.receiver_spec(64)], 1)
+    bs, bd = np.arange(40, 8, -1), np.arange(32)
+    fragments = expand_fragments(route, src_cpu, dst_cpu, bs, bd)
+    for side, cpu, cuda in (("src", src_cpu, src), ("dst", dst_cpu, dst)):
+        assert fragments_crc32(cuda, fragments, side=side) == fragments_crc32(
+            cpu, fragments, side=side
+        )
 
 
 @pytest.mark.timeout(120)
