@@ -16,8 +16,10 @@ Lifecycle of a :class:`Worker`:
 Jobs (see ``api/services/jobs.py``): ``send`` gathers each route into staging and NIXL-WRITEs
 it chunk by chunk into the receiver's reserved staging area (or, mode ``fragments``, one
 descriptor per fragment into the receiver's pools); ``receive`` scatters each chunk as its
-notification lands. A receiver started with ``fill_pattern`` can verify *every* byte of its
-pools after a transfer (written bytes carry the sender's pattern, all others its own).
+notification lands (mode ``fragments`` with ``verify``: waits for the writes, then checksums the
+landed bytes and reports ``bytes: 0``, having moved none). A receiver started with
+``fill_pattern`` can verify *every* byte of its pools after a transfer (written bytes carry the
+sender's pattern, all others its own).
 
 Depends only on the wire schemas, the HTTP client and torch/NIXL: never on FastAPI or SQLAlchemy.
 """
@@ -307,7 +309,7 @@ class Worker:
         assert self.transport is not None
         payload = job["payload"]
         if payload.get("worker_id") not in (None, self.worker_id):
-            raise JobError("this job's staging area was reserved on another worker of this "
+            raise JobError("this job was pinned to another worker of this "
                            "rank (restarted?)")
         blocks = _blocks(payload["blocks"])
         total, routes = 0, []
@@ -336,11 +338,13 @@ class Worker:
                 offset = int(entry["offset"])
                 checksum = (_crc32(self.transport.staging[offset:offset + got])
                             if payload["verify"] else None)
-            total += got
+            if payload["mode"] != "fragments":  # there the sender moved them; this job checks
+                total += got
             routes.append({"sender_rank": sender, "receiver_rank": self.rank, "bytes": got,
                            "checksum": checksum})
         result: dict[str, Any] = {"bytes": total, "routes": routes}
-        log.info("job %s: received %d bytes from %d writer(s)", job["id"], total, len(routes))
+        log.info("job %s: received %d bytes from %d writer(s) (%s mode)", job["id"],
+                 sum(route["bytes"] for route in routes), len(routes), payload["mode"])
         if payload["verify"] and self.fill:
             result["verified_bytes"] = self.verify_pools(payload["routes"], blocks,
                                                          payload["peers"])

@@ -476,7 +476,8 @@ def claim_job(
             JobRow.rank == worker.rank,
             JobRow.state == "queued",
             JobRow.not_before <= now,
-            # A receive job belongs to the worker whose staging area it reserved.
+            # A receive job belongs to the worker it was pinned to (its staging area, or the
+            # pools that the fragments land in).
             or_(JobRow.worker_id.is_(None), JobRow.worker_id == worker_id),
         )
         .order_by(JobRow.created_at, JobRow.id)

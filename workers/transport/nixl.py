@@ -12,7 +12,7 @@ Lifecycle of a worker's :class:`NixlTransport`:
    offset with a notification ``<tag>|<chunk>|<chunks>``, gather the next chunk while it flies; the
    receiver :meth:`receive_staged` scatters each chunk as its notification arrives;
 4. per-fragment path: :meth:`write_fragments` posts one descriptor per fragment straight into
-   the receiver's pools (no staging, no receiver work) — the comparison baseline;
+   the receiver's pools (no staging, no receiver copy) — the comparison baseline;
 5. a restarted peer comes back with a new agent: :meth:`remove_peer` the old one, add the new;
 6. :meth:`close` releases handles, drops peers and deregisters memory.
 
