@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from api import __version__, auth
 from api.db import Database, utcnow
 from api.errors import Conflict, install_error_handlers
-from api.limits import BodyLimitMiddleware
+from api.limits import BodyLimitMiddleware, EncodedSlashMiddleware
 from api.logs import RequestIdMiddleware
 from api.metrics import Metrics, TimingMiddleware
 from api.migrate import head_revisions, upgrade
@@ -107,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth.install(app)
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(EncodedSlashMiddleware)
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-ID
     return app

@@ -259,26 +259,6 @@ def validation_problem(exc: RequestValidationError) -> JSONResponse:
     )
 
 
-def _encoded_slash_problem(request: Request) -> JSONResponse | None:
-    """422 for a name or id with an encoded ``/`` (``%2F``), which no route can match.
-
-    The server decodes the path before routing, so ``/v1/instances/a%2Fb`` would otherwise be an
-    unhelpful 404 for ``/v1/instances/a/b``.
-    """
-    raw = request.scope.get("raw_path") or b""
-    if b"%2f" not in raw.lower():
-        return None
-    field = "name" if raw.startswith(b"/v1/instances/") else "id"
-    message = f"the {field} in the path must not contain '/' (%2F)"
-    return problem_response(
-        422,
-        "validation_error",
-        "Invalid request",
-        f"Invalid field(s): path.{field}",
-        errors=[{"loc": ["path", field], "msg": message, "code": "string_pattern_mismatch"}],
-    )
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Register the problem+json handlers on ``app``."""
 
@@ -299,11 +279,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_problem(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code in (404, 405):
-            encoded_slash = _encoded_slash_problem(request)
-            if encoded_slash is not None:
-                return encoded_slash
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return problem_response(
             exc.status_code,

@@ -1,4 +1,5 @@
-"""Request-body limit as pure ASGI middleware: 413 problem+json before the app parses anything."""
+"""Request-shape limits as pure ASGI middleware, answered before the app parses anything: 413 for
+an oversized body, 422 for an encoded slash in an API path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,52 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.errors import PROBLEM_MEDIA_TYPE, PROBLEM_TYPE_PREFIX
 
 
+async def _send_problem(send: Send, problem: dict[str, object], *, close: bool = False) -> None:
+    """Answer with ``problem`` as problem+json, before the app sees the request."""
+    body = json.dumps(problem).encode()
+    headers = [
+        (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": problem["status"], "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class EncodedSlashMiddleware:
+    """422 for an API path whose name or id holds an encoded ``/`` (``%2F``).
+
+    The server decodes the path before routing, so ``/v1/instances/a%2Fb`` would otherwise be
+    routed as ``/v1/instances/a/b`` (a bare 404), and ``/v1/transfers/x%2Fretry`` as the retry
+    route of transfer ``x``. No name or id may contain ``/``, so such a path is always refused.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw: bytes = (scope.get("raw_path") or b"") if scope["type"] == "http" else b""
+        if not raw.startswith(b"/v1/") or b"%2f" not in raw.lower():
+            await self.app(scope, receive, send)
+            return
+        field = "name" if raw.startswith(b"/v1/instances/") else "id"
+        message = f"the {field} in the path must not contain '/' (%2F)"
+        await _send_problem(
+            send,
+            {
+                "type": PROBLEM_TYPE_PREFIX + "validation_error",
+                "title": "Invalid request",
+                "status": 422,
+                "code": "validation_error",
+                "detail": f"Invalid field(s): path.{field}",
+                "errors": [
+                    {"loc": ["path", field], "msg": message, "code": "string_pattern_mismatch"}
+                ],
+            },
+        )
+
+
 class BodyLimitMiddleware:
     """Reject bodies over ``max_body_bytes`` (by Content-Length, or while streaming) with 413."""
 
@@ -17,28 +64,16 @@ class BodyLimitMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "type": PROBLEM_TYPE_PREFIX + "payload_too_large",
-                "title": "Payload too large",
-                "status": 413,
-                "code": "payload_too_large",
-                "detail": f"The request body exceeds {self.max_body_bytes} bytes.",
-                "errors": [{"loc": ["body"], "msg": f"at most {self.max_body_bytes} bytes"}],
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        limit = self.max_body_bytes
+        problem: dict[str, object] = {
+            "type": PROBLEM_TYPE_PREFIX + "payload_too_large",
+            "title": "Payload too large",
+            "status": 413,
+            "code": "payload_too_large",
+            "detail": f"The request body exceeds {limit} bytes.",
+            "errors": [{"loc": ["body"], "msg": f"at most {limit} bytes"}],
+        }
+        await _send_problem(send, problem, close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):

@@ -146,6 +146,12 @@ def test_name_with_an_encoded_slash_is_422_naming_it(client: TestClient, method:
     _nothing_stored(client)
 
 
+def test_an_encoded_slash_never_reaches_another_route(client: TestClient) -> None:
+    # Decoded, this would be POST /v1/transfers/x/retry: the retry of transfer "x".
+    _assert_problem(client.post("/v1/transfers/x%2Fretry"), 422, ["path", "id"])
+    _assert_problem(client.get("/v1/pairings/a%2fb"), 422, ["path", "id"])
+
+
 def test_ten_megabyte_body_is_413(client: TestClient) -> None:
     body = _body()
     body["model"] = "x" * (10 << 20)
