@@ -167,8 +167,11 @@ class _Calls:
     def register_worker(self, body: Mapping[str, Any]) -> Any:
         return self._request("POST", "/v1/workers", json=body)
 
-    def heartbeat(self, worker_id: str) -> Any:
-        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat")
+    def heartbeat(self, worker_id: str, jobs: list[str] | None = None) -> Any:
+        """``jobs``: the jobs the worker is running; only their leases are extended (``None``:
+        every lease the worker holds)."""
+        body = None if jobs is None else {"jobs": jobs}
+        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat", json=body)
 
     def stop_worker(self, worker_id: str) -> Any:
         return self._request("DELETE", f"/v1/workers/{worker_id}")

@@ -121,6 +121,17 @@ class RouteResult(_Request):
     checksum: int | None = Field(default=None, ge=0, le=(1 << 32) - 1)
 
 
+class Heartbeat(_Request):
+    """What the worker is running: only these jobs' leases are extended."""
+
+    jobs: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Ids of the jobs the worker is running now. Leases it holds on other jobs "
+        "(a claim whose answer was lost) are not extended, so they expire and are retried.",
+    )
+
+
 class JobComplete(_Request):
     """A job's result: bytes moved, wall time, per-route checksums (crc32) when verifying."""
 

@@ -26,7 +26,6 @@ Depends only on the wire schemas, the HTTP client and torch/NIXL: never on FastA
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -39,7 +38,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from api.client import ApiError, Client, ConflictError, LeaseLostError, NotFoundError
-from workers.executors import align_blocks, as_route, expand_fragments, fragments_crc32
+from workers.executors import (
+    BlockRangeError,
+    TemplateError,
+    align_blocks,
+    as_route,
+    expand_fragments,
+    fragments_crc32,
+)
 from workers.pools import Pool, PoolSpec, allocate_pools, attach_pools, fill_pattern
 from workers.transport import TransferCancelled
 
@@ -52,6 +58,15 @@ log = logging.getLogger("kvplane.worker")
 
 DEFAULT_STAGING_BYTES = 256 << 20
 CLAIM_WAIT_S = 2.0
+OUTAGE_BACKOFF_S = 2.0  # between claims while the control plane is unreachable
+
+
+def _retryable(error: Exception) -> bool:
+    """Whether another attempt could succeed: a bad template or block list fails the same way
+    every time; transport trouble (timeouts, a restarted peer) may not."""
+    if isinstance(error, JobError):
+        return error.retryable
+    return not isinstance(error, (BlockRangeError, TemplateError, KeyError, ValueError, TypeError))
 
 
 class JobError(RuntimeError):
@@ -160,10 +175,14 @@ class Worker:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
                 if self.worker_id is not None:
-                    seen = self.client.heartbeat(self.worker_id)
+                    # Only the job running now keeps its lease: a lease whose claim answer was
+                    # lost (the client retried the claim) expires, and its transfer is retried.
                     running = self._running_job
+                    seen = self.client.heartbeat(self.worker_id,
+                                                 jobs=[] if running is None else [running])
+                    # Judge the job the heartbeat was about, if it is still the one running.
                     if (running is not None and seen.get("current_job") != running
-                            and self.transport is not None):
+                            and self._running_job == running and self.transport is not None):
                         log.warning("job %s was withdrawn by the control plane; stopping it",
                                     running)
                         self.transport.cancel.set()
@@ -192,6 +211,10 @@ class Worker:
                 raise
             except NotFoundError:
                 self.attach()
+                continue
+            except ApiError as error:  # the control plane is unreachable or failing: wait
+                log.warning("claim failed: %s; retrying in %.0f s", error, OUTAGE_BACKOFF_S)
+                self._stop.wait(OUTAGE_BACKOFF_S)
                 continue
             if job is None:
                 if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
@@ -228,17 +251,21 @@ class Worker:
         except LeaseLostError:
             return
         except Exception as error:  # any failure is reported, never swallowed
-            retryable = error.retryable if isinstance(error, JobError) else True
+            retryable = _retryable(error)
             reason = f"{type(error).__name__}: {error}"[:1000]
             log.warning("job %s (%s) failed: %s", job["id"], job["kind"], reason)
             self.stats.jobs_failed += 1
             self.stats.errors.append(reason)
-            # A withdrawn job's lease is gone: the report gets 409, which is expected.
-            with contextlib.suppress(LeaseLostError):
+            try:
                 self.client.fail_job(
                     job["id"],
                     {"lease_token": job["lease_token"], "reason": reason, "retryable": retryable},
                 )
+            except LeaseLostError:
+                pass  # a withdrawn job's lease is gone: the 409 is expected
+            except ApiError as report_error:
+                log.warning("job %s: could not report the failure (%s); its lease will expire",
+                            job["id"], report_error)
             return
         elapsed = time.perf_counter() - started
         result["duration_s"] = elapsed
@@ -247,6 +274,10 @@ class Worker:
             self.client.complete_job(job["id"], result)
         except LeaseLostError:
             log.warning("job %s: lease lost before completion; result dropped", job["id"])
+            return
+        except ApiError as error:
+            log.warning("job %s: could not report completion (%s); its lease will expire and "
+                        "the transfer will be retried", job["id"], error)
             return
         self.stats.jobs_done += 1
         self.stats.bytes_moved += int(result["bytes"])
@@ -269,9 +300,19 @@ class Worker:
     def _tag(payload: Mapping[str, Any], sender_rank: int) -> bytes:
         return f"{payload['transfer_id']}:{payload['attempt']}:{sender_rank}".encode()
 
+    @staticmethod
+    def _time_left(deadline: float) -> float:
+        """Seconds left of the job's ``timeout_s``, which bounds the whole job, not each route:
+        the control plane relies on it to know when a stale sender has stopped writing."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise JobError("the job ran out of its time (timeout_s)")
+        return left
+
     def _send(self, job: Mapping[str, Any]) -> dict[str, Any]:
         assert self.transport is not None
         payload = job["payload"]
+        deadline = time.monotonic() + float(payload["timeout_s"])
         blocks = _blocks(payload["blocks"])
         total, routes = 0, []
         for entry in payload["routes"]:
@@ -283,7 +324,7 @@ class Worker:
             if payload["mode"] == "fragments":
                 sent = self.transport.write_fragments(
                     agent, route, src, dst, tag=self._tag(payload, self.rank),
-                    timeout_s=payload["timeout_s"],
+                    timeout_s=self._time_left(deadline),
                 )
                 checksum = None
                 if payload["verify"]:
@@ -294,7 +335,7 @@ class Worker:
                 sent = self.transport.write_staged(
                     agent, route, src, dst_offset=int(entry["dst_offset"]),
                     tag=self._tag(payload, self.rank), chunk_blocks=payload["chunk_blocks"],
-                    timeout_s=payload["timeout_s"],
+                    timeout_s=self._time_left(deadline),
                 )
                 checksum = _crc32(self.transport.staging[:sent]) if payload["verify"] else None
             if sent != entry["bytes"]:
@@ -311,6 +352,7 @@ class Worker:
         if payload.get("worker_id") not in (None, self.worker_id):
             raise JobError("this job was pinned to another worker of this "
                            "rank (restarted?)")
+        deadline = time.monotonic() + float(payload["timeout_s"])
         blocks = _blocks(payload["blocks"])
         total, routes = 0, []
         for entry in payload["routes"]:
@@ -324,7 +366,7 @@ class Worker:
                 # The sender wrote straight into the pools; its notification says it is done.
                 # Such a receive job exists only with verify: check the bytes where they landed.
                 self.transport.wait_notif(agent, [self._tag(payload, sender)],
-                                          payload["timeout_s"])
+                                          self._time_left(deadline))
                 src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer["pools"]}
                 fragments = expand_fragments(route, src_specs, self.pools, src, dst)
                 got = int(entry["bytes"])
@@ -333,7 +375,7 @@ class Worker:
                 got = self.transport.receive_staged(
                     agent, route, dst, offset=int(entry["offset"]),
                     tag=self._tag(payload, sender), chunk_blocks=payload["chunk_blocks"],
-                    timeout_s=payload["timeout_s"],
+                    timeout_s=self._time_left(deadline),
                 )
                 offset = int(entry["offset"])
                 checksum = (_crc32(self.transport.staging[offset:offset + got])

@@ -87,15 +87,25 @@ def list_workers(
     responses=problem_responses(404, 409, 422, 503),
 )
 def worker_heartbeat(
-    worker_id: WorkerId, request: Request, db: DbDep, metrics: MetricsDep
+    worker_id: WorkerId,
+    request: Request,
+    db: DbDep,
+    metrics: MetricsDep,
+    body: wire.Heartbeat | None = None,
 ) -> wire.WorkerRead:
-    """A worker is alive: record it and extend the leases it holds."""
+    """A worker is alive: record it and extend the leases of the jobs it says it runs (without
+    a body: every lease it holds). `current_job` is the one of those it still holds."""
     now = now_of(request)
+    jobs = None if body is None else body.jobs
     with db.write() as session:
         row = service.heartbeat(
-            session=session, worker_id=worker_id, now=now, lease_ttl_s=lease_ttl_of(request)
+            session=session,
+            worker_id=worker_id,
+            now=now,
+            lease_ttl_s=lease_ttl_of(request),
+            jobs=jobs,
         )
-        read = service.worker_read(session, row, now)
+        read = service.worker_read(session, row, now, jobs=jobs)
     metrics.worker_heartbeats.inc()
     return read
 

@@ -134,19 +134,32 @@ def get_worker(*, session: Session, worker_id: str) -> WorkerRow:
 
 
 def heartbeat(
-    *, session: Session, worker_id: str, now: datetime, lease_ttl_s: float = LEASE_TTL_S
+    *,
+    session: Session,
+    worker_id: str,
+    now: datetime,
+    lease_ttl_s: float = LEASE_TTL_S,
+    jobs: Sequence[str] | None = None,
 ) -> WorkerRow:
-    """Record a heartbeat and extend the leases the worker holds."""
+    """Record a heartbeat and extend the leases of ``jobs`` (``None``: every lease it holds).
+
+    A worker names the jobs it runs, so that a lease it does not know about (its claim was
+    committed but the answer lost, and the retried claim leased another job) expires.
+    """
     row = get_worker(session=session, worker_id=worker_id)
     if row.stopped:
         raise Conflict(
             "this worker was retired (another worker attached to its rank)", code="worker_retired"
         )
     row.heartbeat_at = now
+    held = and_(JobRow.worker_id == worker_id, JobRow.state == "leased")
+    if jobs is not None:
+        held = and_(held, JobRow.id.in_(list(jobs)))
     session.execute(
         update(JobRow)
-        .where(JobRow.worker_id == worker_id, JobRow.state == "leased")
+        .where(held)
         .values(lease_expires_at=now + timedelta(seconds=lease_ttl_s), updated_at=now)
+        .execution_options(synchronize_session=False)
     )
     return row
 
@@ -180,9 +193,15 @@ def list_workers(
     return list(session.scalars(query.limit(limit).offset(offset)))
 
 
-def worker_read(session: Session, row: WorkerRow, now: datetime) -> wire.WorkerRead:
+def worker_read(
+    session: Session, row: WorkerRow, now: datetime, jobs: Sequence[str] | None = None
+) -> wire.WorkerRead:
+    """The wire view; ``current_job`` is a job it holds, among ``jobs`` when given."""
+    held = select(JobRow.id).where(JobRow.worker_id == row.id, JobRow.state == "leased")
+    if jobs is not None:
+        held = held.where(JobRow.id.in_(list(jobs)))
     current = session.scalars(
-        select(JobRow.id).where(JobRow.worker_id == row.id, JobRow.state == "leased").limit(1)
+        held.order_by(JobRow.lease_expires_at.desc(), JobRow.id).limit(1)
     ).first()
     return wire.WorkerRead(
         id=row.id,
@@ -692,18 +711,27 @@ def _supersede(
 ) -> None:
     """Fail every active job of one attempt.
 
-    A sender that still holds a lease may be writing right now (or wake up later), so receive
-    staging areas of the attempt stay reserved (quarantined) until such a lease could have run
-    out; only then may another transfer's bytes land there.
+    A sender that was claimed and did not finish may be writing right now (or wake up later),
+    even when its own lease is already gone (it expired, or the sender failed with a WRITE still
+    in flight, just before this call). So the attempt's receive staging areas stay reserved
+    (quarantined) until such a sender's job has run out of time (``timeout_s``, counted by the
+    worker from a claim that happened before now) and until every lease still held has run out;
+    only then may another transfer's bytes land there.
     """
-    writing = session.scalar(
-        select(func.max(JobRow.lease_expires_at)).where(
-            JobRow.transfer_id == transfer_id,
-            JobRow.attempt == attempt,
-            JobRow.kind == "send",
-            JobRow.state == "leased",
-        )
+    sends = and_(
+        JobRow.transfer_id == transfer_id,
+        JobRow.attempt == attempt,
+        JobRow.kind == "send",
     )
+    writing = session.scalar(
+        select(func.max(JobRow.lease_expires_at)).where(sends, JobRow.state == "leased")
+    )
+    started = session.scalar(
+        select(func.count()).where(sends, JobRow.claims > 0, JobRow.state != "done")
+    )
+    if started:
+        until = now + timedelta(seconds=JOB_TIMEOUT_S)
+        writing = until if writing is None else max(writing, until)
     session.execute(
         update(JobRow)
         .where(

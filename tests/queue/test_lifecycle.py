@@ -151,6 +151,36 @@ def test_a_receive_job_pinned_to_a_gone_worker_is_not_stranded(db: Database, mod
     assert row.error is not None and "retry impossible" in row.error
 
 
+def test_heartbeats_extend_only_the_jobs_the_worker_runs(db: Database) -> None:
+    # A claim committed whose answer was lost: the client's retry leases a second job, and the
+    # first one, unknown to the worker, must expire rather than be kept alive by heartbeats.
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    worker = fleet["workers"][("ctx", 0)]
+    lost_transfer = submit(db, "lost", mode="fragments")
+    kept_transfer = submit(db, "kept", mode="fragments")
+    t0 = utcnow()
+    lost = claim(db, worker, t0)
+    kept = claim(db, worker, t0)
+    assert lost is not None and kept is not None
+    for seconds in (10, 20, 30):
+        with db.write() as session:
+            row = jobs.heartbeat(session=session, worker_id=worker, jobs=[kept[0]],
+                                 now=t0 + timedelta(seconds=seconds))
+            seen = jobs.worker_read(session, row, t0, jobs=[kept[0]])
+        assert seen.current_job == kept[0]
+    later = t0 + TTL + timedelta(seconds=1)
+    beat(db, later, fleet["workers"][("gen", 0)])
+    with db.write() as session:
+        assert jobs.reap_expired(session=session, now=later) == 1
+    by_id = {row.id: row for tid in (lost_transfer, kept_transfer) for row in job_rows(db, tid)}
+    assert by_id[lost[0]].state == "failed" and by_id[kept[0]].state == "leased"
+    assert transfer(db, lost_transfer).attempt == 2  # retried
+    # Without a list (an older worker), every lease the worker holds is extended.
+    with db.write() as session:
+        row = jobs.heartbeat(session=session, worker_id=worker, now=later)
+        assert jobs.worker_read(session, row, later).current_job == kept[0]
+
+
 def test_checksum_disagreement_fails_the_transfer(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1", verify=True)
@@ -298,9 +328,35 @@ def test_staging_areas_of_concurrent_transfers_never_overlap(db: Database) -> No
                       body=JobFail(lease_token=token, reason="gone", retryable=False),
                       now=utcnow())
     assert transfer(db, first).status == "failed"
+    # The failed sender may have left a WRITE in flight: its area stays quarantined until the
+    # sender's job has run out of time, then it is reused.
+    quarantined = next(row for row in job_rows(db, first) if row.kind == "receive")
+    assert quarantined.lease_expires_at is not None
+    assert quarantined.lease_expires_at >= utcnow() + timedelta(seconds=jobs.JOB_TIMEOUT_S - 5)
+    with pytest.raises(Unavailable) as busy:
+        submit(db, "r5", blocks=8)
+    assert busy.value.code == "staging_busy"
+    with db.write() as session:
+        session.get(JobRow, quarantined.id).lease_expires_at = utcnow() - timedelta(seconds=1)
     third = submit(db, "r5", blocks=8)
     area = next(row for row in job_rows(db, third) if row.kind == "receive")
     assert (area.staging_offset, area.staging_bytes) == (0, 8 << 10)
+
+
+def test_a_sender_whose_lease_expired_keeps_the_receive_area_quarantined(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    first = submit(db, "r1", blocks=4)
+    t0 = utcnow()
+    assert claim(db, fleet["workers"][("ctx", 0)], t0) is not None  # the sender, then silence
+    reaped_at = t0 + TTL + timedelta(seconds=1)
+    beat(db, reaped_at, fleet["workers"][("gen", 0)])
+    with db.write() as session:
+        assert jobs.reap_expired(session=session, now=reaped_at) == 1
+    area = next(row for row in job_rows(db, first) if row.kind == "receive" and row.attempt == 1)
+    assert area.state == "failed"
+    # The expired sender may still be writing until its job's time is up.
+    assert area.lease_expires_at is not None
+    assert area.lease_expires_at >= reaped_at + timedelta(seconds=jobs.JOB_TIMEOUT_S)
 
 
 def test_worker_pools_must_match_the_registered_rank(db: Database) -> None:

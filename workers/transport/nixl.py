@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 30.0
 _SPIN_S = 0.002  # busy-poll this long before sleeping between polls: small transfers finish fast
 _POLL_SLEEP_S = 0.0002
+INBOX_LIMIT = 1 << 16  # notifications kept per peer (a staged route sends one per chunk)
 
 
 @dataclass(frozen=True)
@@ -239,12 +240,16 @@ class NixlTransport:
     def _post(
         self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
     ) -> _Pending:
+        h = None
         try:
             ld = self._agent.get_xfer_descs(local, self.mem_type)
             rd = self._agent.get_xfer_descs(remote, peer.mem_type)
             h = self._agent.initialize_xfer("WRITE", ld, rd, peer.agent, notif)
             state = self._agent.transfer(h)
         except Exception as e:
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    h.release()
             raise TransportError(f"{what}: NIXL refused the WRITE to {peer.agent!r}: {e}") from e
         if state == "ERR":
             h.release()
@@ -303,7 +308,12 @@ class NixlTransport:
     def _collect(self) -> None:
         for agent, msgs in self._agent.get_new_notifs().items():
             key = agent.decode() if isinstance(agent, bytes) else str(agent)
-            self._inbox.setdefault(key, []).extend(bytes(m) for m in msgs)
+            box = self._inbox.setdefault(key, [])
+            box.extend(bytes(m) for m in msgs)
+            # Nobody waits for some notifications (a fragments write without verify, chunks of a
+            # superseded attempt): keep the newest, so a long-lived worker's inbox stays bounded.
+            if len(box) > INBOX_LIMIT:
+                del box[: len(box) - INBOX_LIMIT]
 
     def wait_notif(
         self, peer: str, wanted: Iterable[bytes], timeout_s: float = DEFAULT_TIMEOUT_S
