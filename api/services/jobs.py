@@ -34,13 +34,13 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, LeaseLost, NotFound, Unavailable
 from api.geometry import Plan, expand
-from api.models import InstanceRow, JobRow, TransferRow, WorkerRow
+from api.models import InstanceRow, JobRow, PlanRow, TransferRow, WorkerRow
 
 log = logging.getLogger(__name__)
 
@@ -406,6 +406,13 @@ def _reserve_staging(
             "use mode=fragments",
             code="staging_too_small",
         )
+    if session.get_bind().dialect.name == "postgresql":
+        # Two transfers reserving on one rank at once must not both see the same gap free
+        # (SQLite's writers are serialized already). Held until the transaction ends.
+        session.execute(
+            text("SELECT pg_advisory_xact_lock(:instance, :rank)"),
+            {"instance": instance.id, "rank": rank},
+        )
     taken = sorted(
         (int(offset), int(size))
         for offset, size in session.execute(
@@ -610,9 +617,43 @@ def _leased(session: Session, job_id: str, token: str) -> JobRow:
     return job
 
 
+def _lock_transfer(session: Session, transfer_id: str) -> None:
+    """Serialize the changes to one transfer and its jobs (``FOR UPDATE``; SQLite's writers are
+    serialized already). Without it, on PostgreSQL the last two jobs completing at once each
+    see the other still leased, and neither settles the transfer."""
+    session.execute(
+        select(TransferRow.id).where(TransferRow.id == transfer_id).with_for_update()
+    )
+
+
+def _current_plan(session: Session, transfer: TransferRow) -> Plan | None:
+    """The transfer's plan if it still describes both instances' memory (else None).
+
+    A retry after a re-registration must not move bytes with the old layout's offsets.
+    """
+    from api.services.pairings import load_plan
+
+    if transfer.plan_id is None:
+        return None
+    row = session.get(PlanRow, transfer.plan_id)
+    if row is None or row.stale:
+        return None
+    epochs = {
+        name: session.scalar(select(InstanceRow.epoch).where(InstanceRow.name == name))
+        for name in (transfer.context_name, transfer.generation_name)
+    }
+    if (epochs[transfer.context_name], epochs[transfer.generation_name]) != (
+        row.context_epoch,
+        row.generation_epoch,
+    ):
+        return None
+    return load_plan(session=session, plan_id=row.id)
+
+
 def complete_job(*, session: Session, job_id: str, body: wire.JobComplete, now: datetime) -> JobRow:
     """Record a job's result (fenced by its lease token) and settle the transfer."""
     job = _leased(session, job_id, body.lease_token)
+    _lock_transfer(session, job.transfer_id)
     result = body.model_dump(mode="json", exclude={"lease_token"})
     changed = session.execute(
         update(JobRow)
@@ -641,6 +682,7 @@ def fail_job(*, session: Session, job_id: str, body: wire.JobFail, now: datetime
 def _fail(
     session: Session, job: JobRow, token: str, reason: str, retryable: bool, now: datetime
 ) -> None:
+    _lock_transfer(session, job.transfer_id)
     changed = session.execute(
         update(JobRow)
         .where(JobRow.id == job.id, JobRow.lease_token == token, JobRow.state == "leased")
@@ -678,13 +720,9 @@ def _retry_or_fail(
         return  # an older attempt's news: the transfer has moved on
     _supersede(session, transfer_id, attempt, f"cancelled: {reason}", now)
     if retryable and transfer.attempt < transfer.max_attempts:
-        from api.services.pairings import load_plan
-
-        plan = (
-            None
-            if transfer.plan_id is None
-            else load_plan(session=session, plan_id=transfer.plan_id)
-        )
+        plan = _current_plan(session, transfer)
+        if plan is None:
+            reason = f"{reason}; retry impossible: the plan no longer matches the instances"
         delay = RETRY_BACKOFF_S[min(transfer.attempt - 1, len(RETRY_BACKOFF_S) - 1)]
         if plan is not None:
             try:
@@ -826,11 +864,11 @@ def stranded_condition(now: datetime) -> ColumnElement[bool]:
 def reap_expired(*, session: Session, now: datetime) -> int:
     """Jobs whose lease expired, and queued jobs pinned to a worker that is gone: their
     transfer is retried (or failed after max attempts). Returns the number of expired leases."""
+    # No row locks here: each job is failed by a guarded UPDATE after its transfer is locked
+    # (one lock order everywhere: the transfer, then its jobs).
     expired = list(
         session.scalars(
-            select(JobRow)
-            .where(JobRow.state == "leased", JobRow.lease_expires_at < now)
-            .with_for_update(skip_locked=True)
+            select(JobRow).where(JobRow.state == "leased", JobRow.lease_expires_at < now)
         )
     )
     for job in expired:
@@ -850,9 +888,9 @@ def reap_expired(*, session: Session, now: datetime) -> int:
         select(JobRow)
         .join(WorkerRow, JobRow.worker_id == WorkerRow.id)
         .where(stranded_condition(now))
-        .with_for_update(skip_locked=True, of=JobRow)
     )
     for job in list(stranded):
+        _lock_transfer(session, job.transfer_id)
         changed = session.execute(
             update(JobRow)
             .where(JobRow.id == job.id, JobRow.state == "queued")
@@ -894,9 +932,10 @@ def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datet
 
 def retry_transfer(*, session: Session, transfer_id: str, now: datetime) -> TransferRow:
     """Operator action: run a failed transfer again (new attempts, same plan and blocks)."""
-    from api.services.pairings import load_plan
-
-    transfer = session.get(TransferRow, transfer_id)
+    # Locked: two concurrent retries must not both enqueue the next attempt.
+    transfer = session.get(
+        TransferRow, transfer_id, with_for_update=True, populate_existing=True
+    )
     if transfer is None:
         raise NotFound(f"transfer {transfer_id!r} does not exist", code="transfer_not_found")
     if transfer.status != "failed" or not transfer.execute:
@@ -904,11 +943,13 @@ def retry_transfer(*, session: Session, transfer_id: str, now: datetime) -> Tran
             f"only a failed executed transfer can be retried (status {transfer.status})",
             code="transfer_not_retryable",
         )
-    plan = (
-        None if transfer.plan_id is None else load_plan(session=session, plan_id=transfer.plan_id)
-    )
+    plan = _current_plan(session, transfer)
     if plan is None:
-        raise Conflict("the transfer's plan was deleted with its pairing", code="plan_gone")
+        raise Conflict(
+            "the transfer's plan was deleted with its pairing, or an instance re-registered "
+            "since it was planned: POST /v1/transfers again",
+            code="plan_gone",
+        )
     transfer.max_attempts = transfer.attempt + 3
     transfer.error = None
     transfer.finished_at = None
