@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
@@ -132,20 +134,20 @@ def stop_worker(worker_id: WorkerId, db: DbDep) -> Response:
         **problem_responses(404, 409, 422, 503),
     },
 )
-def claim_job(
+async def claim_job(
     body: wire.JobClaim, request: Request, db: DbDep, metrics: MetricsDep
 ) -> wire.JobLease | Response:
     """Lease the next runnable job of the worker's rank, waiting up to ``wait_s`` for one."""
+    # The wait is asyncio.sleep and only the database steps run in the thread pool: waiting
+    # workers must not use up the threads that every other request needs.
     deadline = time.monotonic() + body.wait_s
-    while True:
-        now = now_of(request)
+    lease_ttl_s = lease_ttl_of(request)
+
+    def ready(now: datetime) -> bool:
         with db.read() as session:
-            ready = service.has_work(session=session, worker_id=body.worker_id, now=now)
-        if not ready:
-            if time.monotonic() >= deadline:
-                return Response(status_code=status.HTTP_204_NO_CONTENT)
-            time.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
-            continue
+            return service.has_work(session=session, worker_id=body.worker_id, now=now)
+
+    def claim(now: datetime) -> wire.JobLease | None:
         with db.write() as session:
             # Reaped here (claim_job would do it too) so that expiries reach the metrics.
             before = stats.transfer_statuses(
@@ -155,20 +157,23 @@ def claim_job(
             expired = service.reap_expired(session=session, now=now)
             finished = stats.newly_finished(session=session, before=before)
             job = service.claim_job(
-                session=session,
-                worker_id=body.worker_id,
-                now=now,
-                lease_ttl_s=lease_ttl_of(request),
+                session=session, worker_id=body.worker_id, now=now, lease_ttl_s=lease_ttl_s
             )
             lease = None if job is None else service.job_lease(session, job)
         metrics.lease_expiries.inc(expired)
         metrics.transfers_settled(finished)
-        if lease is not None:
-            metrics.jobs_claimed.inc()
-            return lease
+        return lease
+
+    while True:
+        now = now_of(request)
+        if await run_in_threadpool(ready, now):
+            lease = await run_in_threadpool(claim, now)
+            if lease is not None:
+                metrics.jobs_claimed.inc()
+                return lease
         if time.monotonic() >= deadline:
             return Response(status_code=status.HTTP_204_NO_CONTENT)
-        time.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
+        await asyncio.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 def _report(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 
 from api import schemas
 from api.errors import problem_responses
@@ -103,7 +106,7 @@ def list_transfers(
     response_model=schemas.TransferRead,
     responses=problem_responses(404, 422, 503),
 )
-def get_transfer(
+async def get_transfer(
     transfer_id: TransferId,
     request: Request,
     db: DbDep,
@@ -119,22 +122,21 @@ def get_transfer(
     ] = 0.0,
 ) -> schemas.TransferRead:
     """One transfer: status, routes, bytes and fragment count; `?wait=S` long-polls."""
+    # The wait is asyncio.sleep and only the database steps run in the thread pool: waiting
+    # clients must not use up the threads that every other request needs.
     deadline = time.monotonic() + wait
-    while True:
+
+    def read() -> schemas.TransferRead:
         with db.read() as session:
-            result = service.transfer_read(
+            return service.transfer_read(
                 service.get_transfer(session=session, transfer_id=transfer_id)
             )
-        if result.status not in ("queued", "running") or time.monotonic() >= deadline:
-            return result
-        # Expired leases must make progress even when no worker of that rank is claiming.
-        # Checked read-only first: a waiting client must not take the write lock every poll.
-        now = request.app.state.clock()
+
+    def stuck(now: datetime) -> bool:
         with db.read() as session:
-            stuck = stats.expired_lease_transfer_ids(session=session, now=now)
-        if not stuck:
-            time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
-            continue
+            return bool(stats.expired_lease_transfer_ids(session=session, now=now))
+
+    def reap(now: datetime) -> None:
         with db.write() as session:
             before = stats.transfer_statuses(
                 session=session,
@@ -144,7 +146,17 @@ def get_transfer(
             finished = stats.newly_finished(session=session, before=before)
         metrics.lease_expiries.inc(expired)
         metrics.transfers_settled(finished)
-        time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    while True:
+        result = await run_in_threadpool(read)
+        if result.status not in ("queued", "running") or time.monotonic() >= deadline:
+            return result
+        # Expired leases must make progress even when no worker of that rank is claiming.
+        # Checked read-only first: a waiting client must not take the write lock every poll.
+        now = request.app.state.clock()
+        if await run_in_threadpool(stuck, now):
+            await run_in_threadpool(reap, now)
+        await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 @router.post(
