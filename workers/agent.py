@@ -123,6 +123,7 @@ class Worker:
         self._heartbeat: threading.Thread | None = None
         self._peer_of_rank: dict[tuple[str, int], str] = {}
         self._running_job: str | None = None
+        self._deadline = 0.0  # time.monotonic() by which the running job must be done
         self._tensors: Mapping[int, torch.Tensor] | None = None
         # Fault injection for tests and chaos drills: hold every claimed job this long first.
         self.pause_after_claim_s = float(os.environ.get("KVPLANE_WORKER_PAUSE_AFTER_CLAIM_S", 0))
@@ -245,6 +246,8 @@ class Worker:
 
     def _run(self, job: Mapping[str, Any]) -> None:
         try:
+            # The job's time (timeout_s) counts from now, right after the claim, pause included.
+            self._deadline = time.monotonic() + float(job["payload"]["timeout_s"])
             self._pause()
             started = time.perf_counter()
             result = self._send(job) if job["kind"] == "send" else self._receive(job)
@@ -312,7 +315,7 @@ class Worker:
     def _send(self, job: Mapping[str, Any]) -> dict[str, Any]:
         assert self.transport is not None
         payload = job["payload"]
-        deadline = time.monotonic() + float(payload["timeout_s"])
+        deadline = self._deadline
         blocks = _blocks(payload["blocks"])
         total, routes = 0, []
         for entry in payload["routes"]:
@@ -352,7 +355,7 @@ class Worker:
         if payload.get("worker_id") not in (None, self.worker_id):
             raise JobError("this job was pinned to another worker of this "
                            "rank (restarted?)")
-        deadline = time.monotonic() + float(payload["timeout_s"])
+        deadline = self._deadline
         blocks = _blocks(payload["blocks"])
         total, routes = 0, []
         for entry in payload["routes"]:

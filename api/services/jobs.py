@@ -50,6 +50,7 @@ WORKER_GONE_S = 10.0
 RETRY_BACKOFF_S = (0.5, 2.0, 5.0)
 CHUNK_BLOCKS = 16
 JOB_TIMEOUT_S = 60.0
+QUARANTINE_MARGIN_S = 10.0
 ACTIVE = ("queued", "leased")
 
 Clock = Callable[[], datetime]
@@ -331,7 +332,9 @@ def enqueue_transfer(
         for receiver_rank, incoming in sorted(by_receiver.items()):
             need = sum(nbytes for _, nbytes in incoming)
             worker = receivers[receiver_rank]
-            offset = _reserve_staging(session, generation, receiver_rank, worker, need, now)
+            offset = _reserve_staging(
+                session, generation, receiver_rank, worker, need, now, transfer.id
+            )
             cursor = offset
             receive_routes = []
             for route, nbytes in incoming:
@@ -395,9 +398,13 @@ def enqueue_transfer(
 
 def _reserve_staging(
     session: Session, instance: InstanceRow, rank: int, worker: WorkerRow, need: int,
-    now: datetime,
+    now: datetime, transfer_id: str,
 ) -> int:
-    """First fit of ``need`` bytes in the receiver's staging buffer, beside active transfers."""
+    """First fit of ``need`` bytes in the receiver's staging buffer, beside active transfers.
+
+    Areas quarantined for this same transfer's earlier attempts are free to it: a stale sender
+    of the transfer writes the very bytes that its next attempt moves.
+    """
     capacity = int(worker.peer["staging"]["bytes"])
     if need > capacity:
         raise BadRequest(
@@ -424,7 +431,11 @@ def _reserve_staging(
                 or_(
                     JobRow.state.in_(ACTIVE),
                     # quarantined: a superseded sender might still write into it
-                    and_(JobRow.state == "failed", JobRow.lease_expires_at > now),
+                    and_(
+                        JobRow.state == "failed",
+                        JobRow.lease_expires_at > now,
+                        JobRow.transfer_id != transfer_id,
+                    ),
                 ),
             )
         )
@@ -506,9 +517,12 @@ def claim_job(
             # pools that the fragments land in).
             or_(JobRow.worker_id.is_(None), JobRow.worker_id == worker_id),
         )
+        .join(TransferRow, TransferRow.id == JobRow.transfer_id)
         .order_by(JobRow.created_at, JobRow.id)
         .limit(1)
-        .with_for_update(skip_locked=True)
+        # The job and its transfer in one lock (the order every path keeps: a transfer being
+        # completed or failed right now is skipped, not waited for).
+        .with_for_update(skip_locked=True, of=[JobRow, TransferRow])
         .scalar_subquery()
     )
     token = _id()
@@ -617,13 +631,17 @@ def _leased(session: Session, job_id: str, token: str) -> JobRow:
     return job
 
 
-def _lock_transfer(session: Session, transfer_id: str) -> None:
+def _lock_transfer(session: Session, transfer_id: str, *, skip_locked: bool = False) -> bool:
     """Serialize the changes to one transfer and its jobs (``FOR UPDATE``; SQLite's writers are
     serialized already). Without it, on PostgreSQL the last two jobs completing at once each
-    see the other still leased, and neither settles the transfer."""
-    session.execute(
-        select(TransferRow.id).where(TransferRow.id == transfer_id).with_for_update()
+    see the other still leased, and neither settles the transfer. Lock order everywhere: the
+    transfer, then its jobs. With ``skip_locked``, False when another transaction holds it."""
+    locked = session.scalar(
+        select(TransferRow.id)
+        .where(TransferRow.id == transfer_id)
+        .with_for_update(skip_locked=skip_locked)
     )
+    return locked is not None
 
 
 def _current_plan(session: Session, transfer: TransferRow) -> Plan | None:
@@ -768,7 +786,9 @@ def _supersede(
         select(func.count()).where(sends, JobRow.claims > 0, JobRow.state != "done")
     )
     if started:
-        until = now + timedelta(seconds=JOB_TIMEOUT_S)
+        # The worker counts timeout_s from when the claim's answer reached it, a moment after
+        # the claim; the margin covers that moment.
+        until = now + timedelta(seconds=JOB_TIMEOUT_S + QUARANTINE_MARGIN_S)
         writing = until if writing is None else max(writing, until)
     session.execute(
         update(JobRow)
@@ -863,7 +883,8 @@ def stranded_condition(now: datetime) -> ColumnElement[bool]:
 
 def reap_expired(*, session: Session, now: datetime) -> int:
     """Jobs whose lease expired, and queued jobs pinned to a worker that is gone: their
-    transfer is retried (or failed after max attempts). Returns the number of expired leases."""
+    transfer is retried (or failed after max attempts). Returns the number of expired leases
+    this call failed (a transfer another transaction is changing is left to it)."""
     # No row locks here: each job is failed by a guarded UPDATE after its transfer is locked
     # (one lock order everywhere: the transfer, then its jobs).
     expired = list(
@@ -871,7 +892,10 @@ def reap_expired(*, session: Session, now: datetime) -> int:
             select(JobRow).where(JobRow.state == "leased", JobRow.lease_expires_at < now)
         )
     )
+    reaped = 0
     for job in expired:
+        if not _lock_transfer(session, job.transfer_id, skip_locked=True):
+            continue  # another transaction is changing this transfer (another reaper, maybe)
         token = job.lease_token or ""
         try:
             _fail(
@@ -884,13 +908,15 @@ def reap_expired(*, session: Session, now: datetime) -> int:
             )
         except LeaseLost:
             continue
+        reaped += 1
     stranded = session.scalars(
         select(JobRow)
         .join(WorkerRow, JobRow.worker_id == WorkerRow.id)
         .where(stranded_condition(now))
     )
     for job in list(stranded):
-        _lock_transfer(session, job.transfer_id)
+        if not _lock_transfer(session, job.transfer_id, skip_locked=True):
+            continue
         changed = session.execute(
             update(JobRow)
             .where(JobRow.id == job.id, JobRow.state == "queued")
@@ -904,7 +930,7 @@ def reap_expired(*, session: Session, now: datetime) -> int:
                 session, job.transfer_id, job.attempt, f"{job.kind} job of rank {job.rank}: "
                 f"{reason}", True, now,
             )
-    return len(expired)
+    return reaped
 
 
 def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datetime,
@@ -917,12 +943,16 @@ def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datet
     instance = session.get(InstanceRow, instance_id)
     if instance is None:
         return 0
+    # Locked (in id order), and read afresh: a retry committed meanwhile moved the attempt.
     transfers = list(session.scalars(
         select(TransferRow).where(
             TransferRow.status.in_(("queued", "running")),
             or_(TransferRow.context_name == instance.name,
                 TransferRow.generation_name == instance.name),
         )
+        .order_by(TransferRow.id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
     ))
     for transfer in transfers:
         _supersede(session, transfer.id, transfer.attempt, f"cancelled: {reason}", now)

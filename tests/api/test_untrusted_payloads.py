@@ -60,14 +60,16 @@ def corrupted(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
         path = draw(st.sampled_from(paths))
         parent = _parent(body, path)
         action = draw(st.sampled_from(["replace", "replace", "drop", "duplicate", "extra"]))
+        # Copies: st.just() hands out one shared object, which later actions would mutate
+        # (even into a cycle that contains itself).
         if action == "replace":
-            parent[path[-1]] = draw(HOSTILE)
+            parent[path[-1]] = copy.deepcopy(draw(HOSTILE))
         elif action == "drop":
             del parent[path[-1]]
         elif action == "duplicate" and isinstance(parent, list):
             parent.append(copy.deepcopy(parent[path[-1]]))
         elif action == "extra" and isinstance(parent, dict):
-            parent["unexpected"] = draw(HOSTILE)
+            parent["unexpected"] = copy.deepcopy(draw(HOSTILE))
     return body
 
 

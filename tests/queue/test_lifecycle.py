@@ -151,6 +151,30 @@ def test_a_receive_job_pinned_to_a_gone_worker_is_not_stranded(db: Database, mod
     assert row.error is not None and "retry impossible" in row.error
 
 
+def test_a_retry_may_reuse_its_own_quarantined_staging_area(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    # a staging buffer that holds exactly one 8-block transfer (1 KiB per block)
+    small = attach_worker(db, "gen", 0, "gen.r0.small", staging_bytes=8 << 10)
+    transfer_id = submit(db, "r1", blocks=8)
+    t0 = utcnow()
+    assert claim(db, fleet["workers"][("ctx", 0)], t0) is not None  # then the sender goes quiet
+    reaped_at = t0 + TTL + timedelta(seconds=1)
+    beat(db, reaped_at, small)
+    with db.write() as session:  # alive, but not running the job: its lease is not extended
+        jobs.heartbeat(session=session, worker_id=fleet["workers"][("ctx", 0)], now=reaped_at,
+                       jobs=[])
+        assert jobs.reap_expired(session=session, now=reaped_at) == 1
+    # The stale sender writes this transfer's own bytes: its next attempt may take the area.
+    row = transfer(db, transfer_id)
+    assert row.status == "queued" and row.attempt == 2, row.error
+    areas = {(job.attempt, job.staging_offset) for job in job_rows(db, transfer_id)
+             if job.kind == "receive"}
+    assert areas == {(1, 0), (2, 0)}
+    # Another transfer may not: the area is quarantined (and the retry holds it anyway).
+    with pytest.raises(Unavailable):
+        submit(db, "r2", blocks=8)
+
+
 def test_heartbeats_extend_only_the_jobs_the_worker_runs(db: Database) -> None:
     # A claim committed whose answer was lost: the client's retry leases a second job, and the
     # first one, unknown to the worker, must expire rather than be kept alive by heartbeats.

@@ -38,7 +38,8 @@ class StubClient:
 
 
 def job(job_id: str, kind: str = "send") -> dict[str, Any]:
-    return {"id": job_id, "kind": kind, "transfer_id": f"t-{job_id}", "lease_token": "tok"}
+    return {"id": job_id, "kind": kind, "transfer_id": f"t-{job_id}", "lease_token": "tok",
+            "payload": {"timeout_s": 60.0}}
 
 
 @pytest.fixture
