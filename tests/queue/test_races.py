@@ -60,6 +60,18 @@ def _first_then_second(db: Database, first: Callable[[Any], Any],
     return outcomes
 
 
+def _failed_transfer(db: Database) -> str:
+    """An executed fragments transfer whose only job failed for good (so it may be retried)."""
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    transfer_id = submit(db, "r1", mode="fragments")
+    job_id, token = _claim(db, fleet["workers"][("ctx", 0)])
+    with db.write() as session:
+        jobs.fail_job(session=session, job_id=job_id,
+                      body=JobFail(lease_token=token, reason="broken", retryable=False),
+                      now=utcnow())
+    return transfer_id
+
+
 def _done(token: str) -> JobComplete:
     return JobComplete(lease_token=token, bytes=1, duration_s=0.0)
 
@@ -112,13 +124,7 @@ def test_two_transfers_reserving_at_once_get_disjoint_staging_areas(db: Database
 
 
 def test_two_retries_at_once_enqueue_one_attempt(db: Database) -> None:
-    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
-    transfer_id = submit(db, "r1", mode="fragments")
-    job_id, token = _claim(db, fleet["workers"][("ctx", 0)])
-    with db.write() as session:
-        jobs.fail_job(session=session, job_id=job_id,
-                      body=JobFail(lease_token=token, reason="broken", retryable=False),
-                      now=utcnow())
+    transfer_id = _failed_transfer(db)
 
     def retry(session: Any) -> int:
         return jobs.retry_transfer(session=session, transfer_id=transfer_id,
@@ -141,13 +147,7 @@ def test_a_retry_after_a_re_registration_is_refused(db: Database, change: str) -
 
     from .conftest import fleet_bodies
 
-    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
-    transfer_id = submit(db, "r1", mode="fragments")
-    job_id, token = _claim(db, fleet["workers"][("ctx", 0)])
-    with db.write() as session:
-        jobs.fail_job(session=session, job_id=job_id,
-                      body=JobFail(lease_token=token, reason="broken", retryable=False),
-                      now=utcnow())
+    transfer_id = _failed_transfer(db)
     ctx, _ = fleet_bodies(1, 1)
     for rank in ctx["ranks"]:
         rank["pools"][0][change] *= 2  # a new memory layout
