@@ -214,6 +214,8 @@ class Worker:
                 self.attach()
                 continue
             except ApiError as error:  # the control plane is unreachable or failing: wait
+                if error.status in (401, 403):
+                    raise  # a missing, revoked or wrong token will not fix itself: stop
                 log.warning("claim failed: %s; retrying in %.0f s", error, OUTAGE_BACKOFF_S)
                 self._stop.wait(OUTAGE_BACKOFF_S)
                 continue

@@ -142,3 +142,34 @@ def test_worker_metrics_import_neither_fastapi_nor_sqlalchemy() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_serve_rides_an_outage_and_stops_on_a_refused_token(
+    setup: tuple[Worker, StubClient, CollectorRegistry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from api.client import ApiError, TransportError, UnavailableError
+    from workers import agent
+
+    worker, client, _ = setup
+    monkeypatch.setattr(agent, "OUTAGE_BACKOFF_S", 0.01)
+    worker.heartbeat_interval_s = 3600.0  # no heartbeats in this test
+    answers: list[Any] = [
+        TransportError(0, "transport_error", "connection refused"),
+        UnavailableError(503, "database_busy", "retry"),
+        None,  # a poll that found no job: the control plane is back
+        ApiError(403, "forbidden", "token revoked"),
+    ]
+    calls = []
+
+    def claim_job(worker_id: str, wait_s: float = 0.0) -> Any:
+        answer = answers[len(calls)]
+        calls.append(worker_id)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    client.claim_job = claim_job  # type: ignore[attr-defined]
+    with pytest.raises(ApiError) as stopped:
+        worker.serve()
+    assert stopped.value.status == 403
+    assert len(calls) == 4  # two failed claims were retried, then the refusal ended serve
