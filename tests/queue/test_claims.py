@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,20 @@ def test_concurrent_processes_claim_every_job_exactly_once(db: Database, db_url:
     # several workers serve the same rank (a standby, or a restart overlapping the old one)
     workers = [attach_worker(db, "ctx", 0, f"ctx.r0.p{i}") for i in range(PROCESSES)]
     outputs = [tmp_path / f"claims-{i}.json" for i in range(PROCESSES)]
+    go = tmp_path / "go"
     with Heartbeats(db, [fleet["workers"][("gen", 0)], *workers]):
         processes = [
-            subprocess.Popen([sys.executable, str(CLAIMER), db_url, worker, str(out)])
+            subprocess.Popen([sys.executable, str(CLAIMER), db_url, worker, str(out), str(go)])
             for worker, out in zip(workers, outputs, strict=True)
         ]
+        # Every process connected before any claims: otherwise the first one up could drain
+        # the queue alone while the others still import.
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{out}.ready").exists() for out in outputs):
+            assert all(p.poll() is None for p in processes), "a claiming process died"
+            assert time.monotonic() < deadline, "the claiming processes did not start"
+            time.sleep(0.01)
+        go.touch()
         for process in processes:
             assert process.wait(timeout=240) == 0, "a claiming process failed"
     claims = [job for out in outputs for job in json.loads(out.read_text())]
