@@ -672,6 +672,16 @@ def _touched_slots(pool: Pool, offsets: np.ndarray) -> tuple[memoryview, np.ndar
     return host.data, where.reshape(-1) * spec.slot_bytes + offsets % spec.slot_stride_bytes
 
 
+def _host_image(pool: Pool, offsets: np.ndarray) -> tuple[memoryview, np.ndarray]:
+    """The pool's bytes as a host buffer and ``offsets`` into it: a CPU pool is read in place
+    (no copy, no torch kernel: with six workers busy on two cores, the torch gather made the
+    demo's send jobs about 20× slower, 2.6 s against 0.14 s), a device pool through
+    :func:`_touched_slots`."""
+    if pool.tensor.device.type == "cpu":
+        return pool.tensor.detach().numpy().data, offsets
+    return _touched_slots(pool, offsets)
+
+
 def fragments_crc32(
     pools: Mapping[int, Pool],
     fragments: Mapping[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -682,8 +692,8 @@ def fragments_crc32(
 
     ``fragments`` is :func:`expand_fragments` of the route; sender (``side="src"``) and receiver
     (``"dst"``) compute it from the same route and block lists, so they read the same bytes in
-    the same order when the transfer was right. The touched slots are copied to the host once
-    per pool (one device-to-host copy on CUDA), then one ``zlib.crc32`` per fragment over a
+    the same order when the transfer was right. A CPU pool is read in place; of a device pool
+    only the touched slots are copied to the host. Then one ``zlib.crc32`` per fragment over a
     buffer view: measured faster than a vectorized gather for both 16 KiB (HND) and 512-byte
     (NHD) fragments.
     """
@@ -692,7 +702,7 @@ def fragments_crc32(
     crc = 0
     for (src_pool, dst_pool), (so, do, ln) in fragments.items():
         pid, offsets = (src_pool, so) if side == "src" else (dst_pool, do)
-        image, local = _touched_slots(pools[pid], offsets)
+        image, local = _host_image(pools[pid], offsets)
         for offset, length in zip(local.tolist(), ln.tolist(), strict=True):
             crc = zlib.crc32(image[offset : offset + length], crc)
     return crc & 0xFFFFFFFF

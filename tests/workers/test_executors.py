@@ -18,6 +18,7 @@ from workers.executors import (
     TemplateError,
     _families,
     _progressions,
+    _touched_slots,
     align_blocks,
     copy_local,
     expand_fragments,
@@ -127,6 +128,11 @@ def test_fragments_crc32_agrees_after_a_copy_and_catches_one_wrong_byte(layout):
     assert fragments_crc32(dst, fragments, side="dst") != expected  # nothing copied yet
     copy_local(route, src, dst, bs, bd)
     assert fragments_crc32(dst, fragments, side="dst") == expected
+    # The device path copies only the touched slots: the same bytes at remapped offsets.
+    image, local = _touched_slots(src[0], so)
+    assert [bytes(image[o : o + n]) for o, n in zip(local.tolist(), ln.tolist(), strict=True)] == (
+        pieces
+    )
     dst[0].tensor[int(do[-1]) + int(ln[-1]) - 1] ^= 1  # last byte of the last fragment
     assert fragments_crc32(dst, fragments, side="dst") != expected
 
