@@ -91,6 +91,28 @@ def rank_body(
     return {**body["ranks"][0], "rank": rank}
 
 
+def fake_peer(
+    rank_body: dict[str, Any], agent: str, staging_bytes: int = 1 << 24
+) -> dict[str, Any]:
+    """A syntactically valid worker endpoint for ``rank_body`` (``POST /v1/workers`` ``peer``)
+    that nothing ever dereferences: for tests that drive the job queue without NIXL."""
+    return {
+        "agent": agent,
+        "metadata_b64": "bWV0YWRhdGE=",
+        "mem_type": "DRAM",
+        "device_id": 0,
+        "pools": [
+            {
+                **pool,
+                "slot_stride_bytes": pool.get("slot_stride_bytes") or pool["slot_bytes"],
+                "base_address": 4096 * (pool["id"] + 1),
+            }
+            for pool in rank_body["pools"]
+        ],
+        "staging": {"address": 1 << 20, "bytes": staging_bytes},
+    }
+
+
 def demo_fleet_bodies() -> dict[str, dict[str, Any]]:
     """The demo fleet: a TP4 context (8-head target + 2-head draft) and a TP2 generation."""
     return {

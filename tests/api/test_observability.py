@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.db import utcnow
+from api.demo import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.logs import ContextFilter, JsonFormatter, log_context, set_process_context
 from workers.metrics import WorkerMetrics
@@ -102,24 +103,6 @@ class Clock:
         return self.now
 
 
-def _peer(rank_body: dict[str, Any], agent: str) -> dict[str, Any]:
-    return {
-        "agent": agent,
-        "metadata_b64": "bWV0YWRhdGE=",
-        "mem_type": "DRAM",
-        "device_id": 0,
-        "pools": [
-            {
-                **pool,
-                "slot_stride_bytes": pool.get("slot_stride_bytes") or pool["slot_bytes"],
-                "base_address": 4096 * (pool["id"] + 1),
-            }
-            for pool in rank_body["pools"]
-        ],
-        "staging": {"address": 1 << 20, "bytes": 1 << 24},
-    }
-
-
 def _fleet(api: TestClient) -> dict[tuple[str, int], str]:
     bodies = {
         "ctx": instance_body(role="context", views=VIEWS, tp=2, tokens_per_block=4),
@@ -134,7 +117,7 @@ def _fleet(api: TestClient) -> dict[tuple[str, int], str]:
                 json={
                     "instance": name,
                     "rank": rank_body["rank"],
-                    "peer": _peer(rank_body, f"{name}.r{rank_body['rank']}"),
+                    "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
                 },
             )
             assert answer.status_code == 201, answer.text

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.cli import cli
+from api.demo import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.settings import Settings
 
@@ -27,24 +28,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _peer(rank_body: dict[str, Any], agent: str) -> dict[str, Any]:
-    return {
-        "agent": agent,
-        "metadata_b64": "bWV0YWRhdGE=",
-        "mem_type": "DRAM",
-        "device_id": 0,
-        "pools": [
-            {
-                **pool,
-                "slot_stride_bytes": pool.get("slot_stride_bytes") or pool["slot_bytes"],
-                "base_address": 4096 * (pool["id"] + 1),
-            }
-            for pool in rank_body["pools"]
-        ],
-        "staging": {"address": 1 << 20, "bytes": 1 << 24},
-    }
 
 
 @pytest.fixture
@@ -89,7 +72,7 @@ def server(sqlite_url: str) -> Iterator[str]:
                         json={
                             "instance": name,
                             "rank": rank_body["rank"],
-                            "peer": _peer(rank_body, f"{name}.r{rank_body['rank']}"),
+                            "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
                         },
                     ).raise_for_status()
             api.post(

@@ -10,6 +10,7 @@ import pytest
 
 from api import schemas, schemas_exec
 from api.db import Database, utcnow
+from api.demo import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.services import instances, jobs, pairings, transfers
 
@@ -23,19 +24,6 @@ def fleet_bodies(ctx_tp: int = 2, gen_tp: int = 1) -> tuple[dict[str, Any], dict
     return ctx, gen
 
 
-def peer_for(rank_body: dict[str, Any], agent: str,
-             staging_bytes: int = 1 << 24) -> dict[str, Any]:
-    """A syntactically valid NIXL endpoint for a rank (the queue never dereferences it)."""
-    return {
-        "agent": agent,
-        "metadata_b64": "bWV0YWRhdGE=",
-        "mem_type": "DRAM",
-        "device_id": 0,
-        "pools": [{**pool, "base_address": 4096 * (pool["id"] + 1)} for pool in rank_body["pools"]],
-        "staging": {"address": 1 << 20, "bytes": staging_bytes},
-    }
-
-
 def attach_worker(db: Database, instance: str, rank: int, agent: str,
                   now: datetime | None = None, staging_bytes: int = 1 << 24) -> str:
     with db.write() as session:
@@ -44,7 +32,7 @@ def attach_worker(db: Database, instance: str, rank: int, agent: str,
         worker = jobs.register_worker(
             session=session,
             body=schemas_exec.WorkerCreate.model_validate(
-                {"instance": instance, "rank": rank, "peer": peer_for(body, agent, staging_bytes)}
+                {"instance": instance, "rank": rank, "peer": fake_peer(body, agent, staging_bytes)}
             ),
             now=now or utcnow(),
         )

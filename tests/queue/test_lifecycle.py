@@ -388,11 +388,10 @@ def test_worker_pools_must_match_the_registered_rank(db: Database) -> None:
     with db.write() as session:
         row = instances.get_instance(session=session, name="ctx")
         body = row.ranks[0].body
+    from api.demo import fake_peer
     from api.schemas_exec import WorkerCreate
 
-    from .conftest import peer_for
-
-    peer = peer_for(body, "ctx.r0.bad")
+    peer = fake_peer(body, "ctx.r0.bad")
     peer["pools"][0]["slot_bytes"] += 1
     with pytest.raises(Conflict) as error, db.write() as session:
         jobs.register_worker(

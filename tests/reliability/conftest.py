@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from api.client import Client
+from api.demo import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,20 +109,7 @@ def fleet_bodies(ctx_tp: int = 2, gen_tp: int = 1) -> tuple[dict[str, Any], dict
 
 def worker_body(instance: str, rank_body: dict[str, Any], agent: str) -> dict[str, Any]:
     """A worker registration with a syntactically valid NIXL endpoint (never dereferenced)."""
-    return {
-        "instance": instance,
-        "rank": rank_body["rank"],
-        "peer": {
-            "agent": agent,
-            "metadata_b64": "bWV0YWRhdGE=",
-            "mem_type": "DRAM",
-            "device_id": 0,
-            "pools": [
-                {**pool, "base_address": 4096 * (pool["id"] + 1)} for pool in rank_body["pools"]
-            ],
-            "staging": {"address": 1 << 20, "bytes": 1 << 24},
-        },
-    }
+    return {"instance": instance, "rank": rank_body["rank"], "peer": fake_peer(rank_body, agent)}
 
 
 def transfer_body(
