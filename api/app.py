@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from api import __version__, auth
 from api.db import Database, utcnow
+from api.dispatch import CommandHub, Completions, PostgresRelay
 from api.errors import Conflict, install_error_handlers
 from api.limits import BodyLimitMiddleware, EncodedSlashMiddleware
 from api.logs import RequestIdMiddleware
@@ -32,8 +34,8 @@ OPENAPI_TAGS = [
     {"name": "pairings", "description": "Validated (context, generation) pairs and their plans"},
     {"name": "compatibility", "description": "Compile-only checks of two inline instance bodies"},
     {"name": "transfers", "description": "Planned KV transfers of single requests"},
-    {"name": "workers", "description": "Worker processes attached to ranks (NIXL endpoints)"},
-    {"name": "jobs", "description": "Transfer jobs: claim with a lease, complete or fail"},
+    {"name": "workers", "description": "Worker processes attached to ranks: NIXL endpoints, "
+     "their directory of plans and peers, their command stream"},
     {"name": "health", "description": "Liveness, readiness and Prometheus metrics"},
 ]
 
@@ -53,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def _job_counts() -> dict[str, int]:
         with db.read() as session:
-            return stats.count_jobs_by_state(session=session)
+            return stats.count_parts_by_state(session=session)
 
     def _worker_counts() -> dict[str, int]:
         with db.read() as session:
@@ -61,14 +63,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     metrics = Metrics(_pairing_counts, job_counts=_job_counts, worker_counts=_worker_counts)
 
+    hub = CommandHub()
+    completions = Completions()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hub.bind(asyncio.get_running_loop())
         if settings.demo_fleet:
             from api.demo import register_demo_fleet
 
             register_demo_fleet(db)
-        yield
-        db.dispose()
+        if db.engine.dialect.name == "postgresql":
+            # Several API processes may share this database: relay commands between them.
+            hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub)
+        try:
+            yield
+        finally:
+            if hub.relay is not None:
+                hub.relay.close()
+            db.dispose()
 
     app = FastAPI(
         title="kvplane",
@@ -81,6 +94,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.metrics = metrics
     app.state.clock = utcnow
+    app.state.hub = hub
+    app.state.completions = completions
     app.state.migration_heads = head_revisions()
 
     install_error_handlers(app)
@@ -103,7 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(pairings.compatibility_router, dependencies=guard)
     app.include_router(transfers.router, dependencies=guard)
     app.include_router(execution.workers_router, dependencies=guard)
-    app.include_router(execution.jobs_router, dependencies=guard)
+    app.include_router(execution.records_router, dependencies=guard)
     auth.install(app)
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
@@ -111,3 +126,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(TimingMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-ID
     return app
+
+
+def _libpq_url(url: str) -> str:
+    """The SQLAlchemy URL as psycopg takes it (``postgresql+psycopg://`` → ``postgresql://``)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)

@@ -7,7 +7,8 @@ Then every request carries ``Authorization: Bearer <secret>``; the database stor
 Scopes:
 
 - ``instance``: register, update, read and deregister **its own** instance (token bound to a name);
-- ``worker``: register workers, heartbeat, claim and report jobs of **its own** instance;
+- ``worker``: register workers, heartbeat, read their directory and command stream, and record
+  transfer parts of **its own** instance;
 - ``operator``: pairings, transfers, compatibility, every read, ``/metrics``, the dashboard;
 - ``admin``: everything (and tokens, which are managed on the database by the CLI).
 
@@ -42,7 +43,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.db import Database, utcnow
 from api.errors import BadRequest, Forbidden, NotFound, Unauthorized
-from api.models import NAME_LENGTH, InstanceRow, JobRow, TokenRow, TransferRow, WorkerRow
+from api.models import NAME_LENGTH, InstanceRow, TokenRow, TransferRow, WorkerRow
 
 SCOPES = ("instance", "worker", "operator", "admin")
 #: Scopes bound to one instance name.
@@ -172,7 +173,7 @@ async def _body_instance(request: Request) -> Any:
     return await _json_field(request, "instance")
 
 
-def _instance_of(request: Request, model: type[WorkerRow] | type[JobRow], key: str | None) -> Any:
+def _instance_of(request: Request, model: type[WorkerRow], key: str | None) -> Any:
     if key is None:
         return None
     with _db(request).read() as session:
@@ -193,10 +194,6 @@ async def _path_worker(request: Request) -> Any:
 async def _body_worker(request: Request) -> Any:
     worker_id = await _json_field(request, "worker_id")
     return await run_in_threadpool(_instance_of, request, WorkerRow, worker_id)
-
-
-async def _path_job(request: Request) -> Any:
-    return await run_in_threadpool(_instance_of, request, JobRow, request.path_params.get("job_id"))
 
 
 async def _body_transfer_parties(request: Request) -> Any:
@@ -261,15 +258,16 @@ POLICY: dict[str, Rule] = {
     "get_transfer": Rule(scopes=frozenset({"operator"}), own=_INSTANCE, owner=_path_transfer),
     "retry_transfer": OPERATOR,
     "get_transfer_fragments": OPERATOR,
-    # workers and jobs: a worker acts for its own instance; operators read
+    # workers: a worker acts for its own instance; operators read
     "register_worker": Rule(own=_WORKER, owner=_body_instance),
     "list_workers": OPERATOR,
     "worker_heartbeat": Rule(own=_WORKER, owner=_path_worker),
     "stop_worker": Rule(own=_WORKER, owner=_path_worker),
-    "claim_job": Rule(own=_WORKER, owner=_body_worker),
-    "complete_job": Rule(own=_WORKER, owner=_path_job),
-    "fail_job": Rule(own=_WORKER, owner=_path_job),
-    "list_jobs": OPERATOR,
+    "get_worker_directory": Rule(own=_WORKER, owner=_path_worker),
+    "stream_worker_commands": Rule(own=_WORKER, owner=_path_worker),
+    # a worker records parts of its own instance (the service checks each record's side)
+    "record_transfers": Rule(own=_WORKER, owner=_body_worker),
+    "list_transfer_parts": OPERATOR,
 }
 
 

@@ -180,15 +180,18 @@ def worker(
     staging_mib: int = typer.Option(256, min=1, help="Staging buffer size (MiB)."),
     fill_pattern: bool = typer.Option(
         False, "--fill-pattern", help="Fill pools with the (rank, pool, byte) test pattern and "
-        "verify every byte after each verified transfer (demos and tests)."),
-    max_jobs: int | None = typer.Option(None, help="Exit after this many jobs."),
+        "verify, after each verified transfer, the bytes it wrote and every byte no transfer "
+        "targeted (demos and tests)."),
+    idle_exit_s: float | None = typer.Option(
+        None, min=0.1, help="Exit after this many seconds without a transfer."),
     token: str | None = typer.Option(
         None, envvar="KVPLANE_TOKEN", show_default=False,
         help="Bearer token (scope worker, bound to the instance) when auth is on."),
     metrics_port: int | None = typer.Option(
         None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."),
 ) -> None:
-    """Serve one rank: allocate its pools, attach over NIXL, run transfer jobs until stopped."""
+    """Serve one rank: allocate its pools, attach over NIXL, run the transfers that REST
+    pushes to it (engines embed `workers.agent.Worker` instead) until stopped."""
     import signal
 
     from api.client import Client
@@ -212,7 +215,7 @@ def worker(
             set_process_context(worker_id=agent.worker_id)
             worker_metrics.describe_worker(agent)
             typer.echo(f"worker {agent.worker_id}: {instance} rank {rank} on {device}")
-            agent.serve(max_jobs=max_jobs)
+            agent.serve(idle_exit_s=idle_exit_s)
         except KeyboardInterrupt:
             pass
         finally:

@@ -448,12 +448,12 @@ def transfers_show(
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """One transfer: status, routes and its jobs."""
+    """One transfer: status, routes and each rank's recorded part."""
     with _client(control_plane, token) as client:
         transfer = client.get_transfer(transfer_id)
-        jobs = client.list_jobs(transfer_id=transfer_id) if transfer["execute"] else []
+        jobs = client.list_parts(transfer_id)["items"] if transfer["execute"] else []
     if as_json:
-        _dump({**transfer, "jobs": jobs})
+        _dump({**transfer, "parts": jobs})
         return
     typer.echo(
         f"transfer {transfer['id']}: {transfer['status']}, {transfer['context']} -> "
@@ -476,7 +476,7 @@ def transfers_show(
         typer.echo("")
         typer.echo(
             table(
-                ["JOB", "KIND", "INSTANCE", "RANK", "STATE", "ATTEMPT", "WORKER", "ERROR"],
+                ["PART", "SIDE", "INSTANCE", "RANK", "STATE", "ATTEMPT", "WORKER", "ERROR"],
                 [
                     [
                         j["id"],
@@ -504,7 +504,7 @@ def workers_list(
     as_json: AsJson = False,
     instance: Annotated[str | None, typer.Option(help="Only this instance's workers.")] = None,
 ) -> None:
-    """Workers with their status and current job."""
+    """Workers with their status and whether their command stream is connected."""
     params: dict[str, Any] = {} if instance is None else {"instance": instance}
     with _client(control_plane, token) as client:
         page = client.list_workers(**params)
@@ -521,7 +521,7 @@ def workers_list(
             w["host"],
             w["pid"],
             w["heartbeat_age_s"],
-            w.get("current_job"),
+            "yes" if w.get("connected") else "no",
         ]
         for w in page["items"]
     ]
@@ -536,7 +536,7 @@ def workers_list(
                 "HOST",
                 "PID",
                 "HEARTBEAT_AGE_S",
-                "CURRENT_JOB",
+                "STREAM",
             ],
             rows,
         )

@@ -2,8 +2,8 @@
 
 - Retries: 503 (honouring ``Retry-After``), 502/504 and connection errors are retried with
   exponential backoff and full jitter, up to ``retries`` times; other answers are final.
-  Retried calls are safe: every retried route is idempotent or fenced (a ``complete`` whose first
-  attempt landed gets 409 ``lease_lost``, never a double count).
+  Retried calls are safe: every retried route is idempotent (a record batch whose first attempt
+  landed is ignored the second time, never counted twice).
 - Errors: problem+json answers become :class:`ApiError` subclasses carrying ``status``, the stable
   ``code``, ``detail`` and the field ``errors``.
 
@@ -13,9 +13,10 @@ Depends on httpx only (no FastAPI, no SQLAlchemy): workers import it.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -163,15 +164,16 @@ class _Calls:
     def list_transfers(self, **params: Any) -> Any:
         return self._request("GET", "/v1/transfers", params=params)
 
-    # workers and jobs -------------------------------------------------------------------
+    # workers ----------------------------------------------------------------------------
     def register_worker(self, body: Mapping[str, Any]) -> Any:
         return self._request("POST", "/v1/workers", json=body)
 
-    def heartbeat(self, worker_id: str, jobs: list[str] | None = None) -> Any:
-        """``jobs``: the jobs the worker is running; only their leases are extended (``None``:
-        every lease the worker holds)."""
-        body = None if jobs is None else {"jobs": jobs}
-        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat", json=body)
+    def heartbeat(self, worker_id: str) -> Any:
+        """Answers the worker with its ``directory_revision`` (409 when it must re-attach)."""
+        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat")
+
+    def get_directory(self, worker_id: str) -> Any:
+        return self._request("GET", f"/v1/workers/{worker_id}/directory")
 
     def stop_worker(self, worker_id: str) -> Any:
         return self._request("DELETE", f"/v1/workers/{worker_id}")
@@ -179,20 +181,12 @@ class _Calls:
     def list_workers(self, **params: Any) -> Any:
         return self._request("GET", "/v1/workers", params=params)
 
-    def claim_job(self, worker_id: str, wait_s: float = 0.0) -> Any:
-        """The next job lease, or None when no job appeared within ``wait_s``."""
-        return self._request("POST", "/v1/jobs/claim",
-                             json={"worker_id": worker_id, "wait_s": wait_s},
-                             timeout=DEFAULT_TIMEOUT_S + wait_s)
+    def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
+        return self._request("POST", "/v1/transfers/records",
+                             json={"worker_id": worker_id, "records": records})
 
-    def complete_job(self, job_id: str, body: Mapping[str, Any]) -> Any:
-        return self._request("POST", f"/v1/jobs/{job_id}/complete", json=body)
-
-    def fail_job(self, job_id: str, body: Mapping[str, Any]) -> Any:
-        return self._request("POST", f"/v1/jobs/{job_id}/fail", json=body)
-
-    def list_jobs(self, **params: Any) -> Any:
-        return self._request("GET", "/v1/jobs", params=params)
+    def list_parts(self, transfer_id: str) -> Any:
+        return self._request("GET", f"/v1/transfers/{transfer_id}/parts")
 
 
 #: Every (method, path template) the client calls; a test checks each exists in the spec.
@@ -206,9 +200,9 @@ CLIENT_ROUTES = (
     ("GET", "/v1/transfers/{transfer_id}"), ("GET", "/v1/transfers/{transfer_id}/fragments"),
     ("POST", "/v1/transfers/{transfer_id}/retry"), ("GET", "/v1/transfers"),
     ("POST", "/v1/workers"), ("POST", "/v1/workers/{worker_id}/heartbeat"),
+    ("GET", "/v1/workers/{worker_id}/directory"), ("GET", "/v1/workers/{worker_id}/commands"),
     ("DELETE", "/v1/workers/{worker_id}"), ("GET", "/v1/workers"),
-    ("POST", "/v1/jobs/claim"), ("POST", "/v1/jobs/{job_id}/complete"),
-    ("POST", "/v1/jobs/{job_id}/fail"), ("GET", "/v1/jobs"),
+    ("POST", "/v1/transfers/records"), ("GET", "/v1/transfers/{transfer_id}/parts"),
 )
 
 
@@ -266,6 +260,22 @@ class Client(_Calls):
                 return _decode(response)
             time.sleep(self._retry.delay_after(attempt, response, error))
             attempt += 1
+
+    def stream_commands(self, worker_id: str, *, read_timeout_s: float = 30.0) -> Iterator[Any]:
+        """The worker's command stream: yields each JSON line as it arrives (no retries: the
+        caller reconnects). Raises :class:`ApiError` on an error answer."""
+        timeout = httpx.Timeout(DEFAULT_TIMEOUT_S, read=read_timeout_s)
+        try:
+            with self._http.stream("GET", f"/v1/workers/{worker_id}/commands",
+                                   timeout=timeout) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _error_for(response)
+                for line in response.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except _NETWORK_ERRORS as error:
+            raise TransportError(0, "unreachable", str(error)) from error
 
     def close(self) -> None:
         self._http.close()

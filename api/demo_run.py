@@ -125,7 +125,7 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool) -> i
                 "execute": True, "mode": mode, "verify": True,
             })
             done = client.get_transfer(transfer["id"], wait_s=60)
-            jobs = client.list_jobs(transfer_id=transfer["id"])
+            jobs = client.list_parts(transfer["id"])["items"]
             verified = sum((job["result"] or {}).get("verified_bytes") or 0 for job in jobs
                            if job["state"] == "done")
             runs = sum(route["runs"] for route in done["routes"])

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PAIRING_STATUSES = ("compatible", "incompatible", "stale")
-JOB_STATES = ("queued", "leased", "done", "failed")
+JOB_STATES = ("done", "failed")
 WORKER_STATUSES = ("alive", "gone", "stopped", "stale")
 #: Fragments and template runs per transfer span orders of magnitude (1 to millions).
 COUNT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
@@ -59,19 +59,21 @@ class Metrics:
             "Worker registrations and heartbeats",
             registry=self.registry,
         )
-        self.jobs_claimed = Counter(
-            "kvplane_jobs_claimed_total", "Jobs leased by workers", registry=self.registry
-        )
-        self.job_results = Counter(
-            "kvplane_job_results_total",
-            "Jobs reported by workers, by outcome",
+        self.part_results = Counter(
+            "kvplane_recorded_parts_total",
+            "Transfer parts (one rank's side) that workers recorded, by outcome",
             ["state"],
             registry=self.registry,
         )
         self.moved_bytes = Counter(
             "kvplane_moved_bytes_total",
-            "Bytes workers reported moved, by job kind",
+            "Bytes workers recorded moved, by side (send or receive)",
             ["kind"],
+            registry=self.registry,
+        )
+        self.record_batches = Counter(
+            "kvplane_record_batches_total",
+            "Batches of transfer records that workers posted",
             registry=self.registry,
         )
         self.transfer_duration = Histogram(
@@ -101,9 +103,9 @@ class Metrics:
             buckets=COUNT_BUCKETS,
             registry=self.registry,
         )
-        self.lease_expiries = Counter(
-            "kvplane_lease_expiries_total",
-            "Job leases that expired (worker stopped heartbeating); the transfer is retried",
+        self.overdue = Counter(
+            "kvplane_transfers_overdue_total",
+            "Dispatched transfers failed by the control plane: no report by their deadline",
             registry=self.registry,
         )
         self.registry.register(
@@ -114,7 +116,8 @@ class Metrics:
         if job_counts is not None:
             self.registry.register(
                 _CountsCollector(
-                    "kvplane_jobs", "Transfer jobs by state", "state", JOB_STATES, job_counts
+                    "kvplane_transfer_parts", "Recorded transfer parts by state", "state",
+                    JOB_STATES, job_counts,
                 )
             )
         if worker_counts is not None:

@@ -158,6 +158,8 @@ class TransferRow(Base):
     error: Mapped[str | None] = mapped_column(String(2000), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Migration 0004: a dispatched transfer not settled by then is failed by the control plane.
+    deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class WorkerRow(Base):
@@ -192,15 +194,18 @@ class WorkerRow(Base):
 
 
 class JobRow(Base):
-    """One unit of execution of a transfer, run by a worker of ``(instance, rank)``.
+    """One rank's part of an executed transfer, as its worker recorded it (``done``/``failed``).
 
-    ``queued → leased → done | failed``. ``lease_token`` is a fencing token: a worker whose lease
-    expired (and whose job went back to the queue) gets 409 on ``complete``. ``attempt`` is the
-    transfer attempt the job belongs to; a retry re-queues every job of the transfer.
+    Workers run transfers from cached plans and report finished parts in batches
+    (``POST /v1/transfers/records``); a row per (transfer, attempt, kind, rank). The table kept its
+    name from the job queue it replaced (migration 0004); the lease and staging columns are unused.
     """
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_claim", "instance_id", "rank", "state", "not_before"),)
+    __table_args__ = (
+        Index("ix_jobs_claim", "instance_id", "rank", "state", "not_before"),
+        Index("ix_jobs_transfer_attempt", "transfer_id", "attempt"),
+    )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     transfer_id: Mapped[str] = mapped_column(

@@ -309,7 +309,7 @@ LayerGroupKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,6})$
 
 
 class TransferCreate(_Request):
-    """Plan (and with ``execute``, enqueue) one request's KV transfer."""
+    """Plan (and with ``execute``, run) one request's KV transfer."""
 
     context: Name
     generation: Name
@@ -325,6 +325,11 @@ class TransferCreate(_Request):
     )
     verify: bool = Field(
         default=False, description="Compare sender and receiver crc32 of every route's bytes"
+    )
+    timeout_s: float = Field(
+        default=30.0, gt=0, le=600,
+        description="execute: every rank fails its side after this many seconds, and the "
+        "control plane fails the transfer if a rank has not reported by then",
     )
 
 
@@ -358,11 +363,12 @@ class TransferRead(_Response):
     updated_at: datetime
     mode: TransferMode = "staged"
     verify: bool = False
-    attempt: int = Field(default=0, description="Execution attempt (0 until enqueued)")
+    attempt: int = Field(default=0, description="Execution attempt (0 until dispatched)")
     error: str | None = Field(default=None, description="Why the transfer (or an attempt) failed")
     started_at: datetime | None = None
     finished_at: datetime | None = None
-    duration_s: float | None = Field(default=None, description="First claim to done/failed")
+    duration_s: float | None = Field(
+        default=None, description="Dispatch (engine path: the first rank's start) to done/failed")
 
 
 class TransferList(_Response):

@@ -1,4 +1,5 @@
-"""Wire schemas of execution: workers, job leases and results (pydantic only; workers import it)."""
+"""Wire schemas of execution: workers, their directory, transfer records (pydantic only; workers
+import it)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from api.schemas import MAX_ADDRESS, MAX_BYTES, MAX_PARALLEL, MAX_SLOTS, Name
 
-JobKind = Literal["send", "receive"]
-JobState = Literal["queued", "leased", "done", "failed"]
+PartKind = Literal["send", "receive"]
+PartState = Literal["done", "failed"]
 Transport = Literal["nixl"]
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")]
 MAX_METADATA_B64 = 1 << 20  # NIXL agent metadata is a few KiB; refuse anything absurd
-MAX_WAIT_S = 30.0
 
 
 class _Request(BaseModel):
@@ -64,7 +64,7 @@ class WorkerCreate(_Request):
 
 
 class WorkerRead(BaseModel):
-    """A worker as the control plane sees it."""
+    """A worker as the control plane sees it (``directory_revision``: see the directory)."""
 
     id: str
     instance: str
@@ -79,7 +79,9 @@ class WorkerRead(BaseModel):
     registered_at: datetime
     heartbeat_at: datetime
     heartbeat_age_s: float
-    current_job: str | None = None
+    connected: bool = Field(default=False, description="Holds the command stream open to "
+                            "this API process (REST execute=true reaches it)")
+    directory_revision: str | None = None
 
 
 class WorkerList(BaseModel):
@@ -87,31 +89,9 @@ class WorkerList(BaseModel):
 
 
 class WorkerAttached(WorkerRead):
-    """Registration answer: how often to heartbeat and how long a lease lasts."""
+    """Registration answer: how often to heartbeat."""
 
     heartbeat_interval_s: float
-    lease_ttl_s: float
-
-
-class JobClaim(_Request):
-    """A worker asking for work; waits up to ``wait_s`` for a job to appear."""
-
-    worker_id: str = Field(min_length=1, max_length=64)
-    wait_s: float = Field(default=0.0, ge=0.0, le=MAX_WAIT_S)
-
-
-class JobLease(BaseModel):
-    """A claimed job: run it, then complete or fail it with ``lease_token``."""
-
-    id: str
-    transfer_id: str
-    kind: JobKind
-    instance: str
-    rank: int
-    attempt: int
-    lease_token: str
-    lease_expires_at: datetime
-    payload: dict[str, Any]
 
 
 class RouteResult(_Request):
@@ -121,50 +101,109 @@ class RouteResult(_Request):
     checksum: int | None = Field(default=None, ge=0, le=(1 << 32) - 1)
 
 
-class Heartbeat(_Request):
-    """What the worker is running: only these jobs' leases are extended."""
+class PartRead(BaseModel):
+    """One rank's part of an executed transfer, as its worker recorded it."""
 
-    jobs: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
-        default_factory=list,
-        max_length=16,
-        description="Ids of the jobs the worker is running now. Leases it holds on other jobs "
-        "(a claim whose answer was lost) are not extended, so they expire and are retried.",
-    )
-
-
-class JobComplete(_Request):
-    """A job's result: bytes moved, wall time, per-route checksums (crc32) when verifying."""
-
-    lease_token: str = Field(min_length=1, max_length=64)
-    bytes: int = Field(ge=0, le=1 << 50)
-    duration_s: float = Field(ge=0.0, le=86400.0)
-    routes: list[RouteResult] = Field(default_factory=list, max_length=4096)
-    verified_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
-
-
-class JobFail(_Request):
-    """A job that could not run: why, and whether another attempt could succeed."""
-
-    lease_token: str = Field(min_length=1, max_length=64)
-    reason: str = Field(min_length=1, max_length=1000)
-    retryable: bool = True
-
-
-class JobRead(BaseModel):
     id: str
     transfer_id: str
-    kind: JobKind
+    kind: PartKind = Field(description="send (a context rank) or receive (a generation rank)")
     instance: str
     rank: int
-    state: JobState
+    state: PartState
     attempt: int
-    claims: int
     worker_id: str | None
-    lease_expires_at: datetime | None
-    staging_offset: int
-    staging_bytes: int
-    result: dict[str, Any] | None
+    result: dict[str, Any] | None = Field(
+        description="bytes, duration_s and per-route results (checksums with verify)")
     error: str | None
     created_at: datetime
-    updated_at: datetime
     finished_at: datetime | None
+
+
+class PartList(BaseModel):
+    items: list[PartRead]
+
+
+class TransferRecord(_Request):
+    """One rank's finished part of one transfer (engine path or REST-dispatched)."""
+
+    transfer_id: str | None = Field(
+        default=None, min_length=1, max_length=64,
+        description="The transfer's id when it was dispatched through POST /v1/transfers; "
+        "absent for the engine path (the control plane derives it from pairing, epochs and "
+        "request id)")
+    attempt: int = Field(default=1, ge=1, le=1000)
+    request_id: str = Field(min_length=1, max_length=256)
+    pairing_id: str = Field(min_length=1, max_length=64)
+    context: Name
+    generation: Name
+    context_epoch: str = Field(min_length=1, max_length=64)
+    generation_epoch: str = Field(min_length=1, max_length=64)
+    context_dp_rank: int | None = Field(default=None, ge=0, lt=MAX_PARALLEL)
+    generation_dp_rank: int | None = Field(default=None, ge=0, lt=MAX_PARALLEL)
+    side: PartKind
+    rank: int = Field(ge=0, lt=MAX_PARALLEL)
+    status: Literal["done", "failed"]
+    error: str | None = Field(default=None, max_length=2000)
+    bytes: int = Field(ge=0, le=1 << 50)
+    mode: Literal["staged", "fragments"] = "staged"
+    verify: bool = False
+    started_at: float = Field(ge=0, description="Unix time the rank started its part")
+    finished_at: float = Field(ge=0, description="Unix time the rank finished its part")
+    routes: list[RouteResult] = Field(default_factory=list, max_length=4096)
+    verified_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
+    blocks: dict[str, dict[str, list[int]]] | None = Field(
+        default=None, description="The request's block lists (engine path; kept for "
+        "GET /v1/transfers/{id}/fragments)")
+
+
+class TransferRecords(_Request):
+    """A batch of finished parts from one worker (one request per N transfers or second)."""
+
+    worker_id: str = Field(min_length=1, max_length=64)
+    records: list[TransferRecord] = Field(min_length=1, max_length=1000)
+
+
+class RecordsAccepted(BaseModel):
+    accepted: int = Field(description="Records stored (a repeated record counts once)")
+    settled: list[str] = Field(description="Transfers that these records finished")
+
+
+class DirectoryPlan(BaseModel):
+    """One DP-rank combination of a pairing: the routes that involve the worker's rank."""
+
+    context_dp_rank: int | None
+    generation_dp_rank: int | None
+    senders: list[int]
+    receivers: list[int]
+    routes: list[dict[str, Any]] = Field(description="Plan routes (as in GET .../plan)")
+
+
+class DirectoryPairing(BaseModel):
+    id: str
+    context: str
+    generation: str
+    context_epoch: str
+    generation_epoch: str
+    plans: list[DirectoryPlan]
+
+
+class DirectoryWorker(BaseModel):
+    worker_id: str
+    peer: dict[str, Any] = Field(description="The peer's NIXL endpoint as it attached")
+
+
+class DirectoryPeer(BaseModel):
+    epoch: str
+    ranks: dict[str, DirectoryWorker]
+
+
+class WorkerDirectory(BaseModel):
+    """Everything a worker needs for the hot path: templates of its pairings and peers."""
+
+    revision: str = Field(description="Changes whenever anything below changes")
+    instance: str
+    role: str
+    rank: int
+    epoch: str
+    pairings: list[DirectoryPairing]
+    peers: dict[str, DirectoryPeer]

@@ -4,7 +4,8 @@ Every query is paginated or aggregated in SQL and filters on indexed columns (``
 ``role``, ``pairing_id``, the pairings' instance ids), so a fleet of hundreds of instances and
 tens of thousands of transfers renders in one round trip per table.
 
-Workers and jobs themselves are read through ``api.services.jobs``; only counts live here.
+Workers and transfer parts themselves are read through ``api.services.workers`` and
+``api.services.execution``; only counts live here.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def list_transfers(
 
 @dataclass
 class JobStats:
-    """What the jobs of one transfer say: how many, and the first error."""
+    """What the recorded parts of one transfer say: how many, and the first error."""
 
     jobs: int
     error: str | None

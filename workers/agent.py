@@ -1,25 +1,29 @@
-"""The worker process: serves one rank, pulls transfer jobs from the control plane, moves pages.
+"""The worker: serves one rank, keeps its directory current, runs the hot path, records results.
 
-Lifecycle of a :class:`Worker`:
+Lifecycle of a :class:`Worker` (embedded in an engine, or as ``kvplane worker``):
 
-1. **attach**: read the rank's registered page table, allocate its pools (``device``) or wrap the
-   tensors an embedding engine hands over (:meth:`Worker.attach` with ``tensors``), open a NIXL
+1. **attach** (slow path): read the rank's registered page table, allocate its pools
+   (``device``) or wrap the tensors an embedding engine hands over (``tensors``), open a NIXL
    agent with the pools and a staging buffer registered, and ``POST /v1/workers`` its endpoint
-   (agent metadata, pool base addresses, staging buffer): the metadata travels through the
-   control plane, never a side channel;
-2. **heartbeat** from a background thread (extends the leases the worker holds);
-3. **serve**: claim a job (long-poll), run it, report ``complete`` with bytes, duration and crc32
-   checksums, or ``fail`` with the reason. A lost lease (409) drops the job silently: someone
-   else owns it now. Every NIXL wait has a deadline, so a dead peer fails the job, never hangs it;
-4. **stop**: deregister (``DELETE /v1/workers/{id}``), close the NIXL agent.
+   (agent metadata, pool base addresses, staging buffer). The metadata travels through the
+   control plane, never a side channel.
+2. **start**: fetch the worker's *directory* (``workers/directory.py``) and start four threads:
+   the handover's progress loop (``workers/handover.py``, the hot path), the heartbeat (its
+   answer's ``directory_revision`` triggers a refetch, so a re-registration or a restarted peer
+   reaches the worker within one heartbeat interval; ``409 worker_stale`` re-attaches), the
+   command stream (REST ``execute=true`` pushes commands here, which run through the same
+   handover as the engine's own calls) and the recorder (``workers/records.py``, batched).
+3. **per request**: :meth:`Worker.send` / :meth:`Worker.expect` (engine path) or a pushed command
+   (REST path) → a :class:`~workers.handover.Handle`. No database, no control-plane round trip.
+4. **stop**: fail what is still pending, flush the record (bounded), deregister, close NIXL.
 
-Jobs (see ``api/services/jobs.py``): ``send`` gathers each route into staging and NIXL-WRITEs
-it chunk by chunk into the receiver's reserved staging area (or, mode ``fragments``, one
-descriptor per fragment into the receiver's pools); ``receive`` scatters each chunk as its
-notification lands (mode ``fragments`` with ``verify``: waits for the writes, then checksums the
-landed bytes and reports ``bytes: 0``, having moved none). A receiver started with
-``fill_pattern`` can verify *every* byte of its pools after a transfer (written bytes carry the
-sender's pattern, all others its own).
+The hot path keeps working while the control plane is down: the directory is cached, NIXL
+connects the workers directly, and records wait in the recorder until it returns.
+
+A worker started with ``fill`` fills its pools with the (rank, pool, byte) pattern. For every
+transfer it receives with ``verify``, it checks the bytes this transfer was meant to write (the
+sender's pattern at the planned source offsets) and every byte that no transfer has targeted since
+the fill (still its own pattern): earlier transfers' bytes are never mistaken for corruption.
 
 Depends only on the wire schemas, the HTTP client and torch/NIXL: never on FastAPI or SQLAlchemy.
 """
@@ -32,22 +36,18 @@ import socket
 import threading
 import time
 import uuid
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from api.client import ApiError, Client, ConflictError, LeaseLostError, NotFoundError
-from workers.executors import (
-    BlockRangeError,
-    TemplateError,
-    align_blocks,
-    as_route,
-    expand_fragments,
-    fragments_crc32,
-)
+import numpy as np
+
+from api.client import ApiError, Client, ConflictError, NotFoundError
+from workers.directory import Directory, HandoverError
+from workers.executors import expand_fragments
+from workers.handover import CHUNK_BLOCKS, FAILED, BlockMap, Finished, Handle, Handover
 from workers.pools import Pool, PoolSpec, allocate_pools, attach_pools, fill_pattern
-from workers.transport import TransferCancelled
+from workers.records import Recorder
 
 if TYPE_CHECKING:
     import torch
@@ -57,46 +57,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvplane.worker")
 
 DEFAULT_STAGING_BYTES = 256 << 20
-CLAIM_WAIT_S = 2.0
-OUTAGE_BACKOFF_S = 2.0  # between claims while the control plane is unreachable
+OUTAGE_BACKOFF_S = 2.0
+STREAM_READ_TIMEOUT_S = 30.0  # the control plane sends a keep-alive every 10 s
 
 
-def _retryable(error: Exception) -> bool:
-    """Whether another attempt could succeed: a bad template or block list fails the same way
-    every time; transport trouble (timeouts, a restarted peer) may not."""
-    if isinstance(error, JobError):
-        return error.retryable
-    return not isinstance(error, (BlockRangeError, TemplateError, KeyError, ValueError, TypeError))
-
-
-class JobError(RuntimeError):
-    """A job that cannot be done; ``retryable`` says whether another attempt could succeed."""
-
-    def __init__(self, message: str, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
-def _blocks(raw: Mapping[str, Mapping[str, list[int]]]) -> dict[int, tuple[list[int], list[int]]]:
-    return {int(g): (v["context"], v["generation"]) for g, v in raw.items()}
-
-
-def _crc32(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.detach().cpu().numpy().tobytes()) & 0xFFFFFFFF
+class WorkerError(RuntimeError):
+    """The worker cannot serve its rank (e.g. the rank has not reported its page table)."""
 
 
 @dataclass
 class WorkerStats:
-    jobs_done: int = 0
-    jobs_failed: int = 0
+    sent: int = 0
+    received: int = 0
+    failed: int = 0
     bytes_moved: int = 0
-    busy_s: float = 0.0
     verified_bytes: int = 0
     errors: list[str] = field(default_factory=list)
 
 
 class Worker:
-    """One rank's worker: attach, then :meth:`serve` until stopped."""
+    """One rank's worker: :meth:`attach`, :meth:`start`, then ``send``/``expect`` (an engine)
+    or :meth:`serve` (``kvplane worker``)."""
 
     def __init__(
         self,
@@ -107,6 +88,7 @@ class Worker:
         device: str = "cpu",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         fill: bool = False,
+        chunk_blocks: int | None = None,
     ) -> None:
         self.client = client
         self.instance = instance
@@ -114,337 +96,118 @@ class Worker:
         self.device = device
         self.staging_bytes = staging_bytes
         self.fill = fill
+        self.chunk_blocks = chunk_blocks
         self.pools: dict[int, Pool] = {}
         self.transport: NixlTransport | None = None
+        self.handover: Handover | None = None
+        self.directory: Directory = Directory.empty(instance, rank)
         self.worker_id: str | None = None
         self.heartbeat_interval_s = 1.0
         self.stats = WorkerStats()
+        self.recorder: Recorder | None = None
+        self._listeners: list[Callable[[Handle], None]] = []
         self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        self._peer_of_rank: dict[tuple[str, int], str] = {}
-        self._running_job: str | None = None
-        self._deadline = 0.0  # time.monotonic() by which the running job must be done
+        self._threads: list[threading.Thread] = []
+        self._attach_lock = threading.RLock()
         self._tensors: Mapping[int, torch.Tensor] | None = None
-        # Fault injection for tests and chaos drills: hold every claimed job this long first.
-        self.pause_after_claim_s = float(os.environ.get("KVPLANE_WORKER_PAUSE_AFTER_CLAIM_S", 0))
+        self._touched: dict[int, np.ndarray] = {}  # fill mode: bytes some transfer targeted
 
     # --- attach --------------------------------------------------------------------------
 
     def attach(self, tensors: Mapping[int, torch.Tensor] | None = None) -> str:
-        """Open the rank's pools and NIXL endpoint and register them; returns the worker id."""
+        """Open the rank's pools and NIXL endpoint and register them; returns the worker id.
+
+        Attaching again (after a re-registration) fails every handle still pending on the old
+        endpoint and starts a new one over the same engine tensors.
+        """
         from workers.transport.nixl import NixlTransport
 
-        instance = self.client.get_instance(self.instance)
-        rank_body = next((r for r in instance.get("ranks", []) if r["rank"] == self.rank), None)
-        if rank_body is None:
-            raise JobError(f"{self.instance} rank {self.rank} has not reported its page table",
-                           retryable=False)
-        specs = [PoolSpec.from_dict(pool) for pool in rank_body["pools"]]
-        if tensors is not None:
-            self._tensors = tensors
-        if self._tensors is not None:
-            # An engine's memory: re-attaching (after a re-registration) wraps the same tensors.
-            self.pools = attach_pools(specs, self._tensors, self.device)
-        elif sorted(specs, key=lambda spec: spec.id) != [p.spec for _, p in sorted(
-                self.pools.items())]:
-            self.pools = allocate_pools(specs, self.device)
-        if self.fill:
-            for pool in self.pools.values():
-                fill_pattern(self.rank, pool)
-        if self.transport is not None:
-            self.transport.close()
-        agent = f"{self.instance}.r{self.rank}.{uuid.uuid4().hex[:8]}"
-        self.transport = NixlTransport(agent, self.pools, staging_bytes=self.staging_bytes)
-        attached = self.client.register_worker({
-            "instance": self.instance,
-            "rank": self.rank,
-            "device": self.device,
-            "transport": "nixl",
-            "peer": self.transport.peer_info().to_json(),
-            "host": socket.gethostname()[:256],
-            "pid": os.getpid(),
-        })
-        self.worker_id = attached["id"]
-        self.heartbeat_interval_s = float(attached["heartbeat_interval_s"])
-        log.info("worker %s attached to %s rank %d (%s, agent %s)", self.worker_id,
-                 self.instance, self.rank, self.device, agent)
-        return str(self.worker_id)
+        with self._attach_lock:
+            instance = self.client.get_instance(self.instance)
+            rank_body = next((r for r in instance.get("ranks", []) if r["rank"] == self.rank),
+                             None)
+            if rank_body is None:
+                raise WorkerError(f"{self.instance} rank {self.rank} has not reported its page "
+                                  "table")
+            specs = [PoolSpec.from_dict(pool) for pool in rank_body["pools"]]
+            if tensors is not None:
+                self._tensors = tensors
+            if self._tensors is not None:
+                self.pools = attach_pools(specs, self._tensors, self.device)
+            elif sorted(specs, key=lambda spec: spec.id) != [p.spec for _, p in sorted(
+                    self.pools.items())]:
+                self.pools = allocate_pools(specs, self.device)
+            if self.fill:
+                for pool in self.pools.values():
+                    fill_pattern(self.rank, pool)
+                self._touched = {pid: np.zeros(p.tensor.numel(), dtype=bool)
+                                 for pid, p in self.pools.items()}
+            if self.handover is not None:
+                self.handover.close(f"peer_restarted: {self.instance} re-registered; this "
+                                    "worker attached again")
+            if self.transport is not None:
+                self.transport.close()
+            agent = f"{self.instance}.r{self.rank}.{uuid.uuid4().hex[:8]}"
+            self.transport = NixlTransport(agent, self.pools, staging_bytes=self.staging_bytes,
+                                           progress_thread=False)
+            attached = self.client.register_worker({
+                "instance": self.instance,
+                "rank": self.rank,
+                "device": self.device,
+                "transport": "nixl",
+                "peer": self.transport.peer_info().to_json(),
+                "host": socket.gethostname()[:256],
+                "pid": os.getpid(),
+            })
+            self.worker_id = str(attached["id"])
+            self.heartbeat_interval_s = float(attached["heartbeat_interval_s"])
+            self.handover = Handover(self.transport, instance=self.instance, rank=self.rank,
+                                     on_finished=self._on_finished,
+                                     on_start=self._mark_targeted if self.fill else None,
+                                     chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS)
+            log.info("worker %s attached to %s rank %d (%s, agent %s)", self.worker_id,
+                     self.instance, self.rank, self.device, agent)
+            if self._threads:  # already started: the new endpoint needs a fresh directory
+                self._refresh_quietly()
+            return self.worker_id
 
-    # --- serve ---------------------------------------------------------------------------
+    # --- start / serve / stop ------------------------------------------------------------
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval_s):
-            try:
-                if self.worker_id is not None:
-                    # Only the job running now keeps its lease: a lease whose claim answer was
-                    # lost (the client retried the claim) expires, and its transfer is retried.
-                    running = self._running_job
-                    seen = self.client.heartbeat(self.worker_id,
-                                                 jobs=[] if running is None else [running])
-                    # Judge the job the heartbeat was about, if it is still the one running.
-                    if (running is not None and seen.get("current_job") != running
-                            and self._running_job == running and self.transport is not None):
-                        log.warning("job %s was withdrawn by the control plane; stopping it",
-                                    running)
-                        self.transport.cancel.set()
-            except ConflictError:
-                log.warning("heartbeat refused: worker retired or stale; re-attaching")
-            except ApiError as error:
-                log.warning("heartbeat failed: %s", error)
-
-    def serve(self, *, max_jobs: int | None = None, idle_exit_s: float | None = None) -> None:
-        """Claim and run jobs until :meth:`stop` (or ``max_jobs`` / ``idle_exit_s``)."""
+    def start(self) -> None:
+        """Fetch the directory and start the heartbeat, command-stream and record threads."""
         if self.worker_id is None:
             self.attach()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                           name="kvplane-heartbeat")
-        self._heartbeat.start()
-        done = 0
+        if self._threads:
+            return
+        self.refresh_directory()
+        self.recorder = Recorder(self.client, lambda: self.worker_id)
+        for target, name in ((self._heartbeat_loop, "heartbeat"),
+                             (self._command_loop, "commands")):
+            thread = threading.Thread(target=target, daemon=True, name=f"kvplane-{name}")
+            thread.start()
+            self._threads.append(thread)
+
+    def serve(self, *, idle_exit_s: float | None = None) -> None:
+        """:meth:`start`, then block until :meth:`stop` (or ``idle_exit_s`` without a transfer)."""
+        self.start()
+        last = (self.stats.sent, self.stats.received, self.stats.failed)
         idle_since = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                job = self.client.claim_job(str(self.worker_id), wait_s=CLAIM_WAIT_S)
-            except ConflictError as error:
-                if error.code in ("worker_stale", "worker_retired"):
-                    log.warning("%s: attaching again", error.detail)
-                    self.attach()
-                    continue
-                raise
-            except NotFoundError:
-                self.attach()
-                continue
-            except ApiError as error:  # the control plane is unreachable or failing: wait
-                if error.status in (401, 403):
-                    raise  # a missing, revoked or wrong token will not fix itself: stop
-                log.warning("claim failed: %s; retrying in %.0f s", error, OUTAGE_BACKOFF_S)
-                self._stop.wait(OUTAGE_BACKOFF_S)
-                continue
-            if job is None:
-                if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
-                    return
-                continue
-            self.run_job(job)
-            done += 1
-            idle_since = time.monotonic()
-            if max_jobs is not None and done >= max_jobs:
+        while not self._stop.wait(0.5):
+            now = (self.stats.sent, self.stats.received, self.stats.failed)
+            if now != last:
+                last, idle_since = now, time.monotonic()
+            elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                 return
 
-    def run_job(self, job: Mapping[str, Any]) -> None:
-        """Execute one leased job and report its outcome."""
-        self._running_job = job["id"]
-        if self.transport is not None:
-            self.transport.cancel.clear()
-        try:
-            self._run(job)
-        finally:
-            self._running_job = None
-
-    def _pause(self) -> None:
-        deadline = time.monotonic() + self.pause_after_claim_s
-        while time.monotonic() < deadline:
-            if self.transport is not None and self.transport.cancel.is_set():
-                raise TransferCancelled("the job was withdrawn while the worker was paused")
-            time.sleep(0.05)
-
-    def _run(self, job: Mapping[str, Any]) -> None:
-        try:
-            # The job's time (timeout_s) counts from now, right after the claim, pause included.
-            self._deadline = time.monotonic() + float(job["payload"]["timeout_s"])
-            self._pause()
-            started = time.perf_counter()
-            result = self._send(job) if job["kind"] == "send" else self._receive(job)
-        except LeaseLostError:
-            return
-        except Exception as error:  # any failure is reported, never swallowed
-            retryable = _retryable(error)
-            reason = f"{type(error).__name__}: {error}"[:1000]
-            log.warning("job %s (%s) failed: %s", job["id"], job["kind"], reason)
-            self.stats.jobs_failed += 1
-            self.stats.errors.append(reason)
-            try:
-                self.client.fail_job(
-                    job["id"],
-                    {"lease_token": job["lease_token"], "reason": reason, "retryable": retryable},
-                )
-            except LeaseLostError:
-                pass  # a withdrawn job's lease is gone: the 409 is expected
-            except ApiError as report_error:
-                log.warning("job %s: could not report the failure (%s); its lease will expire",
-                            job["id"], report_error)
-            return
-        elapsed = time.perf_counter() - started
-        result["duration_s"] = elapsed
-        result["lease_token"] = job["lease_token"]
-        try:
-            self.client.complete_job(job["id"], result)
-        except LeaseLostError:
-            log.warning("job %s: lease lost before completion; result dropped", job["id"])
-            return
-        except ApiError as error:
-            log.warning("job %s: could not report completion (%s); its lease will expire and "
-                        "the transfer will be retried", job["id"], error)
-            return
-        self.stats.jobs_done += 1
-        self.stats.bytes_moved += int(result["bytes"])
-        self.stats.busy_s += elapsed
-
-    def _peer(self, peer: Mapping[str, Any], instance: str, rank: int) -> str:
-        """Load a peer's NIXL metadata once; a restarted peer's old agent is dropped."""
-        assert self.transport is not None
-        agent = str(peer["agent"])
-        previous = self._peer_of_rank.get((instance, rank))
-        if previous == agent and agent in self.transport.peers:
-            return agent
-        if previous is not None and previous != agent and previous in self.transport.peers:
-            self.transport.remove_peer(previous)
-        self.transport.add_peer(peer)
-        self._peer_of_rank[(instance, rank)] = agent
-        return agent
-
-    @staticmethod
-    def _tag(payload: Mapping[str, Any], sender_rank: int) -> bytes:
-        return f"{payload['transfer_id']}:{payload['attempt']}:{sender_rank}".encode()
-
-    @staticmethod
-    def _time_left(deadline: float) -> float:
-        """Seconds left of the job's ``timeout_s``, which bounds the whole job, not each route:
-        the control plane relies on it to know when a stale sender has stopped writing."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise JobError("the job ran out of its time (timeout_s)")
-        return left
-
-    def _send(self, job: Mapping[str, Any]) -> dict[str, Any]:
-        assert self.transport is not None
-        payload = job["payload"]
-        deadline = self._deadline
-        blocks = _blocks(payload["blocks"])
-        total, routes = 0, []
-        for entry in payload["routes"]:
-            route = as_route(entry["route"])
-            receiver = entry["receiver_rank"]
-            peer = payload["peers"][str(receiver)]
-            agent = self._peer(peer, "generation", receiver)
-            src, dst = align_blocks(route, blocks)
-            if payload["mode"] == "fragments":
-                sent = self.transport.write_fragments(
-                    agent, route, src, dst, tag=self._tag(payload, self.rank),
-                    timeout_s=self._time_left(deadline),
-                )
-                checksum = None
-                if payload["verify"]:
-                    dst_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer["pools"]}
-                    fragments = expand_fragments(route, self.pools, dst_specs, src, dst)
-                    checksum = fragments_crc32(self.pools, fragments, side="src")
-            else:
-                sent = self.transport.write_staged(
-                    agent, route, src, dst_offset=int(entry["dst_offset"]),
-                    tag=self._tag(payload, self.rank), chunk_blocks=payload["chunk_blocks"],
-                    timeout_s=self._time_left(deadline),
-                )
-                checksum = _crc32(self.transport.staging[:sent]) if payload["verify"] else None
-            if sent != entry["bytes"]:
-                raise JobError(f"route {self.rank}->{receiver}: moved {sent} bytes, the plan "
-                               f"says {entry['bytes']}", retryable=False)
-            total += sent
-            routes.append({"sender_rank": self.rank, "receiver_rank": receiver, "bytes": sent,
-                           "checksum": checksum})
-        return {"bytes": total, "routes": routes}
-
-    def _receive(self, job: Mapping[str, Any]) -> dict[str, Any]:
-        assert self.transport is not None
-        payload = job["payload"]
-        if payload.get("worker_id") not in (None, self.worker_id):
-            raise JobError("this job was pinned to another worker of this "
-                           "rank (restarted?)")
-        deadline = self._deadline
-        blocks = _blocks(payload["blocks"])
-        total, routes = 0, []
-        for entry in payload["routes"]:
-            route = as_route(entry["route"])
-            sender = entry["sender_rank"]
-            peer = payload["peers"][str(sender)]
-            agent = str(peer["agent"])
-            src, dst = align_blocks(route, blocks)
-            checksum: int | None
-            if payload["mode"] == "fragments":
-                # The sender wrote straight into the pools; its notification says it is done.
-                # Such a receive job exists only with verify: check the bytes where they landed.
-                self.transport.wait_notif(agent, [self._tag(payload, sender)],
-                                          self._time_left(deadline))
-                src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer["pools"]}
-                fragments = expand_fragments(route, src_specs, self.pools, src, dst)
-                got = int(entry["bytes"])
-                checksum = fragments_crc32(self.pools, fragments, side="dst")
-            else:
-                got = self.transport.receive_staged(
-                    agent, route, dst, offset=int(entry["offset"]),
-                    tag=self._tag(payload, sender), chunk_blocks=payload["chunk_blocks"],
-                    timeout_s=self._time_left(deadline),
-                )
-                offset = int(entry["offset"])
-                checksum = (_crc32(self.transport.staging[offset:offset + got])
-                            if payload["verify"] else None)
-            if payload["mode"] != "fragments":  # there the sender moved them; this job checks
-                total += got
-            routes.append({"sender_rank": sender, "receiver_rank": self.rank, "bytes": got,
-                           "checksum": checksum})
-        result: dict[str, Any] = {"bytes": total, "routes": routes}
-        log.info("job %s: received %d bytes from %d writer(s) (%s mode)", job["id"],
-                 sum(route["bytes"] for route in routes), len(routes), payload["mode"])
-        if payload["verify"] and self.fill:
-            result["verified_bytes"] = self.verify_pools(payload["routes"], blocks,
-                                                         payload["peers"])
-        return result
-
-    def verify_pools(self, entries: list[Mapping[str, Any]],
-                     blocks: Mapping[int, tuple[list[int], list[int]]],
-                     peers: Mapping[str, Mapping[str, Any]]) -> int:
-        """Check every byte of this rank's pools: written ones hold the sender's pattern
-        (rank, pool, source offset), all others still hold this rank's own pattern.
-
-        Independent of the executors: the expected image is built from the plan's fragments
-        with plain slicing (one slice per fragment; demo and test sizes).
-        """
-        from workers.pools import pattern_tensor
-
-        expected = {pid: pattern_tensor(self.rank, pid, pool.tensor.numel()).numpy()
-                    for pid, pool in self.pools.items()}
-        sources: dict[tuple[int, int], Any] = {}
-        for entry in entries:
-            route = as_route(entry["route"])
-            sender_rank = int(entry["sender_rank"])
-            src, dst = align_blocks(route, blocks)
-            src_specs = {int(p["id"]): PoolSpec.from_dict(p)
-                         for p in peers[str(sender_rank)]["pools"]}
-            fragments = expand_fragments(route, src_specs, self.pools, src, dst)
-            for (src_pool, dst_pool), (so, do, ln) in fragments.items():
-                key = (sender_rank, src_pool)
-                if key not in sources:
-                    sources[key] = pattern_tensor(sender_rank, src_pool,
-                                                  src_specs[src_pool].nbytes).numpy()
-                source, target = sources[key], expected[dst_pool]
-                for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
-                    target[d:d + n] = source[s:s + n]
-        checked = 0
-        for pid, pool in self.pools.items():
-            actual = pool.tensor.detach().cpu().numpy()
-            wrong = (actual != expected[pid]).nonzero()[0]
-            if wrong.size:
-                raise JobError(f"verification failed: pool {pid} has {wrong.size} wrong bytes "
-                               f"(first at offset {int(wrong[0])})", retryable=False)
-            checked += actual.size
-        self.stats.verified_bytes += checked
-        log.info("verified %d bytes of %d pool(s)", checked, len(self.pools))
-        return checked
-
-    # --- stop ----------------------------------------------------------------------------
-
     def stop(self) -> None:
-        """Stop serving; deregister and release NIXL resources."""
+        """Stop serving: fail pending handles, flush the record, deregister, release NIXL."""
         self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+        if self.handover is not None:
+            self.handover.close("the worker stopped")
+        if self.recorder is not None:
+            self.recorder.close(timeout_s=3.0)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
         if self.worker_id is not None:
             try:
                 self.client.stop_worker(self.worker_id)
@@ -453,3 +216,282 @@ class Worker:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+    # --- engine API ----------------------------------------------------------------------
+
+    def send(self, request_id: str, peer: str, blocks: BlockMap, **options: Any) -> Handle:
+        """Send this rank's share of ``request_id`` to generation instance ``peer``
+        (see :meth:`workers.handover.Handover.send`)."""
+        return self._handover_call("send", request_id, peer, blocks, options)
+
+    def expect(self, request_id: str, peer: str, blocks: BlockMap, **options: Any) -> Handle:
+        """Receive this rank's share of ``request_id`` from context instance ``peer``
+        (see :meth:`workers.handover.Handover.expect`)."""
+        return self._handover_call("expect", request_id, peer, blocks, options)
+
+    def get_finished(self) -> Finished:
+        """Request ids resolved since the last call (sent, received, failed with reasons)."""
+        if self.handover is None:
+            return Finished(frozenset(), frozenset(), {})
+        return self.handover.get_finished()
+
+    def add_listener(self, listener: Callable[[Handle], None]) -> None:
+        """Call ``listener(handle)`` for every handle that resolves (progress thread)."""
+        self._listeners.append(listener)
+
+    def _handover_call(self, kind: str, request_id: str, peer: str, blocks: BlockMap,
+                       options: Mapping[str, Any]) -> Handle:
+        handover = self.handover
+        if handover is None:
+            raise HandoverError("the worker is not attached", code="not_attached")
+        method = handover.send if kind == "send" else handover.expect
+        try:
+            handle = method(request_id, peer, blocks, **options)
+        except HandoverError as error:
+            if error.code != "unknown_pairing":
+                raise
+            # A pairing newer than the cached directory: one refetch, then the hot path again.
+            self.refresh_directory()
+            handle = method(request_id, peer, blocks, **options)
+        return handle
+
+    # --- directory -----------------------------------------------------------------------
+
+    def refresh_directory(self) -> Directory:
+        """Fetch the directory now and hand it to the hot path."""
+        assert self.worker_id is not None
+        directory = Directory.from_json(self.client.get_directory(self.worker_id))
+        self.directory = directory
+        if self.handover is not None:
+            self.handover.directory = directory  # visible to the next send/expect at once
+            self.handover.set_directory(directory)
+        return directory
+
+    def _refresh_quietly(self) -> None:
+        try:
+            self.refresh_directory()
+        except ApiError as error:
+            log.warning("directory refresh failed: %s", error)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
+                if self.worker_id is None:
+                    continue
+                seen = self.client.heartbeat(self.worker_id)
+                if seen.get("directory_revision") != self.directory.revision:
+                    self.refresh_directory()
+            except (ConflictError, NotFoundError) as error:
+                log.warning("heartbeat refused (%s); attaching again", error.detail)
+                try:
+                    self.attach()
+                except ApiError as attach_error:
+                    log.warning("attaching again failed: %s", attach_error)
+            except ApiError as error:
+                if error.status in (401, 403):
+                    log.error("heartbeat refused: %s; the worker keeps its cached directory",
+                              error)
+                else:
+                    log.warning("heartbeat failed (%s); the hot path runs on the cached "
+                                "directory", error)
+
+    # --- REST commands -------------------------------------------------------------------
+
+    def _command_loop(self) -> None:
+        while not self._stop.is_set():
+            worker_id = self.worker_id
+            if worker_id is None:
+                self._stop.wait(OUTAGE_BACKOFF_S)
+                continue
+            try:
+                for command in self.client.stream_commands(
+                        worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S):
+                    if self._stop.is_set() or worker_id != self.worker_id:
+                        break
+                    if command.get("type") == "transfer":
+                        self.run_command(command)
+            except ApiError as error:
+                if self._stop.is_set():
+                    return
+                if error.status in (401, 403):
+                    log.error("command stream refused: %s", error)
+                elif error.status not in (404, 409):  # 404/409: the heartbeat re-attaches
+                    log.warning("command stream closed (%s); reconnecting in %.0f s", error,
+                                OUTAGE_BACKOFF_S)
+            except Exception:  # never lose the stream thread to one bad line
+                log.exception("command stream failed; reconnecting")
+            self._stop.wait(OUTAGE_BACKOFF_S if not self._stop.is_set() else 0)
+
+    def run_command(self, command: Mapping[str, Any]) -> Handle | None:
+        """Start this rank's side of a REST-dispatched transfer."""
+        epochs = (command["context_epoch"], command["generation_epoch"])
+        peer = command["generation"] if command["side"] == "send" else command["context"]
+        entry = self.directory.plans.get((peer, command["context_dp_rank"],
+                                          command["generation_dp_rank"]))
+        if entry is None or entry.epochs() != epochs:
+            self._refresh_quietly()  # a pairing or epoch newer than the cached directory
+        call = self.send if command["side"] == "send" else self.expect
+        try:
+            handle = call(command["xid"], peer, command["blocks"],
+                          context_dp_rank=command["context_dp_rank"],
+                          generation_dp_rank=command["generation_dp_rank"],
+                          timeout_s=float(command["timeout_s"]), mode=command["mode"],
+                          verify=bool(command["verify"]),
+                          context={"transfer_id": command["transfer_id"],
+                                   "attempt": int(command["attempt"])})
+        except Exception as error:  # bad blocks, unknown pairing, ...: the transfer fails now
+            self._record_refusal(command, error)
+            return None
+        if handle.entry.epochs() != epochs:
+            log.warning("transfer %s was planned with other epochs than this worker's "
+                        "directory; it will fail as peer_restarted", command["transfer_id"])
+        return handle
+
+    def _record_refusal(self, command: Mapping[str, Any], error: Exception) -> None:
+        now = time.time()
+        if self.recorder is None:
+            return
+        self.recorder.add({
+            "transfer_id": command["transfer_id"], "attempt": int(command["attempt"]),
+            "request_id": command["request_id"], "pairing_id": "unknown",
+            "context": command["context"], "generation": command["generation"],
+            "context_epoch": command["context_epoch"],
+            "generation_epoch": command["generation_epoch"],
+            "context_dp_rank": command["context_dp_rank"],
+            "generation_dp_rank": command["generation_dp_rank"],
+            "side": command["side"], "rank": self.rank, "status": "failed",
+            "error": f"{type(error).__name__}: {error}"[:2000], "bytes": 0,
+            "mode": command["mode"], "verify": bool(command["verify"]),
+            "started_at": now, "finished_at": now,
+        }, urgent=True)
+
+    # --- outcomes ------------------------------------------------------------------------
+
+    def _on_finished(self, handle: Handle) -> None:
+        """Progress thread: stats, fill-mode verification, the record, listeners."""
+        verified = None
+        if handle.state != FAILED:
+            if handle.side == "send":
+                self.stats.sent += 1
+            else:
+                self.stats.received += 1
+            self.stats.bytes_moved += handle.bytes
+            if self.fill and handle.side == "receive" and handle.context.get("verify", False):
+                try:
+                    verified = self.verify_transfer(handle)
+                except VerificationError as error:
+                    handle.state, handle.reason = FAILED, str(error)
+        if handle.state == FAILED:
+            self.stats.failed += 1
+            self.stats.errors.append(str(handle.reason))
+            del self.stats.errors[:-100]
+        if self.recorder is not None:
+            self.recorder.add(self._record(handle, verified),
+                              urgent="transfer_id" in handle.context)
+        for listener in self._listeners:
+            try:
+                listener(handle)
+            except Exception:
+                log.exception("worker listener failed")
+
+    def _record(self, handle: Handle, verified: int | None) -> dict[str, Any]:
+        entry = handle.entry
+        context = handle.context
+        record: dict[str, Any] = {
+            "attempt": int(context.get("attempt", 1)),
+            "request_id": str(context.get("request_id", handle.request_id)),
+            "pairing_id": entry.pairing_id,
+            "context": entry.context, "generation": entry.generation,
+            "context_epoch": entry.context_epoch, "generation_epoch": entry.generation_epoch,
+            "context_dp_rank": entry.context_dp_rank,
+            "generation_dp_rank": entry.generation_dp_rank,
+            "side": handle.side, "rank": self.rank,
+            "status": "failed" if handle.state == FAILED else "done",
+            "error": None if handle.reason is None else str(handle.reason)[:2000],
+            "bytes": handle.bytes, "mode": context.get("mode", "staged"),
+            "verify": bool(context.get("verify", False)),
+            "started_at": handle.started_at, "finished_at": handle.finished_at or time.time(),
+            "routes": handle.routes, "verified_bytes": verified,
+        }
+        if "transfer_id" in context:
+            record["transfer_id"] = context["transfer_id"]
+        elif handle.side == "receive":
+            record["blocks"] = context.get("blocks")
+        return record
+
+    # --- fill-pattern verification -------------------------------------------------------
+
+    def _mark_targeted(self, handle: Handle) -> None:
+        """Fill mode, before the first byte lands: the bytes this receive will write."""
+        if handle.side != "receive":
+            return
+        for _, dst_pool, _, starts in self._planned_writes(handle, sources=False):
+            self._touched[dst_pool][starts] = True
+
+    def _planned_writes(self, handle: Handle, *, sources: bool = True
+                        ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """What ``handle`` writes into this rank's pools, byte by byte, per pool pair:
+        ``(sender rank × 10⁶ + sender pool, destination pool, source offsets, destination
+        offsets)``; without ``sources`` the source offsets are meaningless (no peer needed)."""
+        from workers.executors import align_blocks
+        from workers.handover import normalize_blocks
+
+        pairs = normalize_blocks(handle.context["blocks"])
+        out = []
+        for route in handle.entry.routes:
+            if route.receiver_rank != self.rank:
+                continue
+            src_specs: Mapping[int, PoolSpec] = _AnySpec()
+            if sources:
+                peer = self.directory.peer(handle.peer, route.sender_rank)
+                if peer is None:
+                    raise VerificationError(f"no endpoint of {handle.peer} rank "
+                                            f"{route.sender_rank} to verify against")
+                src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer.info["pools"]}
+            src, dst = align_blocks(route, pairs)
+            fragments = expand_fragments(route, src_specs, self.pools, src, dst)
+            for (src_pool, dst_pool), (so, do, ln) in fragments.items():
+                within = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
+                out.append((route.sender_rank * 1_000_000 + src_pool, dst_pool,
+                            np.repeat(so, ln) + within, np.repeat(do, ln) + within))
+        return out
+
+    def verify_transfer(self, handle: Handle) -> int:
+        """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned
+        source offsets) and every byte no transfer has targeted (still this rank's pattern)."""
+        from workers.pools import pattern_tensor
+
+        checked = 0
+        images = {pid: pool.tensor.detach().cpu().numpy() for pid, pool in self.pools.items()}
+        for source, dst_pool, sources, starts in self._planned_writes(handle):
+            sender, src_pool = divmod(source, 1_000_000)
+            expected = pattern_tensor(sender, src_pool, int(sources.max()) + 1).numpy()
+            wrong = np.flatnonzero(images[dst_pool][starts] != expected[sources])
+            if wrong.size:
+                raise VerificationError(
+                    f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes among "
+                    f"those written from rank {sender} (first at offset "
+                    f"{int(starts[wrong[0]])})")
+            checked += starts.size
+        for pid, image in images.items():
+            own = pattern_tensor(self.rank, pid, image.size).numpy()
+            untouched = ~self._touched[pid]
+            wrong = np.flatnonzero((image != own) & untouched)
+            if wrong.size:
+                raise VerificationError(
+                    f"verification failed: pool {pid} has {wrong.size} bytes that no transfer "
+                    f"targeted but that changed (first at offset {int(wrong[0])})")
+            checked += int(untouched.sum())
+        self.stats.verified_bytes += checked
+        return checked
+
+
+class VerificationError(RuntimeError):
+    """Fill-pattern verification found wrong bytes."""
+
+
+class _AnySpec(dict):  # type: ignore[type-arg]
+    """A stand-in for a peer's pool specs where only destination offsets matter."""
+
+    def __missing__(self, key: int) -> PoolSpec:
+        return PoolSpec(id=key, slot_bytes=1, slot_stride_bytes=1, num_slots=1)

@@ -24,10 +24,11 @@ from api.db import utcnow
 from api.errors import KvplaneError, NotFound
 from api.geometry import GeometryError, Instance, active_ranks, view_geometry
 from api.routers.deps import DbDep
+from api.services import execution as execution_service
 from api.services import instances as instance_service
-from api.services import jobs as job_service
 from api.services import pairings as pairing_service
 from api.services import transfers as transfer_service
+from api.services import workers as worker_service
 from web import diagrams, queries
 from web.format import FILTERS, rate
 
@@ -123,7 +124,7 @@ def overview(request: Request, db: DbDep) -> HTMLResponse:
     """Counts and health of the fleet, refreshed live."""
     with db.read() as session:
         stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
+            session=session, now=_now(request), worker_gone_after_s=worker_service.WORKER_GONE_S
         )
     return _render(request, "overview.html", stats=stats, nav="overview")
 
@@ -135,7 +136,7 @@ def overview_fragment(request: Request, db: DbDep) -> Response:
         return RedirectResponse("/", status_code=303)
     with db.read() as session:
         stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
+            session=session, now=_now(request), worker_gone_after_s=worker_service.WORKER_GONE_S
         )
     return _render(request, "_overview_stats.html", stats=stats)
 
@@ -493,7 +494,7 @@ def transfer_list(
 
 @router.get("/ui/transfers/{transfer_id}", response_class=HTMLResponse)
 def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLResponse:
-    """One transfer: its routes and every job (state, worker, attempt, result)."""
+    """One transfer: its routes and every rank's recorded part (state, worker, result)."""
     with db.read() as session:
         try:
             row = transfer_service.get_transfer(session=session, transfer_id=transfer_id)
@@ -504,10 +505,11 @@ def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLRespon
         transfer = transfer_service.transfer_read(row)
         jobs = sorted(
             (
-                job_service.job_read(session, job)
-                for job in job_service.list_jobs(session=session, transfer_id=row.id, limit=1000)
+                execution_service.part_read(session, part)
+                for part in execution_service.list_parts(session=session, transfer_id=row.id,
+                                                         limit=1000)
             ),
-            key=lambda job: (-job.attempt, job.kind, job.rank),
+            key=lambda part: (-part.attempt, part.kind, part.rank),
         )
     return _render(
         request,
@@ -535,8 +537,8 @@ def transfer_retry_confirm(request: Request, transfer_id: str, db: DbDep) -> HTM
         nav="transfers",
         title=f"Retry transfer of request {request_id}?",
         consequences=[
-            "Every job of the transfer is queued again (a new attempt, same plan and blocks).",
-            "Workers of the ranks involved pick them up.",
+            "The transfer runs again (a new attempt, same plan and blocks).",
+            "Its command goes to the live worker of every rank involved.",
         ],
         action=f"/ui/transfers/{transfer_id}/retry",
         button="Retry",
@@ -552,7 +554,9 @@ def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep)
         return RedirectResponse(f"/ui/transfers/{transfer_id}/retry", status_code=303)
     try:
         with db.write() as session:
-            job_service.retry_transfer(session=session, transfer_id=transfer_id, now=_now(request))
+            _, commands = execution_service.retry_transfer(
+                session=session, transfer_id=transfer_id, now=_now(request))
+        request.app.state.hub.push(commands)
     except NotFound as error:
         return _not_found(request, error)
     except KvplaneError as error:
@@ -573,15 +577,17 @@ def worker_list(request: Request, db: DbDep, page: Page = 1) -> HTMLResponse:
     now = _now(request)
     with db.read() as session:
         total = queries.count_workers(session=session)
-        rows = job_service.list_workers(
+        rows = worker_service.list_workers(
             session=session, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
         )
-        items = [job_service.worker_read(session, row, now) for row in rows]
+        hub = request.app.state.hub
+        items = [worker_service.worker_read(row, now, connected=hub.connected(row.id))
+                 for row in rows]
     return _render(
         request,
         "workers.html",
         nav="workers",
         items=items,
         pager=_pages(total, page),
-        gone_after_s=job_service.WORKER_GONE_S,
+        gone_after_s=worker_service.WORKER_GONE_S,
     )

@@ -1,32 +1,33 @@
-"""``/v1/workers`` and ``/v1/jobs``: worker registration, heartbeats, claims and job results."""
+"""``/v1/workers``: attach, heartbeat, stop; each worker's directory, command stream and records.
+
+The per-request path does not pass through here for engines that embed a worker. What does:
+a worker's directory (its pairings' templates and peers, refetched when the heartbeat's
+``directory_revision`` changes), its command stream (REST ``execute=true`` pushes to it) and
+its batched records of finished transfer parts.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
+import json
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.orm import Session
+from fastapi.responses import StreamingResponse
 
 from api import schemas_exec as wire
-from api.db import Database
+from api.dispatch import KEEPALIVE_S, CommandHub, Completions
 from api.errors import problem_responses
-from api.metrics import Metrics
-from api.models import JobRow
 from api.routers.deps import DbDep, MetricsDep
-from api.services import jobs as service
-from api.services import stats
+from api.services import execution, stats
+from api.services import workers as service
 
 workers_router = APIRouter(prefix="/v1/workers", tags=["workers"])
-jobs_router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+records_router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=64, description="Worker id")]
-JobId = Annotated[str, Path(min_length=1, max_length=64, description="Job id")]
-CLAIM_POLL_S = 0.05
 
 
 def now_of(request: Request) -> datetime:
@@ -35,8 +36,9 @@ def now_of(request: Request) -> datetime:
     return clock()
 
 
-def lease_ttl_of(request: Request) -> float:
-    return float(request.app.state.settings.lease_ttl_s)
+def hub_of(request: Request) -> CommandHub:
+    hub: CommandHub = request.app.state.hub
+    return hub
 
 
 @workers_router.post(
@@ -53,13 +55,10 @@ def register_worker(
     now = now_of(request)
     with db.write() as session:
         row = service.register_worker(session=session, body=body, now=now)
-        read = service.worker_read(session, row, now)
+        read = service.worker_read(row, now)
     metrics.worker_heartbeats.inc()
-    return wire.WorkerAttached(
-        **read.model_dump(),
-        heartbeat_interval_s=service.HEARTBEAT_INTERVAL_S,
-        lease_ttl_s=lease_ttl_of(request),
-    )
+    return wire.WorkerAttached(**read.model_dump(),
+                               heartbeat_interval_s=service.HEARTBEAT_INTERVAL_S)
 
 
 @workers_router.get(
@@ -75,11 +74,13 @@ def list_workers(
     limit: Annotated[int, Query(ge=1, le=1000)] = 500,
     offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
 ) -> wire.WorkerList:
-    """Workers with their status (alive, gone, stopped, stale) and current lease."""
+    """Workers with their status (alive, gone, stopped, stale)."""
     now = now_of(request)
+    hub = hub_of(request)
     with db.read() as session:
         rows = service.list_workers(session=session, instance=instance, limit=limit, offset=offset)
-        return wire.WorkerList(items=[service.worker_read(session, row, now) for row in rows])
+        return wire.WorkerList(items=[
+            service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows])
 
 
 @workers_router.post(
@@ -89,27 +90,69 @@ def list_workers(
     responses=problem_responses(404, 409, 422, 503),
 )
 def worker_heartbeat(
-    worker_id: WorkerId,
-    request: Request,
-    db: DbDep,
-    metrics: MetricsDep,
-    body: wire.Heartbeat | None = None,
+    worker_id: WorkerId, request: Request, db: DbDep, metrics: MetricsDep
 ) -> wire.WorkerRead:
-    """A worker is alive: record it and extend the leases of the jobs it says it runs (without
-    a body: every lease it holds). `current_job` is the one of those it still holds."""
+    """A worker is alive. The answer's `directory_revision` tells it when to refetch its
+    directory (409 `worker_stale`: its instance re-registered, attach again)."""
     now = now_of(request)
-    jobs = None if body is None else body.jobs
     with db.write() as session:
-        row = service.heartbeat(
-            session=session,
-            worker_id=worker_id,
-            now=now,
-            lease_ttl_s=lease_ttl_of(request),
-            jobs=jobs,
-        )
-        read = service.worker_read(session, row, now, jobs=jobs)
+        row = service.heartbeat(session=session, worker_id=worker_id, now=now)
+        revision = service.directory_revision(session=session, worker=row, now=now)
+        read = service.worker_read(row, now, connected=hub_of(request).connected(row.id),
+                                   revision=revision)
     metrics.worker_heartbeats.inc()
     return read
+
+
+@workers_router.get(
+    "/{worker_id}/directory",
+    operation_id="get_worker_directory",
+    response_model=wire.WorkerDirectory,
+    responses=problem_responses(404, 409, 422, 503),
+)
+def get_worker_directory(worker_id: WorkerId, request: Request,
+                         db: DbDep) -> wire.WorkerDirectory:
+    """The worker's directory: compiled templates of every pairing that involves its instance
+    (every DP combination, its rank's routes) and its peers' live workers and endpoints."""
+    with db.write() as session:  # may compile and store a plan on a cache miss
+        return service.worker_directory(session=session, worker_id=worker_id,
+                                        now=now_of(request))
+
+
+@workers_router.get(
+    "/{worker_id}/commands",
+    operation_id="stream_worker_commands",
+    response_class=StreamingResponse,
+    responses={
+        200: {"description": "Newline-delimited JSON: `hello`, then `transfer` commands and "
+              "`ping` keep-alives", "content": {"application/x-ndjson": {}}},
+        **problem_responses(404, 409, 422, 503),
+    },
+)
+def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> StreamingResponse:
+    """The push channel of REST `execute=true`: held open by the worker, one JSON line per
+    command (a newer stream of the same worker replaces this one)."""
+    with db.read() as session:
+        service.current_worker(session=session, worker_id=worker_id)
+    hub = hub_of(request)
+
+    async def lines() -> AsyncIterator[bytes]:
+        queue = hub.connect(worker_id)
+        try:
+            yield b'{"type":"hello"}\n'
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
+                except TimeoutError:
+                    message = {"type": "ping"}
+                if message is None:  # replaced by a newer stream of the same worker
+                    return
+                yield json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        finally:
+            hub.disconnect(worker_id, queue)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
 @workers_router.delete(
@@ -119,138 +162,52 @@ def worker_heartbeat(
     responses=problem_responses(404, 422, 503),
 )
 def stop_worker(worker_id: WorkerId, db: DbDep) -> Response:
-    """A worker shutting down cleanly (its leased jobs are retried when their leases expire)."""
+    """A worker shutting down cleanly: it leaves its peers' directories."""
     with db.write() as session:
         service.stop_worker(session=session, worker_id=worker_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@jobs_router.post(
-    "/claim",
-    operation_id="claim_job",
-    response_model=wire.JobLease,
-    responses={
-        204: {"description": "No job within wait_s"},
-        **problem_responses(404, 409, 422, 503),
-    },
+@records_router.post(
+    "/records",
+    operation_id="record_transfers",
+    response_model=wire.RecordsAccepted,
+    responses=problem_responses(403, 404, 409, 413, 422, 503),
 )
-async def claim_job(
-    body: wire.JobClaim, request: Request, db: DbDep, metrics: MetricsDep
-) -> wire.JobLease | Response:
-    """Lease the next runnable job of the worker's rank, waiting up to ``wait_s`` for one."""
-    # The wait is asyncio.sleep and only the database steps run in the thread pool: waiting
-    # workers must not use up the threads that every other request needs.
-    deadline = time.monotonic() + body.wait_s
-    lease_ttl_s = lease_ttl_of(request)
-
-    def ready(now: datetime) -> bool:
-        with db.read() as session:
-            return service.has_work(session=session, worker_id=body.worker_id, now=now)
-
-    def claim(now: datetime) -> wire.JobLease | None:
-        with db.write() as session:
-            # Reaped here (claim_job would do it too) so that expiries reach the metrics.
-            before = stats.transfer_statuses(
-                session=session,
-                transfer_ids=stats.expired_lease_transfer_ids(session=session, now=now),
-            )
-            expired = service.reap_expired(session=session, now=now)
-            finished = stats.newly_finished(session=session, before=before)
-            job = service.claim_job(
-                session=session, worker_id=body.worker_id, now=now, lease_ttl_s=lease_ttl_s
-            )
-            lease = None if job is None else service.job_lease(session, job)
-        metrics.lease_expiries.inc(expired)
-        metrics.transfers_settled(finished)
-        return lease
-
-    while True:
-        now = now_of(request)
-        if await run_in_threadpool(ready, now):
-            lease = await run_in_threadpool(claim, now)
-            if lease is not None:
-                metrics.jobs_claimed.inc()
-                return lease
-        if time.monotonic() >= deadline:
-            return Response(status_code=status.HTTP_204_NO_CONTENT)
-        await asyncio.sleep(min(CLAIM_POLL_S, max(0.0, deadline - time.monotonic())))
-
-
-def _report(
-    db: Database, metrics: Metrics, job_id: str, act: Callable[[Session], JobRow]
-) -> wire.JobRead:
-    """Run a worker's report in one transaction and count the transfers it finished."""
+def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
+                     metrics: MetricsDep) -> wire.RecordsAccepted:
+    """A worker's batch of finished transfer parts (repeats are ignored). Settles transfers
+    and wakes their `?wait=` long-polls."""
+    now = now_of(request)
     with db.write() as session:
-        before = stats.transfer_statuses(
-            session=session, transfer_ids=stats.job_transfer_ids(session=session, job_id=job_id)
-        )
-        read = service.job_read(session, act(session))
-        finished = stats.newly_finished(session=session, before=before)
+        accepted, settled = execution.record_parts(session=session, body=body, now=now)
+        finished = stats.finished(session=session, transfer_ids=settled)
+    completions: Completions = request.app.state.completions
+    completions.settled(settled)
+    metrics.record_batches.inc()
+    for record in body.records:
+        metrics.part_results.labels(state=record.status).inc()
+        metrics.moved_bytes.labels(kind=record.side).inc(record.bytes)
     metrics.transfers_settled(finished)
-    return read
+    return wire.RecordsAccepted(accepted=accepted, settled=settled)
 
 
-@jobs_router.post(
-    "/{job_id}/complete",
-    operation_id="complete_job",
-    response_model=wire.JobRead,
-    responses=problem_responses(404, 409, 422, 503),
+@records_router.get(
+    "/{transfer_id}/parts",
+    operation_id="list_transfer_parts",
+    response_model=wire.PartList,
+    responses=problem_responses(404, 422, 503),
 )
-def complete_job(
-    job_id: JobId, body: wire.JobComplete, request: Request, db: DbDep, metrics: MetricsDep
-) -> wire.JobRead:
-    """Report a job done with its bytes, duration and checksums (409 if the lease was lost)."""
-    read = _report(
-        db,
-        metrics,
-        job_id,
-        lambda session: service.complete_job(
-            session=session, job_id=job_id, body=body, now=now_of(request)
-        ),
-    )
-    metrics.job_results.labels(state="done").inc()
-    metrics.moved_bytes.labels(kind=read.kind).inc(body.bytes)
-    return read
-
-
-@jobs_router.post(
-    "/{job_id}/fail",
-    operation_id="fail_job",
-    response_model=wire.JobRead,
-    responses=problem_responses(404, 409, 422, 503),
-)
-def fail_job(
-    job_id: JobId, body: wire.JobFail, request: Request, db: DbDep, metrics: MetricsDep
-) -> wire.JobRead:
-    """Report a job failed with a reason; the transfer is retried (bounded) or failed."""
-    read = _report(
-        db,
-        metrics,
-        job_id,
-        lambda session: service.fail_job(
-            session=session, job_id=job_id, body=body, now=now_of(request)
-        ),
-    )
-    metrics.job_results.labels(state="failed").inc()
-    return read
-
-
-@jobs_router.get(
-    "",
-    operation_id="list_jobs",
-    response_model=list[wire.JobRead],
-    responses=problem_responses(422, 503),
-)
-def list_jobs(
+def list_transfer_parts(
+    transfer_id: Annotated[str, Path(min_length=1, max_length=64)],
     db: DbDep,
-    transfer_id: Annotated[str | None, Query(max_length=64)] = None,
-    state: Annotated[wire.JobState | None, Query()] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
-    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
-) -> list[wire.JobRead]:
-    """Jobs, newest first, optionally of one transfer or in one state."""
+    state: Annotated[wire.PartState | None, Query()] = None,
+) -> wire.PartList:
+    """Each rank's recorded part of one transfer (every attempt)."""
+    from api.services.transfers import get_transfer
+
     with db.read() as session:
-        rows = service.list_jobs(
-            session=session, transfer_id=transfer_id, state=state, limit=limit, offset=offset
-        )
-        return [service.job_read(session, row) for row in rows]
+        get_transfer(session=session, transfer_id=transfer_id)
+        rows = execution.list_parts(session=session, transfer_id=transfer_id, state=state,
+                                    limit=1000)
+        return wire.PartList(items=[execution.part_read(session, row) for row in rows])

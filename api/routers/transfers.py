@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from api import schemas
+from api.dispatch import CommandHub, Completions
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
-from api.services import jobs as jobs_service
-from api.services import stats
+from api.services import execution, stats
 from api.services import transfers as service
 
 router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
+log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
-WAIT_POLL_S = 0.05
+# Another API process may settle a transfer (its records went there): re-read this often.
+CROSS_PROCESS_RECHECK_S = 1.0
 
 TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Transfer id")]
 
@@ -37,6 +40,7 @@ TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Trans
 )
 def create_transfer(
     body: schemas.TransferCreate,
+    request: Request,
     response: Response,
     db: DbDep,
     metrics: MetricsDep,
@@ -50,12 +54,15 @@ def create_transfer(
         ),
     ] = None,
 ) -> schemas.TransferRead:
-    """Plan one request's KV transfer from the pairing's templates and both block lists."""
+    """Plan one request's KV transfer from the pairing's templates and both block lists; with
+    `execute`, push it to the workers of every rank taking part (503 when one has none)."""
+    commands: list[tuple[str, dict[str, Any]]] = []
     with db.write() as session:
         row, created = service.create_transfer(
-            session=session, body=body, idempotency_key=idempotency_key
+            session=session, body=body, idempotency_key=idempotency_key, commands=commands
         )
         result = service.transfer_read(row)
+    _push(request, commands)
     if created:
         metrics.transfer_planned(
             context=result.context,
@@ -66,6 +73,17 @@ def create_transfer(
         )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return result
+
+
+def _push(request: Request, commands: list[tuple[str, dict[str, Any]]]) -> None:
+    """Hand the commands to the workers' streams (after the commit: a worker that reports at
+    once must find the transfer). A worker whose stream is not open anywhere fails its part of
+    the transfer at the deadline; say so in the log now."""
+    hub: CommandHub = request.app.state.hub
+    missed = hub.push(commands)
+    if missed:
+        log.warning("no command stream open for worker(s) %s; their transfers will fail at "
+                    "their deadline", ", ".join(sorted(set(missed))))
 
 
 @router.get(
@@ -121,10 +139,10 @@ async def get_transfer(
         ),
     ] = 0.0,
 ) -> schemas.TransferRead:
-    """One transfer: status, routes, bytes and fragment count; `?wait=S` long-polls."""
-    # The wait is asyncio.sleep and only the database steps run in the thread pool: waiting
-    # clients must not use up the threads that every other request needs.
+    """One transfer: status, routes, bytes and fragment count; `?wait=S` long-polls (it wakes
+    when the transfer settles, not on a timer)."""
     deadline = time.monotonic() + wait
+    completions: Completions = request.app.state.completions
 
     def read() -> schemas.TransferRead:
         with db.read() as session:
@@ -132,31 +150,40 @@ async def get_transfer(
                 service.get_transfer(session=session, transfer_id=transfer_id)
             )
 
-    def stuck(now: datetime) -> bool:
-        with db.read() as session:
-            return bool(stats.expired_lease_transfer_ids(session=session, now=now))
-
     def reap(now: datetime) -> None:
         with db.write() as session:
-            before = stats.transfer_statuses(
-                session=session,
-                transfer_ids=stats.expired_lease_transfer_ids(session=session, now=now),
-            )
-            expired = jobs_service.reap_expired(session=session, now=now)
-            finished = stats.newly_finished(session=session, before=before)
-        metrics.lease_expiries.inc(expired)
+            reaped = execution.reap_overdue(session=session, now=now)
+            finished = stats.finished(session=session, transfer_ids=reaped)
+        metrics.overdue.inc(len(reaped))
         metrics.transfers_settled(finished)
 
-    while True:
-        result = await run_in_threadpool(read)
-        if result.status not in ("queued", "running") or time.monotonic() >= deadline:
-            return result
-        # Expired leases must make progress even when no worker of that rank is claiming.
-        # Checked read-only first: a waiting client must not take the write lock every poll.
-        now = request.app.state.clock()
-        if await run_in_threadpool(stuck, now):
-            await run_in_threadpool(reap, now)
-        await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+    result = await run_in_threadpool(read)
+    if result.status not in ("queued", "running") or wait <= 0:
+        return result
+    event = completions.event(transfer_id)
+    try:
+        while True:
+            result = await run_in_threadpool(read)  # settled between the first read and now?
+            if result.status not in ("queued", "running"):
+                return result
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return result
+            try:
+                await asyncio.wait_for(event.wait(), min(left, CROSS_PROCESS_RECHECK_S))
+            except TimeoutError:
+                # A deadline passed with a rank silent: nobody else may be around to say so.
+                now = request.app.state.clock()
+                if result.started_at is not None and await run_in_threadpool(
+                        _overdue, db, now):
+                    await run_in_threadpool(reap, now)
+    finally:
+        completions.release(transfer_id)
+
+
+def _overdue(db: Any, now: datetime) -> bool:
+    with db.read() as session:
+        return bool(execution.overdue_transfer_ids(session=session, now=now))
 
 
 @router.post(
@@ -166,12 +193,14 @@ async def get_transfer(
     responses=problem_responses(404, 409, 422, 503),
 )
 def retry_transfer(transfer_id: TransferId, request: Request, db: DbDep) -> schemas.TransferRead:
-    """Run a failed executed transfer again (same plan and blocks, new attempts)."""
+    """Run a failed executed transfer again (same plan and blocks, next attempt)."""
     with db.write() as session:
-        row = jobs_service.retry_transfer(
+        row, commands = execution.retry_transfer(
             session=session, transfer_id=transfer_id, now=request.app.state.clock()
         )
-        return service.transfer_read(row)
+        result = service.transfer_read(row)
+    _push(request, commands)
+    return result
 
 
 @router.get(

@@ -26,7 +26,7 @@ from api.db import utcnow
 from api.errors import BadRequest, NotFound, PreconditionFailed
 from api.geometry import GeometryError, Instance, parse_instance, parse_rank
 from api.models import InstanceRow, RankRow
-from api.services.jobs import fail_transfers_of_instance
+from api.services.execution import fail_transfers_of_instance
 from api.services.pairings import mark_stale_for_instance
 
 

@@ -3,7 +3,7 @@
 Services never see the metrics registry; routes that may finish transfers take a snapshot of the
 transfers they could touch (:func:`transfer_statuses`) before calling a service and ask
 :func:`newly_finished` afterwards, in the same transaction. A transfer leaves ``queued``/
-``running`` through one guarded ``UPDATE`` (see ``api/services/jobs.py``), so exactly one
+``running`` through one guarded ``UPDATE`` (see ``api/services/execution.py``), so exactly one
 request observes each transition, whichever API process serves it.
 """
 
@@ -15,17 +15,17 @@ from datetime import datetime, timedelta
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
-from api.models import InstanceRow, JobRow, TransferRow, WorkerRow
-from api.services.jobs import WORKER_GONE_S, count_jobs_by_state, stranded_condition
+from api.models import InstanceRow, TransferRow, WorkerRow
+from api.services.execution import count_parts_by_state
+from api.services.workers import WORKER_GONE_S
 
 ACTIVE_TRANSFER = ("queued", "running")
 FINISHED_TRANSFER = ("done", "failed")
 
 __all__ = [
-    "count_jobs_by_state",
+    "count_parts_by_state",
     "count_workers_by_status",
-    "expired_lease_transfer_ids",
-    "job_transfer_ids",
+    "finished",
     "newly_finished",
     "transfer_ids_of_instance",
     "transfer_statuses",
@@ -60,29 +60,12 @@ def transfer_statuses(*, session: Session, transfer_ids: Iterable[str]) -> dict[
     return {str(tid): str(status) for tid, status in rows}
 
 
-def job_transfer_ids(*, session: Session, job_id: str) -> list[str]:
-    """The transfer of job ``job_id`` (empty when the job does not exist)."""
-    transfer_id = session.scalar(select(JobRow.transfer_id).where(JobRow.id == job_id))
-    return [] if transfer_id is None else [str(transfer_id)]
-
-
-def expired_lease_transfer_ids(*, session: Session, now: datetime) -> list[str]:
-    """Transfers with a job whose lease has expired, or with a queued job pinned to a worker
-    that is gone (what ``reap_expired`` would act on)."""
-    expired = set(
-        session.scalars(
-            select(JobRow.transfer_id)
-            .where(JobRow.state == "leased", JobRow.lease_expires_at < now)
-            .distinct()
-        )
-    )
-    stranded = session.scalars(
-        select(JobRow.transfer_id)
-        .join(WorkerRow, JobRow.worker_id == WorkerRow.id)
-        .where(stranded_condition(now))
-        .distinct()
-    )
-    return sorted(expired.union(stranded))
+def finished(*, session: Session, transfer_ids: Iterable[str]) -> list[tuple[str, float]]:
+    """``(status, seconds)`` of ``transfer_ids`` that are done or failed (for the metrics)."""
+    ids = sorted(set(transfer_ids))
+    if not ids:
+        return []
+    return newly_finished(session=session, before={tid: "running" for tid in ids})
 
 
 def transfer_ids_of_instance(*, session: Session, name: str) -> list[str]:

@@ -1,8 +1,9 @@
 """Transfers: plan one request's KV transfer from a pairing's cached plan and its block lists.
 
 ``Idempotency-Key``: the same key with the same body returns the stored transfer; the same key
-with another body is a 409. ``execute=true`` enqueues the transfer's jobs in the same transaction
-(see :mod:`api.services.jobs`); workers then claim and run them.
+with another body is a 409. ``execute=true`` also starts the transfer's first attempt in the same
+transaction (:func:`api.services.execution.prepare_dispatch`); the router then pushes one command
+per rank to the workers' open command streams.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from typing import Any
 
 from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -20,7 +22,7 @@ from api.db import utcnow
 from api.errors import BadRequest, Conflict, NotFound
 from api.geometry import GeometryError, Plan, expand
 from api.models import InstanceRow, PairingRow, TransferRow
-from api.services.jobs import enqueue_transfer
+from api.services.execution import prepare_dispatch
 from api.services.pairings import cached_plan, load_plan, plan_for_pairing
 
 
@@ -134,8 +136,11 @@ def create_transfer(
     session: Session,
     body: schemas.TransferCreate,
     idempotency_key: str | None = None,
+    commands: list[tuple[str, dict[str, Any]]] | None = None,
 ) -> tuple[TransferRow, bool]:
     """Plan a transfer and store it; returns ``(row, created)`` (``created`` false on replay).
+
+    With ``execute``, the commands to push to the workers are appended to ``commands``.
 
     The row is inserted with one Core INSERT (the ORM unit of work costs more than the insert on
     this hot path). Without ``execute`` the returned row is a detached copy of what was inserted;
@@ -213,7 +218,10 @@ def create_transfer(
     if not body.execute:
         return TransferRow(**values), True
     row = session.get_one(TransferRow, values["id"])
-    enqueue_transfer(session=session, transfer=row, plan=plan, now=now)
+    started = prepare_dispatch(session=session, transfer=row, plan=plan, now=now,
+                               timeout_s=body.timeout_s)
+    if commands is not None:
+        commands.extend(started)
     return row, True
 
 

@@ -259,7 +259,11 @@ class NixlTransport:
     def _poll(self, p: _Pending) -> bool:
         if p.done:
             return True
-        state = self._agent.check_xfer_state(p.handle)
+        try:
+            state = self._agent.check_xfer_state(p.handle)
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: NIXL raises instead of "ERR"
+            self._release(p)
+            raise TransportError(f"{p.what}: {type(e).__name__}: {e}") from e
         if state == "ERR":
             self._release(p)
             raise TransportError(f"{p.what}: transfer entered NIXL's error state")
@@ -302,6 +306,42 @@ class NixlTransport:
         return self._desc(
             np.array([self.staging.data_ptr() + offset]), np.array([nbytes]), self.device_id
         )
+
+    # --- non-blocking API (the hot path's progress loop) ----------------------------------
+
+    def post_write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
+    ) -> _Pending:
+        """Post one WRITE (descriptor arrays ``[addr, len, dev]``) with a notification."""
+        return self._post(self._peer(peer), local, remote, notif, what)
+
+    def poll(self, pending: _Pending) -> bool:
+        """Whether ``pending`` completed; raises :class:`TransportError` on NIXL's error."""
+        return self._poll(pending)
+
+    def release(self, pending: _Pending) -> None:
+        """Release a posted WRITE's handle (idempotent)."""
+        self._release(pending)
+
+    def drain_notifications(self) -> dict[str, list[bytes]]:
+        """Every notification that arrived since the last call, by sending agent."""
+        out: dict[str, list[bytes]] = {}
+        for agent, msgs in self._agent.get_new_notifs().items():
+            key = agent.decode() if isinstance(agent, bytes) else str(agent)
+            out.setdefault(key, []).extend(bytes(m) for m in msgs)
+        return out
+
+    def peer_info_of(self, agent: str) -> PeerInfo:
+        """A loaded peer's published info (pools, staging)."""
+        return self._peer(agent)
+
+    def desc(self, addr: np.ndarray, length: np.ndarray, device_id: int) -> np.ndarray:
+        """A descriptor array ``[addr, len, device]`` (uint64)."""
+        return self._desc(addr, length, device_id)
+
+    def local_staging_desc(self, offset: int, nbytes: int) -> np.ndarray:
+        """The descriptor of ``nbytes`` of this worker's staging buffer at ``offset``."""
+        return self._staging_desc(offset, nbytes)
 
     # --- notifications -------------------------------------------------------------------
 

@@ -1,0 +1,423 @@
+"""Execution record: dispatching REST transfers to workers, and what workers report back.
+
+The hot path runs in the workers (``workers/handover.py``): every rank computes its routes from
+its cached directory, so the control plane is not on a request's way. What is left here:
+
+- **dispatch** (REST ``execute=true``): :func:`prepare_dispatch` checks that every rank taking
+  part has a live worker, gives the transfer its deadline and builds one command per rank; the
+  router pushes them over each worker's open command stream (``api/dispatch.py``).
+- **records**: workers report each finished part (one rank's side of one transfer) in batches;
+  :func:`record_parts` stores them in the ``jobs`` table (one row per transfer, attempt, kind and
+  rank; a repeated record is ignored, so a batch may be retried) and settles the transfer. An
+  engine-path transfer gets its row from its first record (its id is derived from the pairing,
+  both epochs and the request id, so every rank's record lands on one row).
+- **settle**: a transfer is ``failed`` as soon as one part failed; ``done`` when every receiver
+  rank's part is done (with ``verify``, every sender's too, and every route's sender and receiver
+  crc32 agree). Parts that arrive later are stored but change nothing.
+- **deadlines**: :func:`reap_overdue` fails a dispatched transfer that is not settled by its
+  deadline (plus a grace for the batched record), naming the ranks that never reported. A
+  re-registered or deleted instance fails its running transfers (``peer_restarted`` /
+  ``peer_left``); the workers learn it from their directory and fail their handles too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api import schemas_exec as wire
+from api.errors import Conflict, Forbidden, NotFound, Unavailable
+from api.geometry import Plan, expand
+from api.models import InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
+from api.services.workers import current_worker, instance_by_name, live_workers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+RECORD_GRACE_S = 5.0  # a worker reports within a second; allow for a slow batch
+ACTIVE = ("queued", "running")
+
+
+def engine_transfer_id(pairing_id: str, context_epoch: str, generation_epoch: str,
+                       request_id: str) -> str:
+    """The id of an engine-path transfer: the same on every rank that records a part of it."""
+    key = f"{pairing_id}|{context_epoch}|{generation_epoch}|{request_id}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def participants(summary: dict[str, Any]) -> tuple[set[int], set[int]]:
+    """``(sender ranks, receiver ranks)`` that move bytes in a transfer's summary."""
+    routes = [r for r in summary.get("routes", []) if r.get("bytes", 0) > 0]
+    return {int(r["sender_rank"]) for r in routes}, {int(r["receiver_rank"]) for r in routes}
+
+
+def xid(transfer_id: str, attempt: int) -> str:
+    """The id the workers use on the wire: one per attempt, so stale news never mix."""
+    return f"{transfer_id}.{attempt}"
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+
+def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now: datetime,
+                     timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
+    """Start the transfer's next attempt: ``[(worker_id, command)]`` to push, one per rank.
+
+    Raises ``503 workers_unavailable`` (nothing changed) when a rank has no live worker.
+    """
+    context = instance_by_name(session, transfer.context_name)
+    generation = instance_by_name(session, transfer.generation_name)
+    senders, receivers = participants(transfer.summary)
+    workers = {"context": live_workers(session, context, now),
+               "generation": live_workers(session, generation, now)}
+    missing = [f"context rank {r}" for r in sorted(senders) if r not in workers["context"]]
+    missing += [f"generation rank {r}" for r in sorted(receivers)
+                if r not in workers["generation"]]
+    if missing:
+        raise Unavailable(
+            f"no live worker for {', '.join(missing)}; start `kvplane worker` for every rank",
+            code="workers_unavailable",
+            headers={"Retry-After": "2"},
+        )
+    attempt = transfer.attempt + 1
+    command = {
+        "type": "transfer",
+        "transfer_id": transfer.id,
+        "attempt": attempt,
+        "xid": xid(transfer.id, attempt),
+        "request_id": transfer.request_id,
+        "context": transfer.context_name,
+        "generation": transfer.generation_name,
+        "context_epoch": context.epoch,
+        "generation_epoch": generation.epoch,
+        "context_dp_rank": transfer.context_dp_rank,
+        "generation_dp_rank": transfer.generation_dp_rank,
+        "blocks": transfer.blocks,
+        "mode": transfer.mode,
+        "verify": transfer.verify,
+        "timeout_s": timeout_s,
+    }
+    commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
+                for r in sorted(senders)]
+    commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
+                 for r in sorted(receivers)]
+    transfer.attempt = attempt
+    transfer.status = "running" if commands else "done"
+    transfer.error = None
+    transfer.started_at = now
+    transfer.finished_at = None if commands else now
+    transfer.deadline_at = now + timedelta(seconds=timeout_s)
+    transfer.updated_at = now
+    session.flush()
+    return commands
+
+
+def retry_transfer(*, session: Session, transfer_id: str, now: datetime,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[TransferRow, list[Any]]:
+    """Operator action: run a failed transfer again (next attempt, same plan and blocks)."""
+    transfer = session.get(TransferRow, transfer_id, with_for_update=True,
+                           populate_existing=True)
+    if transfer is None:
+        raise NotFound(f"transfer {transfer_id!r} does not exist", code="transfer_not_found")
+    if transfer.status != "failed" or not transfer.execute:
+        raise Conflict(
+            f"only a failed executed transfer can be retried (status {transfer.status})",
+            code="transfer_not_retryable",
+        )
+    plan = current_plan(session, transfer)
+    if plan is None:
+        raise Conflict(
+            "the transfer's plan was deleted with its pairing, or an instance re-registered "
+            "since it was planned: POST /v1/transfers again",
+            code="plan_gone",
+        )
+    return transfer, prepare_dispatch(session=session, transfer=transfer, plan=plan, now=now,
+                                      timeout_s=timeout_s)
+
+
+def current_plan(session: Session, transfer: TransferRow) -> Plan | None:
+    """The transfer's plan if it still describes both instances' memory (else None)."""
+    if transfer.plan_id is None:
+        return None
+    row = session.get(PlanRow, transfer.plan_id)
+    if row is None or row.stale:
+        return None
+    epochs = {
+        name: session.scalar(select(InstanceRow.epoch).where(InstanceRow.name == name))
+        for name in (transfer.context_name, transfer.generation_name)
+    }
+    if (epochs[transfer.context_name], epochs[transfer.generation_name]) != (
+        row.context_epoch, row.generation_epoch
+    ):
+        return None
+    return Plan.from_dict(row.body)
+
+
+# --- records ---------------------------------------------------------------------------------
+
+
+def _unix(value: float) -> datetime:
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def record_parts(*, session: Session, body: wire.TransferRecords,
+                 now: datetime) -> tuple[int, list[str]]:
+    """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``."""
+    worker = current_worker_or_gone(session, body.worker_id)
+    accepted = 0
+    touched: dict[str, int] = {}
+    for record in body.records:
+        own = record.context if record.side == "send" else record.generation
+        if own != worker.instance.name or record.rank != worker.rank:
+            raise Forbidden(
+                f"worker {worker.id} serves {worker.instance.name} rank {worker.rank}; it cannot "
+                f"record {record.side} parts of {own} rank {record.rank}",
+                code="forbidden",
+            )
+        transfer = _transfer_of(session, record, now)
+        if transfer is None or transfer.attempt != record.attempt:
+            continue  # an older attempt's news (or an unknown REST id): nothing to change
+        if _store_part(session, transfer, worker, record, now):
+            accepted += 1
+            touched[transfer.id] = transfer.attempt
+    settled = [tid for tid, attempt in sorted(touched.items())
+               if settle(session=session, transfer_id=tid, attempt=attempt, now=now)]
+    return accepted, settled
+
+
+def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
+    """Records of a worker whose instance re-registered since are still the truth about what
+    happened then: only an unknown worker is refused."""
+    try:
+        return current_worker(session=session, worker_id=worker_id)
+    except Conflict:
+        row = session.get(WorkerRow, worker_id)
+        assert row is not None
+        return row
+
+
+def _transfer_of(session: Session, record: wire.TransferRecord,
+                 now: datetime) -> TransferRow | None:
+    if record.transfer_id is not None:
+        return session.get(TransferRow, record.transfer_id, populate_existing=True)
+    tid = engine_transfer_id(record.pairing_id, record.context_epoch, record.generation_epoch,
+                             record.request_id)
+    row = session.get(TransferRow, tid, populate_existing=True)
+    if row is not None:
+        return row
+    pairing = session.get(PairingRow, record.pairing_id)
+    plan_row = None
+    if pairing is not None:
+        plan_row = session.scalars(select(PlanRow).where(
+            PlanRow.pairing_id == pairing.id,
+            PlanRow.context_epoch == record.context_epoch,
+            PlanRow.generation_epoch == record.generation_epoch,
+            PlanRow.context_dp_rank == (-1 if record.context_dp_rank is None
+                                        else record.context_dp_rank),
+            PlanRow.generation_dp_rank == (-1 if record.generation_dp_rank is None
+                                           else record.generation_dp_rank),
+        )).first()
+    blocks = record.blocks or {}
+    summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
+    if plan_row is not None and blocks:
+        try:
+            summary = expand(Plan.from_dict(plan_row.body), {
+                int(g): (v.get("context", []), v.get("generation", []))
+                for g, v in blocks.items()
+            }).to_summary()
+        except Exception as error:  # a record is kept whatever its blocks say
+            log.warning("engine transfer %s: cannot expand its blocks: %s", tid, error)
+    started = _unix(record.started_at)
+    values = {
+        "id": tid, "pairing_id": None if pairing is None else pairing.id,
+        "plan_id": None if plan_row is None else plan_row.id,
+        "context_name": record.context, "generation_name": record.generation,
+        "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
+        "generation_dp_rank": record.generation_dp_rank, "status": "running", "execute": True,
+        "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
+        "fragments": int(summary["fragments"]), "idempotency_key": None, "request_hash": "",
+        "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
+        "attempt": 1, "max_attempts": 1, "started_at": started,
+        "deadline_at": None,
+    }
+    try:
+        with session.begin_nested():
+            session.add(TransferRow(**values))
+    except IntegrityError:
+        pass  # another process recorded the first part of the same transfer meanwhile
+    return session.get(TransferRow, tid, populate_existing=True)
+
+
+def _store_part(session: Session, transfer: TransferRow, worker: WorkerRow,
+                record: wire.TransferRecord, now: datetime) -> bool:
+    exists = session.scalar(select(JobRow.id).where(
+        JobRow.transfer_id == transfer.id, JobRow.attempt == transfer.attempt,
+        JobRow.kind == record.side, JobRow.rank == record.rank))
+    if exists is not None:
+        return False
+    finished = _unix(record.finished_at)
+    session.add(JobRow(
+        id=uuid.uuid4().hex, transfer_id=transfer.id, kind=record.side,
+        instance_id=worker.instance_id, rank=record.rank, epoch=worker.epoch,
+        state=record.status, attempt=transfer.attempt, claims=0, worker_id=worker.id,
+        not_before=_unix(record.started_at), staging_offset=0, staging_bytes=0, payload={},
+        result={"bytes": record.bytes, "duration_s": max(0.0, record.finished_at -
+                                                         record.started_at),
+                "routes": [r.model_dump() for r in record.routes],
+                "verified_bytes": record.verified_bytes},
+        error=record.error, created_at=_unix(record.started_at), updated_at=now,
+        finished_at=finished,
+    ))
+    session.flush()
+    return True
+
+
+def settle(*, session: Session, transfer_id: str, attempt: int, now: datetime) -> bool:
+    """Finish the transfer if its parts decide it; True when this call finished it."""
+    transfer = session.get(TransferRow, transfer_id, with_for_update=True,
+                           populate_existing=True)
+    if transfer is None or transfer.attempt != attempt or transfer.status not in ACTIVE:
+        return False
+    parts = list(session.scalars(select(JobRow).where(
+        JobRow.transfer_id == transfer_id, JobRow.attempt == attempt)))
+    failed = [p for p in parts if p.state == "failed"]
+    if failed:
+        first = min(failed, key=lambda p: (p.finished_at or now, p.kind, p.rank))
+        side = "context" if first.kind == "send" else "generation"
+        return finish(session, transfer, "failed", now,
+                      f"{side} rank {first.rank}: {first.error or 'failed'}")
+    senders, receivers = participants(transfer.summary)
+    done = {(p.kind, p.rank) for p in parts if p.state == "done"}
+    if not transfer.summary.get("routes"):  # an engine record without blocks: its own word
+        senders, receivers = set(), {p.rank for p in parts if p.kind == "receive"}
+        if not receivers:
+            return False
+    if not all(("receive", r) in done for r in receivers):
+        return False
+    if transfer.verify:
+        if not all(("send", r) in done for r in senders):
+            return False
+        mismatch = _checksum_mismatch(parts)
+        if mismatch is not None:
+            return finish(session, transfer, "failed", now, f"checksum_mismatch: {mismatch}")
+    return finish(session, transfer, "done", now)
+
+
+def _checksum_mismatch(parts: Sequence[JobRow]) -> str | None:
+    sent: dict[tuple[int, int], int | None] = {}
+    received: dict[tuple[int, int], int | None] = {}
+    for part in parts:
+        target = sent if part.kind == "send" else received
+        for route in (part.result or {}).get("routes", []):
+            target[(route["sender_rank"], route["receiver_rank"])] = route.get("checksum")
+    for key, checksum in sent.items():
+        if key in received and received[key] != checksum:
+            return (f"route {key[0]}->{key[1]}: sender crc32 {checksum}, receiver crc32 "
+                    f"{received[key]}")
+    return None
+
+
+def finish(session: Session, transfer: TransferRow, status: str, now: datetime,
+           error: str | None = None) -> bool:
+    """One guarded UPDATE: exactly one caller finishes a transfer."""
+    changed = session.execute(
+        update(TransferRow)
+        .where(TransferRow.id == transfer.id, TransferRow.status.in_(ACTIVE))
+        .values(status=status, error=None if error is None else error[:2000],
+                finished_at=now, updated_at=now)
+        .returning(TransferRow.id)
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    session.refresh(transfer)
+    if changed is not None and status == "failed":
+        log.warning("transfer %s failed: %s", transfer.id, error)
+    return changed is not None
+
+
+# --- deadlines and instance changes ----------------------------------------------------------
+
+
+def overdue_transfer_ids(*, session: Session, now: datetime) -> list[str]:
+    """Dispatched transfers past their deadline (plus the record's grace)."""
+    cutoff = now - timedelta(seconds=RECORD_GRACE_S)
+    return list(session.scalars(select(TransferRow.id).where(
+        TransferRow.status.in_(ACTIVE), TransferRow.deadline_at.is_not(None),
+        TransferRow.deadline_at < cutoff)))
+
+
+def reap_overdue(*, session: Session, now: datetime) -> list[str]:
+    """Fail every dispatched transfer past its deadline, naming the ranks that never reported."""
+    reaped = []
+    for transfer_id in overdue_transfer_ids(session=session, now=now):
+        transfer = session.get(TransferRow, transfer_id, with_for_update=True,
+                               populate_existing=True)
+        if transfer is None or transfer.status not in ACTIVE:
+            continue
+        reported = {(kind, rank) for kind, rank in session.execute(
+            select(JobRow.kind, JobRow.rank).where(JobRow.transfer_id == transfer.id,
+                                                   JobRow.attempt == transfer.attempt))}
+        senders, receivers = participants(transfer.summary)
+        silent = [f"context rank {r}" for r in sorted(senders) if ("send", r) not in reported]
+        silent += [f"generation rank {r}" for r in sorted(receivers)
+                   if ("receive", r) not in reported]
+        if finish(session, transfer, "failed", now,
+                  f"deadline: no report from {', '.join(silent) or 'some rank'} within the "
+                  f"transfer's deadline (worker gone, or the control plane restarted)"):
+            reaped.append(transfer.id)
+    return reaped
+
+
+def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datetime,
+                               reason: str) -> int:
+    """An instance re-registered or left: fail every running transfer that involves it."""
+    instance = session.get(InstanceRow, instance_id)
+    if instance is None:
+        return 0
+    transfers = list(session.scalars(
+        select(TransferRow).where(
+            TransferRow.status.in_(ACTIVE),
+            or_(TransferRow.context_name == instance.name,
+                TransferRow.generation_name == instance.name),
+        ).order_by(TransferRow.id).with_for_update()
+        .execution_options(populate_existing=True)
+    ))
+    for transfer in transfers:
+        finish(session, transfer, "failed", now, reason)
+    return len(transfers)
+
+
+# --- reads -----------------------------------------------------------------------------------
+
+
+def list_parts(*, session: Session, transfer_id: str | None = None, state: str | None = None,
+               limit: int = 200, offset: int = 0) -> list[JobRow]:
+    query = select(JobRow).order_by(JobRow.created_at.desc(), JobRow.kind, JobRow.rank)
+    if transfer_id is not None:
+        query = query.where(JobRow.transfer_id == transfer_id)
+    if state is not None:
+        query = query.where(JobRow.state == state)
+    return list(session.scalars(query.limit(limit).offset(offset)))
+
+
+def count_parts_by_state(*, session: Session) -> dict[str, int]:
+    rows = session.execute(select(JobRow.state, func.count()).group_by(JobRow.state))
+    return {state: int(count) for state, count in rows}
+
+
+def part_read(session: Session, row: JobRow) -> wire.PartRead:
+    instance = session.get(InstanceRow, row.instance_id)
+    return wire.PartRead(
+        id=row.id, transfer_id=row.transfer_id, kind=row.kind,  # type: ignore[arg-type]
+        instance=instance.name if instance else "?", rank=row.rank,
+        state=row.state,  # type: ignore[arg-type]
+        attempt=row.attempt, worker_id=row.worker_id, result=row.result, error=row.error,
+        created_at=row.created_at, finished_at=row.finished_at,
+    )

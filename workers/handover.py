@@ -1,0 +1,904 @@
+"""The engine-facing API: one rank's side of each request's KV handover, in process.
+
+An engine embeds one :class:`~workers.agent.Worker` per rank. The lifecycle is close to vLLM's KV
+connector (the scheduler decides, the worker side starts sends and loads, a poll reports what
+finished), so a thin adapter plugs it into such an engine:
+
+1. **attach and start** (slow path, once): ``worker.attach(tensors={pool_id: tensor})`` registers
+   the rank's KV memory with NIXL and the control plane; ``worker.start()`` pulls the worker's
+   *directory* (the compiled templates of every pairing that involves its instance, for every DP
+   combination, and its peers' NIXL endpoints) and keeps it current through the heartbeat.
+2. **per request** (hot path, no database, no control-plane round trip): every context rank calls
+   ``worker.send(request_id, peer, blocks)`` and every generation rank
+   ``worker.expect(request_id, peer, blocks)``; both get a :class:`Handle` at once. ``blocks`` is
+   the same map on both sides, ``{layer_group: (context_ids, generation_ids)}`` (or the REST form
+   ``{"0": {"context": [...], "generation": [...]}}``): a router hands the request's two block
+   tables to both engines. Each rank computes its own routes from the cached templates; nothing
+   coordinates them.
+3. **progress**: one thread per worker drives NIXL. The receiver knows from the plan who writes
+   how many bytes, so it allocates a staging area per writer from its own buffer (no reservation
+   round trip) and *grants* it to that writer in a NIXL notification. The writer gathers its
+   route chunk by chunk into its own staging and WRITEs each chunk into the granted area with a
+   notification; the receiver scatters each chunk into its blocks as it lands. In ``fragments``
+   mode the grant only says "ready", and the writer posts one descriptor per fragment straight
+   into the receiver's pools.
+4. **outcome**: the receiver's handle becomes ``arrived`` when every writer's bytes are in its
+   blocks; the sender's becomes ``released`` when its WRITEs completed (its context blocks may be
+   freed); either becomes ``failed`` with a reason: its deadline passed, a peer restarted (a
+   notification from an old agent or epoch), the peer aborted, or the blocks were bad. Failures
+   are told to the other side at once (an abort notification), so neither waits for its
+   deadline when the other already knows. Wait on a handle (``wait``), poll it (``done``,
+   ``state``), give it a callback, or poll :meth:`Handover.get_finished`.
+5. **record**: finished handles go to the control plane in batches (``workers/records.py``); the
+   record never blocks a transfer and catches up after a control-plane outage.
+
+Notifications (``|``-separated ASCII; ``x`` is the transfer id, ``ce``/``ge`` the context and
+generation epochs the sender and receiver planned with, ``s``/``r`` the route's ranks):
+
+- ``G|x|ce|ge|s|r|offset|nbytes|chunk_blocks|ttl_ms``: receiver → writer, "write this route into
+  my staging at ``offset``" (``offset`` -1: fragments mode, straight into the pools);
+- ``C|x|ce|ge|s|r|i|n``: writer → receiver with the WRITE of chunk ``i`` of ``n``;
+- ``F|x|ce|ge|s|r|nbytes``: writer → receiver with the fragments WRITE;
+- ``X|x|ce|ge|s|r|reason``: either way, "this transfer failed here".
+
+Staging areas of a failed receive stay quarantined for the grant's time to live plus a margin
+(a writer never starts a WRITE after its grant expired), so a late WRITE never lands in an area
+that another transfer owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from workers.directory import Directory, HandoverError, PeerWorker, PlanEntry
+from workers.executors import (
+    Route,
+    StagingChunk,
+    StagingLayout,
+    align_blocks,
+    expand_fragments,
+    fragments_crc32,
+    gather,
+    scatter,
+    staging_layout,
+)
+from workers.transport import TransportError
+
+if TYPE_CHECKING:
+    from workers.transport.nixl import NixlTransport, _Pending
+
+log = logging.getLogger("kvplane.handover")
+
+PENDING, ARRIVED, RELEASED, FAILED = "pending", "arrived", "released", "failed"
+DEFAULT_TIMEOUT_S = 30.0
+CHUNK_BLOCKS = 16
+QUARANTINE_MARGIN_S = 5.0
+EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
+IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
+BUSY_SLEEP_S = 0.00005
+_ALIGN = 256
+_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+
+BlockMap = Mapping[Any, Any]
+
+
+def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[list[int], list[int]]]:
+    """``{group: (context_ids, generation_ids)}`` from either accepted form; ValueError if bad."""
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for group, lists in blocks.items():
+        try:
+            g = int(group)
+        except (TypeError, ValueError):
+            raise HandoverError(f"layer group {group!r} is not an integer",
+                                code="invalid_blocks") from None
+        if isinstance(lists, Mapping):
+            pair = (lists.get("context"), lists.get("generation"))
+        elif isinstance(lists, Sequence) and len(lists) == 2:
+            pair = (lists[0], lists[1])
+        else:
+            raise HandoverError(f"layer group {g}: expected (context_ids, generation_ids)",
+                                code="invalid_blocks")
+        ids = []
+        for side, raw in zip(("context", "generation"), pair, strict=True):
+            if raw is None:
+                raise HandoverError(f"layer group {g}: no {side} block list",
+                                    code="invalid_blocks")
+            arr = np.asarray(raw.detach().cpu().numpy() if hasattr(raw, "detach") else raw)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise HandoverError(f"layer group {g}: {side} block ids must be a flat list of "
+                                    "integers", code="invalid_blocks")
+            ids.append([int(x) for x in arr.tolist()])
+        out[g] = (ids[0], ids[1])
+    return out
+
+
+class Handle:
+    """One rank's side of one request's handover; resolves exactly once."""
+
+    def __init__(self, request_id: str, side: str, peer: str, entry: PlanEntry,
+                 timeout_s: float) -> None:
+        self.request_id = request_id
+        self.side = side  # "send" | "receive"
+        self.peer = peer
+        self.entry = entry
+        self.timeout_s = timeout_s
+        self.state = PENDING
+        self.reason: str | None = None
+        self.bytes = 0
+        self.routes: list[dict[str, Any]] = []
+        self.started_at = time.time()
+        self.finished_at: float | None = None
+        self.context: dict[str, Any] = {}  # caller's extras (e.g. REST transfer id, verify)
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self.state != PENDING
+
+    @property
+    def ok(self) -> bool:
+        return self.state in (ARRIVED, RELEASED)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until resolved (or ``timeout``); returns the state."""
+        self._event.wait(timeout)
+        return self.state
+
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        """Call ``callback(handle)`` once resolved (at once if it already is). Callbacks run on
+        the worker's progress thread: keep them short."""
+        with self._lock:
+            if not self.done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _resolve(self, state: str, reason: str | None = None) -> bool:
+        with self._lock:
+            if self.done:
+                return False
+            self.state, self.reason = state, reason
+            self.finished_at = time.time()
+            callbacks, self._callbacks = self._callbacks, []
+        self._event.set()
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a caller's callback must not kill the progress loop
+                log.exception("handle callback of %s failed", self.request_id)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Handle({self.request_id!r}, {self.side}, {self.state}, reason={self.reason!r})"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What :meth:`Handover.get_finished` returns: request ids resolved since the last call."""
+
+    sent: frozenset[str]
+    received: frozenset[str]
+    failed: Mapping[str, str]
+
+
+class StagingAreas:
+    """First-fit allocator over one staging buffer, with quarantine for areas a late WRITE may
+    still hit."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (start, end)
+        self._quarantined: list[tuple[float, int, int]] = []
+
+    def alloc(self, nbytes: int) -> int | None:
+        need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        for i, (start, end) in enumerate(self._free):
+            if end - start >= need:
+                if end - start == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + need, end)
+                return start
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        end = start + max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        self._free.append((start, end))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, e in self._free:
+            if merged and merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], e)
+            else:
+                merged.append((s, e))
+        self._free = merged
+
+    def quarantine(self, start: int, nbytes: int, until: float) -> None:
+        self._quarantined.append((until, start, nbytes))
+
+    def reclaim(self, now: float) -> None:
+        if not self._quarantined:
+            return
+        keep = []
+        for until, start, nbytes in self._quarantined:
+            if until <= now:
+                self.free(start, nbytes)
+            else:
+                keep.append((until, start, nbytes))
+        self._quarantined = keep
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(e - s for s, e in self._free)
+
+
+@dataclass
+class _RouteState:
+    """One route of a handle: (sender rank → receiver rank) with its aligned blocks."""
+
+    op: _Op
+    route: Route
+    route_dict: Mapping[str, Any]
+    sender_rank: int
+    receiver_rank: int
+    src: dict[int, np.ndarray]
+    dst: dict[int, np.ndarray]
+    layout: StagingLayout
+    peer_rank: int  # the other side's rank
+    agent: str | None = None  # the other side's NIXL agent (None until the directory has it)
+    area: int | None = None  # staging offset (receiver: granted area; sender: local area)
+    chunks: dict[int, StagingChunk] = field(default_factory=dict)  # receiver: outstanding
+    chunk_blocks: int = CHUNK_BLOCKS
+    pending: list[_Pending] = field(default_factory=list)  # sender: posted WRITEs
+    grant: tuple[str, int, int, int, float] | None = None  # agent, offset, nbytes, cb, write_by
+    granted: bool = False
+    written: bool = False
+    done: bool = False
+    checksum: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.op.xid, self.sender_rank, self.receiver_rank)
+
+
+@dataclass
+class _Op:
+    handle: Handle
+    xid: str
+    side: str
+    peer: str
+    mode: str
+    verify: bool
+    deadline: float
+    routes: list[_RouteState] = field(default_factory=list)
+
+
+def _msg(*parts: object) -> bytes:
+    return "|".join(str(p) for p in parts).encode()
+
+
+class Handover:
+    """The hot path of one rank: ``send`` / ``expect`` per request, one progress thread."""
+
+    def __init__(
+        self,
+        transport: NixlTransport,
+        *,
+        instance: str,
+        rank: int,
+        directory: Directory | None = None,
+        on_finished: Callable[[Handle], None] | None = None,
+        on_start: Callable[[Handle], None] | None = None,
+        chunk_blocks: int = CHUNK_BLOCKS,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.transport = transport
+        self.instance = instance
+        self.rank = rank
+        self.directory = directory or Directory.empty(instance, rank)
+        self.on_finished = on_finished
+        self.on_start = on_start  # caller's thread, before the first byte can move
+        self.chunk_blocks = chunk_blocks
+        self.default_timeout_s = default_timeout_s
+        self.areas = StagingAreas(int(transport.staging.numel()))
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._closed = False
+        self._ops: dict[int, _Op] = {}
+        self._recv: dict[tuple[str, int, int], _RouteState] = {}
+        self._send: dict[tuple[str, int, int], _RouteState] = {}
+        self._waiting: list[_RouteState] = []  # routes waiting for staging space or a peer
+        self._early: dict[tuple[str, int, int], tuple[str, list[str], float]] = {}
+        self._agents: dict[str, PeerWorker] = {}
+        self._retired: dict[str, PeerWorker] = {}
+        self._finished: deque[Handle] = deque()
+        self._loaded: set[str] = set()
+        self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
+        self._apply_directory(self.directory)
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"kvplane-handover-{instance}-{rank}")
+        self._thread.start()
+
+    # --- engine API --------------------------------------------------------------------------
+
+    def send(self, request_id: str, peer: str, blocks: BlockMap, *,
+             context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
+             timeout_s: float | None = None, mode: str = "staged", verify: bool = False,
+             context: Mapping[str, Any] | None = None) -> Handle:
+        """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
+
+        ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged`` or
+        ``fragments``; ``verify``: crc32 of every route's bytes on both sides (recorded);
+        ``context``: the caller's extras, kept on ``handle.context``. Raises
+        :class:`HandoverError` (a ``code`` says why) when it cannot start.
+        """
+        return self._start("send", request_id, peer, blocks, context_dp_rank,
+                           generation_dp_rank, timeout_s, mode, verify, context)
+
+    def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
+               context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
+               timeout_s: float | None = None, mode: str = "staged", verify: bool = False,
+               context: Mapping[str, Any] | None = None) -> Handle:
+        """Start receiving this rank's share of ``request_id`` from context instance ``peer``
+        (same options as :meth:`send`; the handle becomes ``arrived``)."""
+        return self._start("receive", request_id, peer, blocks, context_dp_rank,
+                           generation_dp_rank, timeout_s, mode, verify, context)
+
+    def get_finished(self) -> Finished:
+        """Request ids whose handles resolved since the last call (connector-style poll)."""
+        sent, received, failed = set(), set(), {}
+        while self._finished:
+            handle = self._finished.popleft()
+            if handle.state == FAILED:
+                failed[handle.request_id] = str(handle.reason)
+            elif handle.side == "send":
+                sent.add(handle.request_id)
+            else:
+                received.add(handle.request_id)
+        return Finished(frozenset(sent), frozenset(received), failed)
+
+    def set_directory(self, directory: Directory) -> None:
+        """Swap in a refreshed directory (applied on the progress thread)."""
+        self._call(lambda: self._apply_directory(directory))
+
+    def close(self, reason: str = "the worker stopped") -> None:
+        """Fail every pending handle with ``reason`` and stop the progress thread."""
+        if self._closed:
+            return
+        done = threading.Event()
+
+        def shutdown() -> None:
+            for op in list(self._ops.values()):
+                self._fail(op, reason)
+            self._closed = True
+            done.set()
+
+        self._call(shutdown)
+        if not done.wait(5.0):
+            self._closed = True
+        self._thread.join(timeout=5.0)
+
+    @property
+    def pending(self) -> int:
+        return len(self._ops)
+
+    # --- starting a handle (caller's thread: validation only) --------------------------------
+
+    def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
+               context_dp_rank: int | None, generation_dp_rank: int | None,
+               timeout_s: float | None, mode: str, verify: bool,
+               context: Mapping[str, Any] | None) -> Handle:
+        if self._closed:
+            raise HandoverError("this worker's handover is closed", code="closed")
+        if not isinstance(request_id, str) or not _ID.match(request_id):
+            raise HandoverError(
+                f"request id {request_id!r}: 1-200 characters of letters, digits and ._:@/+=-",
+                code="invalid_request_id")
+        if mode not in ("staged", "fragments"):
+            raise HandoverError(f"mode {mode!r}: staged or fragments", code="invalid_mode")
+        directory = self.directory
+        role = "context" if side == "send" else "generation"
+        if directory.role and directory.role != role:
+            raise HandoverError(f"{self.instance} is a {directory.role} instance: it can only "
+                                f"{'send' if directory.role == 'context' else 'expect'}",
+                                code="wrong_role")
+        entry = directory.plan(peer, context_dp_rank, generation_dp_rank)
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        if not 0 < timeout <= 3600:
+            raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
+        pairs = normalize_blocks(blocks)
+        handle = Handle(request_id, side, peer, entry, timeout)
+        handle.context.update(context or {})
+        handle.context.update(blocks=blocks_of(pairs), mode=mode, verify=verify)
+        op = _Op(handle, request_id, side, peer, mode, verify, time.monotonic() + timeout)
+        for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
+            mine = route.sender_rank if side == "send" else route.receiver_rank
+            if mine != self.rank:
+                continue
+            missing = [g for g in route.layer_groups if g not in pairs]
+            if missing:
+                raise HandoverError(f"no block lists for layer group(s) {missing}",
+                                    code="invalid_blocks")
+            src, dst = align_blocks(route, pairs)
+            layout = staging_layout(route, src)
+            if mode == "staged" and layout.nbytes > self.areas.nbytes:
+                raise HandoverError(
+                    f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "
+                    f"staging bytes; this worker's buffer holds {self.areas.nbytes} (use a "
+                    "larger --staging-mib or mode=fragments)", code="staging_too_small")
+            op.routes.append(_RouteState(
+                op, route, route_dict, route.sender_rank, route.receiver_rank, src, dst, layout,
+                peer_rank=route.receiver_rank if side == "send" else route.sender_rank))
+        self._validate_ids(op)
+        if self.on_start is not None:
+            self.on_start(handle)
+        self._call(lambda: self._begin(op))
+        return handle
+
+    def _validate_ids(self, op: _Op) -> None:
+        """Block ids against this rank's pools, before anything is granted or written."""
+        pools = self.transport.pools
+        for state in op.routes:
+            ids = state.src if op.side == "send" else state.dst
+            for seg in state.route.segments:
+                pool_id = seg.src_pool if op.side == "send" else seg.dst_pool
+                pool = pools.get(pool_id)
+                if pool is None:
+                    raise HandoverError(f"pool {pool_id} is not on rank {self.rank}",
+                                        code="invalid_blocks")
+                arr = ids[seg.layer_group]
+                if arr.size and (arr.min() < 0 or arr.max() >= pool.spec.num_slots):
+                    raise HandoverError(
+                        f"layer group {seg.layer_group}: block ids must be in [0, "
+                        f"{pool.spec.num_slots}) on rank {self.rank}", code="invalid_blocks")
+                if op.side == "receive" and np.unique(arr).size != arr.size:
+                    raise HandoverError(f"layer group {seg.layer_group}: duplicate destination "
+                                        "block ids", code="invalid_blocks")
+
+    # --- progress thread ---------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        self._inbox.append(fn)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                busy = self._step()
+            except Exception:  # never let one bad step kill the hot path
+                log.exception("handover progress step failed")
+                busy = False
+            if busy:
+                time.sleep(BUSY_SLEEP_S)
+            else:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+
+    def _step(self) -> bool:
+        while self._inbox:
+            self._inbox.popleft()()
+        if self._closed:
+            return False
+        for agent, msgs in self.transport.drain_notifications().items():
+            for msg in msgs:
+                self._on_notification(agent, msg)
+        now = time.monotonic()
+        for state in list(self._send.values()):
+            if state.pending and not state.done:
+                self._poll_writes(state)
+        if self._waiting:
+            self._retry_waiting()
+        for op in list(self._ops.values()):
+            if now > op.deadline:
+                self._fail(op, self._deadline_reason(op))
+        self.areas.reclaim(now)
+        if self._early and len(self._early) > 1024:
+            self._expire_early(now)
+        return bool(self._ops)
+
+    def _begin(self, op: _Op) -> None:
+        self._ops[id(op)] = op
+        if not op.routes:  # this rank takes no part (e.g. another DP rank's request)
+            self._complete(op)
+            return
+        for state in op.routes:
+            if not state.layout.nbytes and op.mode == "staged":
+                state.done = True
+                continue
+            index = self._send if op.side == "send" else self._recv
+            if state.key in index:
+                self._fail(op, f"request {op.xid!r} is already in flight on rank {self.rank}")
+                return
+            index[state.key] = state
+            self._waiting.append(state)
+        self._retry_waiting()
+        if op.side == "send":
+            for state in op.routes:
+                early = self._early.pop(state.key, None)
+                if early is not None:
+                    self._on_message(early[0], early[1], state)
+        self._maybe_complete(op)
+
+    def _retry_waiting(self) -> None:
+        """Routes waiting for their peer's endpoint or for staging space."""
+        still = []
+        for state in self._waiting:
+            op = state.op
+            if op.handle.done:
+                continue
+            if state.agent is None:
+                peer_instance = op.peer
+                peer = self.directory.peer(peer_instance, state.peer_rank)
+                if peer is None or not self._load_peer(peer):
+                    still.append(state)
+                    continue
+                if peer.epoch != self._peer_epoch(op):
+                    self._fail(op, f"peer_restarted: {peer_instance} re-registered since the "
+                                   "plan this request uses")
+                    continue
+                state.agent = peer.agent
+            if op.side == "receive" and not state.granted:
+                if not self._grant(state):
+                    still.append(state)
+            elif op.side == "send" and state.grant is not None and not state.written:
+                if state.grant[0] != state.agent:
+                    self._fail(op, f"peer_restarted: the grant came from a worker of {op.peer} "
+                                   f"rank {state.peer_rank} that is not the current one")
+                elif not self._write(state):
+                    still.append(state)
+        self._waiting = [s for s in still if not s.op.handle.done]
+
+    def _peer_epoch(self, op: _Op) -> str:
+        entry = op.handle.entry
+        return entry.generation_epoch if op.side == "send" else entry.context_epoch
+
+    def _load_peer(self, peer: PeerWorker) -> bool:
+        if peer.agent in self._loaded:
+            return True
+        try:
+            self.transport.add_peer(peer.info)
+        except TransportError as error:
+            log.warning("cannot load peer %s rank %d: %s", peer.instance, peer.rank, error)
+            return False
+        self._loaded.add(peer.agent)
+        return True
+
+    # --- receiver ----------------------------------------------------------------------------
+
+    def _grant(self, state: _RouteState) -> bool:
+        op = state.op
+        ce, ge = op.handle.entry.epochs()
+        ttl_ms = max(1, int((op.deadline - time.monotonic()) * 1000))
+        if op.mode == "fragments":
+            offset, nbytes = -1, state.layout.nbytes
+        else:
+            area = self.areas.alloc(state.layout.nbytes)
+            if area is None:
+                return False
+            state.area = area
+            offset, nbytes = area, state.layout.nbytes
+            state.chunk_blocks = self.chunk_blocks
+            state.chunks = dict(enumerate(c for c in state.layout.chunks(self.chunk_blocks)
+                                          if c.nbytes))
+        state.granted = True
+        assert state.agent is not None
+        self.transport.send_notif(state.agent, _msg("G", op.xid, ce, ge, state.sender_rank,
+                                                    state.receiver_rank, offset, nbytes,
+                                                    state.chunk_blocks, ttl_ms))
+        return True
+
+    def _on_chunk(self, state: _RouteState, i: int, n: int) -> None:
+        chunk = state.chunks.pop(i, None)
+        if chunk is None:  # a duplicate or a chunk of another chunking: not ours
+            return
+        assert state.area is not None
+        scatter(state.route, self.transport.staging, self.transport.pools, state.dst,
+                offset=state.area, chunk=chunk)
+        if not state.chunks:
+            self._route_received(state)
+
+    def _route_received(self, state: _RouteState) -> None:
+        op = state.op
+        staging = self.transport.staging
+        if state.area is not None:
+            if staging.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(staging.device).synchronize()
+            if op.verify:
+                area = staging[state.area:state.area + state.layout.nbytes]
+                state.checksum = zlib.crc32(area.detach().cpu().numpy().tobytes()) & 0xFFFFFFFF
+            self.areas.free(state.area, state.layout.nbytes)
+            state.area = None
+        state.done = True
+        self._recv.pop(state.key, None)
+        self._maybe_complete(op)
+
+    def _on_fragments_done(self, state: _RouteState) -> None:
+        op = state.op
+        if op.verify:
+            info = self.transport.peer_info_of(str(state.agent))
+            src_specs = {pid: p.spec for pid, p in info.pools.items()}
+            fragments = expand_fragments(state.route, src_specs, self.transport.pools,
+                                         state.src, state.dst)
+            state.checksum = fragments_crc32(self.transport.pools, fragments, side="dst")
+        state.done = True
+        self._recv.pop(state.key, None)
+        self._maybe_complete(op)
+
+    # --- sender ------------------------------------------------------------------------------
+
+    def _on_grant(self, state: _RouteState, agent: str, fields: list[str]) -> None:
+        op = state.op
+        offset, nbytes, chunk_blocks, ttl_ms = (int(x) for x in fields[6:10])
+        if nbytes != state.layout.nbytes:
+            self._fail(op, f"plan mismatch: receiver rank {state.receiver_rank} expects "
+                           f"{nbytes} bytes of this route, this rank would send "
+                           f"{state.layout.nbytes} (different block lists?)")
+            return
+        state.grant = (agent, offset, nbytes, chunk_blocks, time.monotonic() + ttl_ms / 1000)
+        # Before the directory names the receiver's worker, the route waits in _waiting.
+        if state.agent == agent and not self._write(state):
+            self._waiting.append(state)
+
+    def _write(self, state: _RouteState) -> bool:
+        """Gather and post this route's WRITEs; False while local staging has no room."""
+        op = state.op
+        assert state.grant is not None
+        agent, offset, nbytes, chunk_blocks, write_by = state.grant
+        if state.written:
+            return True
+        if time.monotonic() > write_by:
+            self._fail(op, f"the grant of receiver rank {state.receiver_rank} expired before "
+                           "this rank could write")
+            return True
+        ce, ge = op.handle.entry.epochs()
+        tp = self.transport
+        if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
+            info = tp.peer_info_of(agent)
+            frags = expand_fragments(state.route, tp.pools, info.pools, state.src, state.dst)
+            locs, rems = [], []
+            for (sp, dp), (so, do, ln) in frags.items():
+                locs.append(tp.desc(tp.pools[sp].base_address + so, ln, tp.device_id))
+                rems.append(tp.desc(info.pools[dp].base_address + do, ln, info.device_id))
+            if op.verify:
+                state.checksum = fragments_crc32(tp.pools, frags, side="src")
+            notif = _msg("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
+            local = np.concatenate(locs) if locs else np.zeros((0, 3), dtype=np.uint64)
+            remote = np.concatenate(rems) if rems else np.zeros((0, 3), dtype=np.uint64)
+            state.written = True
+            if not len(local):
+                tp.send_notif(agent, notif)
+                self._route_sent(state)
+                return True
+            state.pending.append(tp.post_write(agent, local, remote, notif,
+                                               f"{local.shape[0]} fragments"))
+            return True
+        area = self.areas.alloc(nbytes)
+        if area is None:
+            return False
+        state.area = area
+        state.written = True
+        info = tp.peer_info_of(agent)
+        chunks = [c for c in state.layout.chunks(chunk_blocks) if c.nbytes]
+        crc = 0
+        for i, chunk in enumerate(chunks):
+            gather(state.route, tp.pools, state.src, out=tp.staging, offset=area, chunk=chunk)
+            if tp.staging.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(tp.staging.device).synchronize()
+            if op.verify:
+                piece = tp.staging[area + chunk.offset:area + chunk.offset + chunk.nbytes]
+                crc = zlib.crc32(piece.detach().cpu().numpy().tobytes(), crc)
+            remote = tp.desc(np.array([info.staging_address + offset + chunk.offset]),
+                             np.array([chunk.nbytes]), info.device_id)
+            state.pending.append(tp.post_write(
+                agent, tp.local_staging_desc(area + chunk.offset, chunk.nbytes), remote,
+                _msg("C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)),
+                f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}"))
+        if op.verify:
+            state.checksum = crc & 0xFFFFFFFF
+        return True
+
+    def _poll_writes(self, state: _RouteState) -> None:
+        try:
+            if all([self.transport.poll(p) for p in state.pending]):
+                state.pending.clear()
+                self._route_sent(state)
+        except TransportError as error:
+            self._fail(state.op, f"transport: {error}")
+
+    def _route_sent(self, state: _RouteState) -> None:
+        if state.area is not None:
+            self.areas.free(state.area, state.layout.nbytes)
+            state.area = None
+        state.done = True
+        self._send.pop(state.key, None)
+        self._maybe_complete(state.op)
+
+    # --- notifications -----------------------------------------------------------------------
+
+    def _on_notification(self, agent: str, msg: bytes) -> None:
+        try:
+            fields = msg.decode("ascii").split("|")
+            kind = fields[0]
+            key = (fields[1], int(fields[4]), int(fields[5]))
+        except (UnicodeDecodeError, IndexError, ValueError):
+            return  # not ours (or mangled): nothing waits for it
+        index = self._send if kind == "G" or (kind == "X" and
+                                              self.directory.role == "context") else self._recv
+        state = index.get(key)
+        if state is None:
+            if kind in ("G", "X") and self.directory.role == "context":
+                self._early[key] = (agent, fields, time.monotonic())  # send() not called yet
+            return
+        self._on_message(agent, fields, state)
+
+    def _on_message(self, agent: str, fields: list[str], state: _RouteState) -> None:
+        op = state.op
+        if op.handle.done:
+            return
+        kind = fields[0]
+        if state.agent is not None and agent != state.agent:
+            owner = self._retired.get(agent) or self._agents.get(agent)
+            who = f"{op.peer} rank {state.peer_rank}"
+            if owner is not None:
+                self._fail(op, f"peer_restarted: a message from {who}'s previous worker")
+            return  # a stranger's message: drop it
+        if (fields[2], fields[3]) != op.handle.entry.epochs():
+            self._fail(op, f"peer_restarted: {op.peer} planned with other epochs "
+                           f"({fields[2][:8]}/{fields[3][:8]})", notify=True)
+            return
+        try:
+            if kind == "X":
+                self._fail(op, f"peer {op.peer} rank {state.peer_rank} aborted: "
+                               f"{'|'.join(fields[6:])}", notify=False)
+            elif kind == "G" and op.side == "send" and state.grant is None:
+                self._on_grant(state, agent, fields)
+            elif kind == "C" and op.side == "receive":
+                self._on_chunk(state, int(fields[6]), int(fields[7]))
+            elif kind == "F" and op.side == "receive":
+                self._on_fragments_done(state)
+        except (TransportError, ValueError, KeyError, RuntimeError) as error:
+            self._fail(op, f"{type(error).__name__}: {error}")
+
+    # --- outcomes ----------------------------------------------------------------------------
+
+    def _maybe_complete(self, op: _Op) -> None:
+        if not op.handle.done and all(state.done for state in op.routes):
+            self._complete(op)
+
+    def _complete(self, op: _Op) -> None:
+        handle = op.handle
+        handle.bytes = sum(state.layout.nbytes for state in op.routes)
+        handle.routes = self._route_results(op)
+        self._ops.pop(id(op), None)
+        self.stats["sent" if op.side == "send" else "received"] += 1
+        self.stats["bytes"] += handle.bytes
+        self._resolve(handle, RELEASED if op.side == "send" else ARRIVED, None)
+
+    def _route_results(self, op: _Op) -> list[dict[str, Any]]:
+        return [{"sender_rank": s.sender_rank, "receiver_rank": s.receiver_rank,
+                 "bytes": s.layout.nbytes if s.done else 0, "checksum": s.checksum}
+                for s in op.routes]
+
+    def _fail(self, op: _Op, reason: str, notify: bool = True) -> None:
+        if op.handle.done:
+            return
+        now = time.monotonic()
+        ce, ge = op.handle.entry.epochs()
+        for state in op.routes:
+            if state.done:
+                continue
+            index = self._send if op.side == "send" else self._recv
+            index.pop(state.key, None)
+            if state.area is not None:
+                # A late WRITE may still land (receiver) or still read (sender): keep it out
+                # of use until the grant's time to live is over.
+                ttl = max(0.0, op.deadline - now) + QUARANTINE_MARGIN_S
+                if state.pending or op.side == "receive":
+                    self.areas.quarantine(state.area, state.layout.nbytes, now + ttl)
+                else:
+                    self.areas.free(state.area, state.layout.nbytes)
+                state.area = None
+            for pending in state.pending:
+                self.transport.release(pending)
+            state.pending.clear()
+            if notify and state.agent is not None and state.agent in self._loaded:
+                try:
+                    self.transport.send_notif(state.agent, _msg(
+                        "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
+                        reason[:200].replace("|", "/")))
+                except Exception as error:  # the peer may be gone: its deadline covers it
+                    log.debug("abort notification to %s failed: %s", state.agent, error)
+        op.handle.routes = self._route_results(op)
+        self._ops.pop(id(op), None)
+        self.stats["failed"] += 1
+        log.warning("%s %s failed: %s", op.side, op.xid, reason)
+        self._resolve(op.handle, FAILED, reason)
+
+    def _resolve(self, handle: Handle, state: str, reason: str | None) -> None:
+        if handle._resolve(state, reason):
+            self._finished.append(handle)
+            if len(self._finished) > 100_000:  # nobody polls get_finished: stay bounded
+                self._finished.popleft()
+            if self.on_finished is not None:
+                try:
+                    self.on_finished(handle)
+                except Exception:
+                    log.exception("on_finished hook failed for %s", handle.request_id)
+
+    def _deadline_reason(self, op: _Op) -> str:
+        waiting = [s for s in op.routes if not s.done]
+        parts = []
+        for s in waiting[:3]:
+            if s.agent is None:
+                parts.append(f"no worker of {op.peer} rank {s.peer_rank} in the directory")
+            elif op.side == "send" and s.grant is None:
+                parts.append(f"no grant from {op.peer} rank {s.peer_rank} (did it expect()?)")
+            elif op.side == "send":
+                parts.append(f"WRITEs to {op.peer} rank {s.peer_rank} still in flight")
+            elif not s.granted:
+                parts.append("no staging space")
+            else:
+                parts.append(f"{op.peer} rank {s.peer_rank} did not write "
+                             f"({len(s.chunks)} chunk(s) missing)")
+        return f"deadline: {op.handle.timeout_s:g} s passed; " + "; ".join(parts)
+
+    def _expire_early(self, now: float) -> None:
+        self._early = {k: v for k, v in self._early.items() if now - v[2] < EARLY_TTL_S}
+
+    # --- directory ---------------------------------------------------------------------------
+
+    def _apply_directory(self, directory: Directory) -> None:
+        old = self._agents
+        self.directory = directory
+        self._agents = {peer.agent: peer for peer in directory.peers.values()}
+        for agent, peer in old.items():
+            if agent not in self._agents:
+                self._retired[agent] = peer
+                if agent in self._loaded:
+                    self._loaded.discard(agent)
+                    try:
+                        self.transport.remove_peer(agent)
+                    except TransportError as error:
+                        log.debug("dropping peer %s: %s", agent, error)
+        if len(self._retired) > 4096:
+            self._retired = dict(list(self._retired.items())[-1024:])
+        for op in list(self._ops.values()):
+            current = directory.peer_epochs.get(op.peer)
+            if current is not None and current != self._peer_epoch(op):
+                self._fail(op, f"peer_restarted: {op.peer} re-registered (new epoch)")
+                continue
+            for state in op.routes:
+                if state.agent is not None and state.agent not in self._agents and not state.done:
+                    self._fail(op, f"peer_restarted: the worker of {op.peer} rank "
+                                   f"{state.peer_rank} left or restarted")
+                    break
+
+
+def blocks_of(pairs: Mapping[int, tuple[Iterable[int], Iterable[int]]]) -> dict[str, Any]:
+    """The REST form of a block map (``{"0": {"context": [...], "generation": [...]}}``)."""
+    return {str(g): {"context": list(map(int, c)), "generation": list(map(int, r))}
+            for g, (c, r) in pairs.items()}
+
+
+__all__ = ["ARRIVED", "FAILED", "PENDING", "RELEASED", "Finished", "Handle", "Handover",
+           "HandoverError", "StagingAreas", "blocks_of", "normalize_blocks"]

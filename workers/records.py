@@ -1,0 +1,133 @@
+"""The record of finished transfers follows the hot path asynchronously, in batches.
+
+A worker's :class:`Recorder` collects one record per finished handle and posts them to
+``POST /v1/transfers/records``: one request per ``batch`` records or per ``interval_s``, whichever
+comes first, and at once for a record somebody waits for (a REST-dispatched transfer, whose
+``GET ?wait=`` long-poll wakes when it settles). Posting happens on its own thread: recording
+never blocks a transfer. While the control plane is unreachable records stay queued (at most
+``max_pending``; the oldest are dropped beyond that, and counted) and are retried with backoff,
+so the record catches up when it returns. A repeated record is ignored by the control plane, so a
+batch whose answer was lost is simply sent again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from api.client import ApiError, Client
+
+log = logging.getLogger("kvplane.records")
+
+BATCH = 256
+INTERVAL_S = 1.0
+MAX_PENDING = 100_000
+MAX_BACKOFF_S = 10.0
+
+
+class Recorder:
+    """Batches records and posts them from a background thread."""
+
+    def __init__(self, client: Client, worker_id: Callable[[], str | None], *,
+                 batch: int = BATCH, interval_s: float = INTERVAL_S,
+                 max_pending: int = MAX_PENDING) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.batch = batch
+        self.interval_s = interval_s
+        self.max_pending = max_pending
+        self.posted = 0
+        self.dropped = 0
+        self.failures = 0
+        self._pending: deque[dict[str, Any]] = deque()
+        self._urgent = False
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kvplane-records")
+        self._thread.start()
+
+    def add(self, record: Mapping[str, Any], *, urgent: bool = False) -> None:
+        """Queue one record; ``urgent``: post now (somebody is waiting for it)."""
+        with self._cond:
+            self._pending.append(dict(record))
+            while len(self._pending) > self.max_pending:
+                self._pending.popleft()
+                self.dropped += 1
+            if urgent:
+                self._urgent = True
+            if urgent or len(self._pending) >= self.batch:
+                self._cond.notify()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Post everything queued now; True when nothing is left within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._urgent = True
+            self._cond.notify()
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._pending
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush (bounded) and stop the thread."""
+        self.flush(timeout_s)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=2.0)
+        if self._pending:
+            log.warning("%d transfer record(s) not delivered: the control plane was unreachable",
+                        len(self._pending))
+
+    def _loop(self) -> None:
+        delay = 0.0  # current backoff after failed posts
+        hold_until = 0.0
+        last_post = time.monotonic()
+        while True:
+            with self._cond:
+                while not self._stop:
+                    now = time.monotonic()
+                    if hold_until > now:
+                        self._cond.wait(hold_until - now)
+                        continue
+                    due = last_post + self.interval_s - now
+                    if self._pending and (self._urgent or len(self._pending) >= self.batch
+                                          or due <= 0):
+                        break
+                    self._cond.wait(due if self._pending else None)
+                if self._stop:
+                    return
+                self._urgent = False
+                batch = [self._pending[i] for i in range(min(len(self._pending), 1000))]
+            worker_id = self.worker_id()
+            last_post = time.monotonic()
+            if worker_id is None:
+                hold_until = last_post + 1.0
+                continue
+            try:
+                self.client.record_transfers(worker_id, batch)
+            except ApiError as error:
+                self.failures += 1
+                if error.status not in (400, 403, 404, 422):
+                    delay = min(MAX_BACKOFF_S, max(0.5, delay * 2))
+                    hold_until = time.monotonic() + delay
+                    log.warning("recording %d transfer(s) failed (%s); retrying in %.1f s",
+                                len(batch), error, delay)
+                    continue
+                # Refused for good (a bug, or a worker the control plane no longer knows):
+                # retrying would refuse it forever.
+                log.warning("control plane refused %d record(s): %s", len(batch), error)
+            delay = 0.0
+            with self._cond:
+                for _ in batch:
+                    if self._pending:
+                        self._pending.popleft()
+                self.posted += len(batch)
