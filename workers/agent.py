@@ -415,7 +415,7 @@ class Worker:
         }
         if "transfer_id" in context:
             record["transfer_id"] = context["transfer_id"]
-        elif handle.side == "receive":
+        else:  # engine path: whichever rank's record comes first creates the transfer's row
             record["blocks"] = context.get("blocks")
         return record
 

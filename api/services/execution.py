@@ -34,9 +34,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
-from api.errors import Conflict, Forbidden, NotFound, Unavailable
+from api.errors import Conflict, Forbidden, KvplaneError, NotFound, Unavailable
 from api.geometry import Plan, expand
-from api.models import InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
+from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
 from api.services.workers import current_worker, instance_by_name, live_workers
 
 log = logging.getLogger(__name__)
@@ -212,48 +212,72 @@ def _transfer_of(session: Session, record: wire.TransferRecord,
                              record.request_id)
     row = session.get(TransferRow, tid, populate_existing=True)
     if row is not None:
+        if not row.blocks and record.blocks:  # the first record came without block lists
+            _describe(session, row, record)
         return row
-    pairing = session.get(PairingRow, record.pairing_id)
-    plan_row = None
-    if pairing is not None:
-        plan_row = session.scalars(select(PlanRow).where(
-            PlanRow.pairing_id == pairing.id,
-            PlanRow.context_epoch == record.context_epoch,
-            PlanRow.generation_epoch == record.generation_epoch,
-            PlanRow.context_dp_rank == (-1 if record.context_dp_rank is None
-                                        else record.context_dp_rank),
-            PlanRow.generation_dp_rank == (-1 if record.generation_dp_rank is None
-                                           else record.generation_dp_rank),
-        )).first()
-    blocks = record.blocks or {}
-    summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
-    if plan_row is not None and blocks:
-        try:
-            summary = expand(Plan.from_dict(plan_row.body), {
-                int(g): (v.get("context", []), v.get("generation", []))
-                for g, v in blocks.items()
-            }).to_summary()
-        except Exception as error:  # a record is kept whatever its blocks say
-            log.warning("engine transfer %s: cannot expand its blocks: %s", tid, error)
     started = _unix(record.started_at)
     values = {
-        "id": tid, "pairing_id": None if pairing is None else pairing.id,
-        "plan_id": None if plan_row is None else plan_row.id,
+        "id": tid, "pairing_id": None, "plan_id": None,
         "context_name": record.context, "generation_name": record.generation,
         "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
         "generation_dp_rank": record.generation_dp_rank, "status": "running", "execute": True,
-        "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
-        "fragments": int(summary["fragments"]), "idempotency_key": None, "request_hash": "",
+        "blocks": {}, "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
+        "fragments": 0, "idempotency_key": None, "request_hash": "",
         "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
-        "attempt": 1, "max_attempts": 1, "started_at": started,
-        "deadline_at": None,
+        "attempt": 1, "max_attempts": 1, "started_at": started, "deadline_at": None,
     }
     try:
         with session.begin_nested():
             session.add(TransferRow(**values))
     except IntegrityError:
         pass  # another process recorded the first part of the same transfer meanwhile
-    return session.get(TransferRow, tid, populate_existing=True)
+    row = session.get(TransferRow, tid, populate_existing=True)
+    if row is not None and not row.blocks and record.blocks:
+        _describe(session, row, record)
+    return row
+
+
+def _describe(session: Session, row: TransferRow, record: wire.TransferRecord) -> None:
+    """Fill an engine-path transfer's pairing, plan, blocks and summary from a record."""
+    pairing = session.get(PairingRow, record.pairing_id)
+    plan_row = None if pairing is None else session.scalars(select(PlanRow).where(
+        PlanRow.pairing_id == pairing.id,
+        PlanRow.context_epoch == record.context_epoch,
+        PlanRow.generation_epoch == record.generation_epoch,
+        PlanRow.context_dp_rank == (NO_DP_RANK if record.context_dp_rank is None
+                                    else record.context_dp_rank),
+        PlanRow.generation_dp_rank == (NO_DP_RANK if record.generation_dp_rank is None
+                                       else record.generation_dp_rank),
+    )).first()
+    if plan_row is None and pairing is not None and (
+            pairing.context_epoch, pairing.generation_epoch) == (record.context_epoch,
+                                                                 record.generation_epoch):
+        from api.services.pairings import plan_for_pairing
+
+        try:
+            plan_id, _ = plan_for_pairing(session=session, pairing=pairing,
+                                          context_dp_rank=record.context_dp_rank,
+                                          generation_dp_rank=record.generation_dp_rank)
+            plan_row = session.get(PlanRow, plan_id)
+        except (Conflict, KvplaneError) as error:
+            log.warning("engine transfer %s: no plan: %s", row.id, error)
+    blocks = record.blocks or {}
+    summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
+    if plan_row is not None:
+        try:
+            summary = expand(Plan.from_dict(plan_row.body), {
+                int(g): (v.get("context", []), v.get("generation", []))
+                for g, v in blocks.items()
+            }).to_summary()
+        except Exception as error:  # a record is kept whatever its blocks say
+            log.warning("engine transfer %s: cannot expand its blocks: %s", row.id, error)
+    row.pairing_id = None if pairing is None else pairing.id
+    row.plan_id = None if plan_row is None else plan_row.id
+    row.blocks = blocks
+    row.summary = summary
+    row.bytes = int(summary["bytes"])
+    row.fragments = int(summary["fragments"])
+    session.flush()
 
 
 def _store_part(session: Session, transfer: TransferRow, worker: WorkerRow,

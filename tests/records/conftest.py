@@ -1,4 +1,4 @@
-"""Queue fixtures: a small paired fleet in a fresh database, driven through the services."""
+"""Record fixtures: a small paired fleet in a fresh database, driven through the services."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ from datetime import datetime
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from api import schemas, schemas_exec
 from api.db import Database, utcnow
 from api.demo import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
-from api.services import instances, jobs, pairings, transfers
+from api.models import InstanceRow, PairingRow
+from api.services import execution, instances, pairings, transfers
+from api.services import workers as worker_service
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
 
@@ -29,7 +32,7 @@ def attach_worker(db: Database, instance: str, rank: int, agent: str,
     with db.write() as session:
         row = instances.get_instance(session=session, name=instance)
         body = next(r.body for r in row.ranks if r.rank == rank)
-        worker = jobs.register_worker(
+        worker = worker_service.register_worker(
             session=session,
             body=schemas_exec.WorkerCreate.model_validate(
                 {"instance": instance, "rank": rank, "peer": fake_peer(body, agent, staging_bytes)}
@@ -57,15 +60,50 @@ def setup_fleet(db: Database, *, ctx_tp: int = 2, gen_tp: int = 1,
 
 
 def submit(db: Database, request_id: str, *, mode: str = "staged", verify: bool = False,
-           blocks: int = 4) -> str:
+           blocks: int = 4, timeout_s: float = 30.0,
+           commands: list[Any] | None = None) -> str:
+    """An executed transfer ``ctx`` → ``gen``; its worker commands go to ``commands``."""
     body = schemas.TransferCreate.model_validate({
         "context": "ctx", "generation": "gen", "request_id": request_id,
         "blocks": {"0": {"context": list(range(blocks)), "generation": list(range(blocks))}},
-        "execute": True, "mode": mode, "verify": verify,
+        "execute": True, "mode": mode, "verify": verify, "timeout_s": timeout_s,
     })
     with db.write() as session:
-        row, _ = transfers.create_transfer(session=session, body=body)
+        row, _ = transfers.create_transfer(session=session, body=body, commands=commands)
         return row.id
+
+
+def record(db: Database, worker_id: str, transfer_id: str | None, *, side: str, rank: int,
+           status: str = "done", attempt: int = 1, error: str | None = None,
+           checksum: int | None = None, routes: list[tuple[int, int]] = (),
+           request_id: str = "r", now: datetime | None = None,
+           **extra: Any) -> tuple[int, list[str]]:
+    """Post one worker record through the service (as ``POST /v1/transfers/records``)."""
+    with db.read() as session:
+        epochs = {name: epoch for name, epoch in session.execute(
+            select(InstanceRow.name, InstanceRow.epoch))}
+        pairing = session.scalar(select(PairingRow.id))
+    body = schemas_exec.TransferRecords.model_validate({
+        "worker_id": worker_id,
+        "records": [{
+            "transfer_id": transfer_id, "attempt": attempt, "request_id": request_id,
+            "pairing_id": pairing, "context": "ctx", "generation": "gen",
+            "context_epoch": epochs["ctx"], "generation_epoch": epochs["gen"],
+            "side": side, "rank": rank, "status": status, "error": error, "bytes": 1,
+            "started_at": 1.0e9, "finished_at": 1.0e9 + 0.001,
+            "routes": [{"sender_rank": s, "receiver_rank": r, "bytes": 1, "checksum": checksum}
+                       for s, r in routes],
+            **extra,
+        }],
+    })
+    with db.write() as session:
+        return execution.record_parts(session=session, body=body, now=now or utcnow())
+
+
+def status_of(db: Database, transfer_id: str) -> tuple[str, str | None]:
+    with db.read() as session:
+        row = transfers.get_transfer(session=session, transfer_id=transfer_id)
+        return row.status, row.error
 
 
 class Heartbeats:
@@ -80,7 +118,8 @@ class Heartbeats:
         while not self._stop.wait(self.interval_s):
             for worker_id in self.worker_ids:
                 with self.db.write() as session:
-                    jobs.heartbeat(session=session, worker_id=worker_id, now=utcnow())
+                    worker_service.heartbeat(session=session, worker_id=worker_id,
+                                             now=utcnow())
 
     def __enter__(self) -> Heartbeats:
         self._thread.start()

@@ -1,0 +1,180 @@
+"""What the control plane does with dispatched transfers and the parts workers record."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from api.db import Database, utcnow
+from api.errors import Conflict, Forbidden, Unavailable
+from api.services import execution, instances, stats
+from api.services import transfers as transfer_service
+from api.services import workers as worker_service
+
+from .conftest import record, setup_fleet, status_of, submit
+
+
+def test_dispatch_sends_one_command_per_rank_taking_part(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    commands: list = []
+    transfer_id = submit(db, "r1", commands=commands)
+    by_worker = {worker: command for worker, command in commands}
+    assert set(by_worker) == set(fleet["workers"].values())
+    sides = sorted((c["side"], c["rank"]) for c in by_worker.values())
+    assert sides == [("receive", 0), ("send", 0), ("send", 1)]
+    assert {c["xid"] for c in by_worker.values()} == {f"{transfer_id}.1"}
+    assert status_of(db, transfer_id) == ("running", None)
+
+
+def test_dispatch_without_a_live_worker_is_503_and_writes_nothing(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    with db.write() as session:
+        worker_service.stop_worker(session=session, worker_id=fleet["workers"][("ctx", 1)])
+    with pytest.raises(Unavailable) as caught:
+        submit(db, "r1")
+    assert caught.value.code == "workers_unavailable"
+    assert "context rank 1" in caught.value.detail
+    with db.read() as session:
+        assert execution.list_parts(session=session) == []
+        assert stats.transfer_ids_of_instance(session=session, name="ctx") == []
+
+
+def test_done_when_every_receiver_recorded_its_part(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0)
+    assert status_of(db, transfer_id)[0] == "running"
+    accepted, settled = record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive",
+                               rank=0)
+    assert (accepted, settled) == (1, [transfer_id])
+    assert status_of(db, transfer_id) == ("done", None)
+    # A sender's part that arrives later is stored, and changes nothing.
+    record(db, fleet["workers"][("ctx", 1)], transfer_id, side="send", rank=1)
+    with db.read() as session:
+        assert len(execution.list_parts(session=session, transfer_id=transfer_id)) == 3
+    assert status_of(db, transfer_id) == ("done", None)
+
+
+def test_a_repeated_record_counts_once(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    worker = fleet["workers"][("ctx", 0)]
+    assert record(db, worker, transfer_id, side="send", rank=0)[0] == 1
+    assert record(db, worker, transfer_id, side="send", rank=0)[0] == 0
+    with db.read() as session:
+        assert len(execution.list_parts(session=session, transfer_id=transfer_id)) == 1
+
+
+def test_one_failed_part_fails_the_transfer_with_its_reason(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    record(db, fleet["workers"][("ctx", 1)], transfer_id, side="send", rank=1,
+           status="failed", error="deadline: 30 s passed; no grant from gen rank 0")
+    status, error = status_of(db, transfer_id)
+    assert status == "failed"
+    assert error == "context rank 1: deadline: 30 s passed; no grant from gen rank 0"
+    # The receiver's success afterwards does not resurrect it.
+    record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0)
+    assert status_of(db, transfer_id)[0] == "failed"
+
+
+def test_verify_waits_for_senders_and_compares_checksums(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    good = submit(db, "good", verify=True)
+    record(db, fleet["workers"][("gen", 0)], good, side="receive", rank=0, checksum=7,
+           routes=[(0, 0)])
+    assert status_of(db, good)[0] == "running"  # the sender's crc32 is still missing
+    record(db, fleet["workers"][("ctx", 0)], good, side="send", rank=0, checksum=7,
+           routes=[(0, 0)])
+    assert status_of(db, good) == ("done", None)
+
+    bad = submit(db, "bad", verify=True)
+    record(db, fleet["workers"][("ctx", 0)], bad, side="send", rank=0, checksum=7,
+           routes=[(0, 0)])
+    record(db, fleet["workers"][("gen", 0)], bad, side="receive", rank=0, checksum=8,
+           routes=[(0, 0)])
+    status, error = status_of(db, bad)
+    assert status == "failed"
+    assert error is not None and error.startswith("checksum_mismatch: route 0->0")
+
+
+def test_records_of_an_older_attempt_change_nothing(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0, status="failed",
+           error="boom")
+    with db.write() as session:
+        _, commands = execution.retry_transfer(session=session, transfer_id=transfer_id,
+                                               now=utcnow())
+    assert {c["attempt"] for _, c in commands} == {2}
+    assert status_of(db, transfer_id) == ("running", None)
+    # attempt 1's receiver reports late: ignored
+    accepted, _ = record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0,
+                         attempt=1)
+    assert accepted == 0
+    record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0, attempt=2)
+    assert status_of(db, transfer_id) == ("done", None)
+
+
+def test_only_a_failed_executed_transfer_can_be_retried(db: Database) -> None:
+    setup_fleet(db, ctx_tp=1, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    with db.write() as session, pytest.raises(Conflict) as caught:
+        execution.retry_transfer(session=session, transfer_id=transfer_id, now=utcnow())
+    assert caught.value.code == "transfer_not_retryable"
+
+
+def test_a_worker_records_only_its_own_rank(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    with pytest.raises(Forbidden):
+        record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=1)
+    with pytest.raises(Forbidden):
+        record(db, fleet["workers"][("ctx", 0)], transfer_id, side="receive", rank=0)
+
+
+def test_overdue_transfers_fail_naming_the_silent_ranks(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    transfer_id = submit(db, "r1", timeout_s=1.0)
+    record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0)
+    with db.write() as session:
+        assert execution.reap_overdue(session=session, now=utcnow()) == []  # not yet
+        later = utcnow() + timedelta(seconds=1.0 + execution.RECORD_GRACE_S + 1)
+        assert execution.reap_overdue(session=session, now=later) == [transfer_id]
+    status, error = status_of(db, transfer_id)
+    assert status == "failed"
+    assert error is not None and "context rank 1, generation rank 0" in error
+
+
+def test_a_reregistration_fails_running_transfers(db: Database) -> None:
+    from api import schemas
+    from api.geometry.builders import ViewSpec, instance_body
+
+    setup_fleet(db, ctx_tp=1, gen_tp=1)
+    transfer_id = submit(db, "r1")
+    changed = instance_body(role="generation", views=[ViewSpec("target", 2, 4, 8)], tp=1,
+                            tokens_per_block=4, num_slots=32)
+    with db.write() as session:
+        instances.register_instance(session=session, name="gen",
+                                    body=schemas.InstanceCreate.model_validate(changed))
+    status, error = status_of(db, transfer_id)
+    assert status == "failed"
+    assert error is not None and "peer_restarted" in error
+
+
+def test_engine_records_create_one_transfer_per_request(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    blocks = {"0": {"context": [0, 1], "generation": [5, 6]}}
+    for rank in (0, 1):
+        record(db, fleet["workers"][("ctx", rank)], None, side="send", rank=rank,
+               request_id="req-7")
+    record(db, fleet["workers"][("gen", 0)], None, side="receive", rank=0, request_id="req-7",
+           blocks=blocks)
+    with db.read() as session:
+        rows, total = transfer_service.list_transfers(session=session)
+    assert total == 1
+    row = rows[0]
+    assert (row.request_id, row.status, row.execute) == ("req-7", "done", True)
+    assert row.bytes > 0 and row.blocks == blocks  # expanded from the plan the workers used
+    assert len({r["sender_rank"] for r in row.summary["routes"]}) == 2
