@@ -111,6 +111,8 @@ class Worker:
         self._attach_lock = threading.RLock()
         self._tensors: Mapping[int, torch.Tensor] | None = None
         self._touched: dict[int, np.ndarray] = {}  # fill mode: bytes some transfer targeted
+        # Fault injection for tests and chaos drills (see Handover.hold_s).
+        self.hold_s = float(os.environ.get("KVPLANE_WORKER_HOLD_S", 0))
 
     # --- attach --------------------------------------------------------------------------
 
@@ -164,7 +166,8 @@ class Worker:
             self.handover = Handover(self.transport, instance=self.instance, rank=self.rank,
                                      on_finished=self._on_finished,
                                      on_start=self._mark_targeted if self.fill else None,
-                                     chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS)
+                                     chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
+                                     hold_s=self.hold_s)
             log.info("worker %s attached to %s rank %d (%s, agent %s)", self.worker_id,
                      self.instance, self.rank, self.device, agent)
             if self._threads:  # already started: the new endpoint needs a fresh directory

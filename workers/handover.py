@@ -287,6 +287,7 @@ class _Op:
     verify: bool
     deadline: float
     routes: list[_RouteState] = field(default_factory=list)
+    hold_until: float = 0.0
 
 
 def _msg(*parts: object) -> bytes:
@@ -307,6 +308,7 @@ class Handover:
         on_start: Callable[[Handle], None] | None = None,
         chunk_blocks: int = CHUNK_BLOCKS,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        hold_s: float = 0.0,
     ) -> None:
         self.transport = transport
         self.instance = instance
@@ -316,6 +318,9 @@ class Handover:
         self.on_start = on_start  # caller's thread, before the first byte can move
         self.chunk_blocks = chunk_blocks
         self.default_timeout_s = default_timeout_s
+        # Fault injection for tests and chaos drills: a receiver holds its grants, a sender
+        # its writes, this long after the handle started (a frozen or dying peer).
+        self.hold_s = hold_s
         self.areas = StagingAreas(int(transport.staging.numel()))
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
@@ -426,7 +431,9 @@ class Handover:
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
         handle.context.update(blocks=blocks_of(pairs), mode=mode, verify=verify)
-        op = _Op(handle, request_id, side, peer, mode, verify, time.monotonic() + timeout)
+        now = time.monotonic()
+        op = _Op(handle, request_id, side, peer, mode, verify, now + timeout,
+                 hold_until=now + self.hold_s)
         for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
             mine = route.sender_rank if side == "send" else route.receiver_rank
             if mine != self.rank:
@@ -553,7 +560,9 @@ class Handover:
                                    "plan this request uses")
                     continue
                 state.agent = peer.agent
-            if op.side == "receive" and not state.granted:
+            if time.monotonic() < op.hold_until:
+                still.append(state)
+            elif op.side == "receive" and not state.granted:
                 if not self._grant(state):
                     still.append(state)
             elif op.side == "send" and state.grant is not None and not state.written:
@@ -598,9 +607,13 @@ class Handover:
                                           if c.nbytes))
         state.granted = True
         assert state.agent is not None
-        self.transport.send_notif(state.agent, _msg("G", op.xid, ce, ge, state.sender_rank,
-                                                    state.receiver_rank, offset, nbytes,
-                                                    state.chunk_blocks, ttl_ms))
+        try:
+            self.transport.send_notif(state.agent, _msg("G", op.xid, ce, ge, state.sender_rank,
+                                                        state.receiver_rank, offset, nbytes,
+                                                        state.chunk_blocks, ttl_ms))
+        except TransportError as error:
+            self._fail(op, f"cannot reach {op.peer} rank {state.peer_rank}: {error}",
+                       notify=False)
         return True
 
     def _on_chunk(self, state: _RouteState, i: int, n: int) -> None:
@@ -654,7 +667,8 @@ class Handover:
             return
         state.grant = (agent, offset, nbytes, chunk_blocks, time.monotonic() + ttl_ms / 1000)
         # Before the directory names the receiver's worker, the route waits in _waiting.
-        if state.agent == agent and not self._write(state):
+        if state.agent == agent and (time.monotonic() < op.hold_until or
+                                     not self._write(state)):
             self._waiting.append(state)
 
     def _write(self, state: _RouteState) -> bool:

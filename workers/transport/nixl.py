@@ -383,7 +383,10 @@ class NixlTransport:
     def send_notif(self, peer: str, msg: bytes) -> None:
         """A standalone notification (e.g. 'scatter done') to a known peer."""
         self._peer(peer)
-        self._agent.send_notif(peer, msg)
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
+            raise TransportError(f"notification to {peer!r}: {type(e).__name__}: {e}") from e
 
     # --- staged path ---------------------------------------------------------------------
 
