@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.schemas import Report
+
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_PREFIX = "https://kvplane.dev/problems/"
 RETRY_AFTER_S = 1
@@ -61,7 +63,12 @@ class FieldError(BaseModel):
 
 
 class Problem(BaseModel):
-    """RFC 9457 problem details with kvplane's stable ``code`` and optional field errors."""
+    """RFC 9457 problem details with kvplane's stable ``code`` and optional field errors.
+
+    Members other than ``type``, ``title``, ``status`` and ``code`` are sent only where they
+    apply; clients should ignore members they do not know (RFC 9457), but every member kvplane
+    sends is declared here.
+    """
 
     model_config = ConfigDict(extra="allow")
 
@@ -71,6 +78,15 @@ class Problem(BaseModel):
     code: str = Field(description="Stable machine-readable error code")
     detail: str | None = None
     errors: list[FieldError] | None = None
+    generation: int | None = Field(
+        default=None, description="`precondition_failed`: the instance's current generation"
+    )
+    transfer_id: str | None = Field(
+        default=None, description="`idempotency_key_reused`: the transfer the key belongs to"
+    )
+    report: Report | None = Field(
+        default=None, description="`pairing_incompatible`: the pairing's validation report"
+    )
 
 
 class KvplaneError(Exception):
