@@ -37,6 +37,8 @@ Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 # generated client has one enum type for both and a read value can be sent back unchanged.
 Role = TypeAliasType("Role", Literal["context", "generation"])
 TransferMode = TypeAliasType("TransferMode", Literal["staged", "fragments"])
+Owner = TypeAliasType("Owner", Literal["target", "draft"])
+Layout = TypeAliasType("Layout", Literal["HND", "NHD", "REPLICATED"])
 InstanceStatus = Literal["incomplete", "ready"]
 PairingStatus = Literal["compatible", "incompatible", "stale"]
 TransferStatus = Literal["planned", "queued", "running", "done", "failed"]
@@ -95,9 +97,9 @@ class ViewCreate(_Request):
     """One class of buffers inside one pool, with its own head geometry."""
 
     pool: int = Field(ge=0, le=MAX_LAYER)
-    owner: Literal["target", "draft"]
+    owner: Owner
     roles: list[Label] = Field(min_length=1, max_length=8)
-    layout: Literal["HND", "NHD", "REPLICATED"]
+    layout: Layout
     num_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
     total_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
     head_dim: int | None = Field(default=None, ge=1, le=MAX_HEAD_DIM)
@@ -249,9 +251,9 @@ class RouteSlice(_Response):
 
     receiver_view: int = Field(description="Index of the view in the receiver rank's `views`")
     sender_view: int = Field(description="Index of the view in the sender rank's `views`")
-    owner: Literal["target", "draft"]
+    owner: Owner
     roles: list[str]
-    layout: Literal["HND", "NHD", "REPLICATED"] = Field(description="The receiver view's layout")
+    layout: Layout = Field(description="The receiver view's layout")
     layers: list[int]
     global_heads: list[int] | None = Field(
         description="`[start, stop)` of the model-wide heads; null for REPLICATED views"
@@ -276,7 +278,7 @@ class Route(_Response):
         "`j % cp_modulus == cp_remainder` (1 without CP)"
     )
     cp_remainder: int
-    cp_side: Literal["context", "generation"] | None = Field(
+    cp_side: Role | None = Field(
         description="Which side's block list is split over CP ranks; null without CP"
     )
     segments: list[Segment]
