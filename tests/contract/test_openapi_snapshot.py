@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+from fastapi.testclient import TestClient
+
 from api.app import create_app
 from api.auth import ADMIN, POLICY
 from api.openapi import request_schemas
@@ -104,6 +107,19 @@ def test_blocks_is_a_typed_map_with_a_documented_key_pattern(tmp_path: Path) -> 
     assert "patternProperties" not in blocks
     assert blocks["propertyNames"] == {"pattern": LAYER_GROUP_KEY_PATTERN}
     assert LAYER_GROUP_KEY_PATTERN in blocks["description"]
+
+
+@pytest.mark.parametrize("key", ["01", "x", "-1", "12345678", ""])
+def test_the_blocks_key_pattern_is_still_enforced(tmp_path: Path, key: str) -> None:
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'keys.db'}"))
+    body = {"context": "a", "generation": "b", "request_id": "r",
+            "blocks": {key: {"context": [1], "generation": [1]}}}
+    with TestClient(app) as client:
+        answer = client.post("/v1/transfers", json=body)
+    assert answer.status_code == 422, answer.text
+    problem = answer.json()
+    assert problem["code"] == "validation_error"
+    assert ["body", "blocks", key, "[key]"] in [error["loc"] for error in problem["errors"]]
 
 
 def test_instance_reads_reuse_the_write_models(tmp_path: Path) -> None:
