@@ -6,7 +6,10 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install run demo serve test lint bench clean
+NODE_DIR := tests/contract/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed-stamp
+
+.PHONY: install node-tools run demo serve test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +21,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# openapi-typescript + tsc for tests/contract/test_typescript.py, pinned in $(NODE_DIR).
+# Without npm the test skips loudly (and fails under CI=true, where .ci/run installs Node).
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm ci --no-audit --no-fund --prefix $(NODE_DIR) && touch $@; \
+	elif [ "$${CI:-}" = "true" ]; then \
+	  echo "CI=true: npm is required (tests/contract/test_typescript.py)" >&2; exit 1; \
+	else \
+	  echo "npm not found: the TypeScript contract check will be skipped"; \
+	fi
+
+node-tools: $(NODE_STAMP)
+
 run: install
 	# The main job first: control plane + 6 real workers, a byte-verified NIXL transfer TP4 -> TP2.
 	$(VENV)/bin/kvplane demo
@@ -28,7 +44,7 @@ run: install
 demo: install
 	$(VENV)/bin/kvplane demo
 
-test: install lint
+test: install lint node-tools
 	$(VENV)/bin/pytest -q
 
 lint: install
@@ -39,4 +55,4 @@ bench: install
 	$(PY) bench/plan.py
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) var $(NODE_DIR)/node_modules

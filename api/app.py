@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 from sqlalchemy.exc import IntegrityError
 
-from api import __version__, auth
+from api import __version__, auth, openapi
 from api.db import Database, utcnow
 from api.dispatch import CommandHub, Completions, PostgresRelay
 from api.errors import Conflict, install_error_handlers
@@ -120,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(execution.workers_router, dependencies=guard)
     app.include_router(execution.records_router, dependencies=guard)
     auth.install(app)
+    openapi.document(app)
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(EncodedSlashMiddleware)

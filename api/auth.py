@@ -472,8 +472,18 @@ def _problem(description: str) -> dict[str, Any]:
 
 
 def document(app: FastAPI) -> None:
-    """Declare bearer auth in the OpenAPI spec: scheme, per-operation scopes, 401 and 403."""
+    """Declare bearer auth in the OpenAPI spec as this server enforces it.
+
+    The ``bearer`` scheme, each operation's ``x-kvplane-scopes`` and its 401/403 answers are
+    always documented. The security *requirement* follows the runtime setting: with
+    ``KVPLANE_AUTH=true`` every protected operation declares ``security: [{"bearer": []}]``; with
+    auth off (the default) no operation declares one, because none needs a token (a generated
+    client then takes a plain client everywhere; one with a token works too, the token is
+    ignored). ``security: [{}, {"bearer": []}]`` would say the same, but generators such as
+    openapi-python-client read any non-empty list as "token required".
+    """
     build = app.openapi
+    enforced = bool(app.state.settings.auth)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -482,15 +492,17 @@ def document(app: FastAPI) -> None:
         spec.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
             "type": "http",
             "scheme": "bearer",
-            "description": "A kvplane token (`kvplane tokens create`); enforced when the "
-            "server runs with KVPLANE_AUTH=true.",
+            "description": "A kvplane token (`kvplane tokens create`). Enforced only when the "
+            "server runs with KVPLANE_AUTH=true: only then do operations declare it in "
+            "`security`; `x-kvplane-scopes` lists the scopes each one accepts.",
         }
         for item in spec["paths"].values():
             for operation in item.values():
                 rule = POLICY.get(operation.get("operationId", ""), ADMIN)
                 if rule.open:
                     continue
-                operation["security"] = [{"bearer": []}]
+                if enforced:
+                    operation["security"] = [{"bearer": []}]
                 operation["x-kvplane-scopes"] = sorted(
                     {"admin", *rule.scopes} | {f"{scope} (own instance)" for scope in rule.own}
                 )

@@ -8,6 +8,7 @@ documents with a stable ``code``. Routes never build error JSON by hand; a 500 i
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,9 +18,38 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.schemas import Report
+
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_PREFIX = "https://kvplane.dev/problems/"
 RETRY_AFTER_S = 1
+
+#: The one ``title`` of each status. The ``code`` (and ``type``) names the problem; the title
+#: only words the status, the same for every code that shares it.
+STATUS_TITLES: dict[int, str] = {
+    400: "Malformed request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not found",
+    405: "Method not allowed",
+    409: "Conflict",
+    412: "Precondition failed",
+    413: "Payload too large",
+    422: "Invalid request",
+    500: "Internal error",
+    501: "Not implemented",
+    503: "Service unavailable",
+}
+
+
+def status_title(status: int) -> str:
+    """The title of ``status`` (:data:`STATUS_TITLES`, else the HTTP reason phrase)."""
+    if status in STATUS_TITLES:
+        return STATUS_TITLES[status]
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +63,30 @@ class FieldError(BaseModel):
 
 
 class Problem(BaseModel):
-    """RFC 9457 problem details with kvplane's stable ``code`` and optional field errors."""
+    """RFC 9457 problem details with kvplane's stable ``code`` and optional field errors.
+
+    Members other than ``type``, ``title``, ``status`` and ``code`` are sent only where they
+    apply; clients should ignore members they do not know (RFC 9457), but every member kvplane
+    sends is declared here.
+    """
 
     model_config = ConfigDict(extra="allow")
 
     type: str = Field(description="URI naming the problem type")
-    title: str
+    title: str = Field(description="Words the status: one title per status, whatever the code")
     status: int
     code: str = Field(description="Stable machine-readable error code")
     detail: str | None = None
     errors: list[FieldError] | None = None
+    generation: int | None = Field(
+        default=None, description="`precondition_failed`: the instance's current generation"
+    )
+    transfer_id: str | None = Field(
+        default=None, description="`idempotency_key_reused`: the transfer the key belongs to"
+    )
+    report: Report | None = Field(
+        default=None, description="`pairing_incompatible`: the pairing's validation report"
+    )
 
 
 class KvplaneError(Exception):
@@ -50,7 +94,10 @@ class KvplaneError(Exception):
 
     status = 500
     code = "internal_error"
-    title = "Internal error"
+
+    @property
+    def title(self) -> str:
+        return status_title(self.status)
 
     def __init__(
         self,
@@ -75,7 +122,6 @@ class BadRequest(KvplaneError):
 
     status = 422
     code = "bad_request"
-    title = "Unprocessable request"
 
 
 class NotFound(KvplaneError):
@@ -83,7 +129,6 @@ class NotFound(KvplaneError):
 
     status = 404
     code = "not_found"
-    title = "Not found"
 
 
 class Conflict(KvplaneError):
@@ -91,21 +136,18 @@ class Conflict(KvplaneError):
 
     status = 409
     code = "conflict"
-    title = "Conflict"
 
 
 class Incompatible(Conflict):
     """The pairing is not compatible (or stale), so no plan can be compiled."""
 
     code = "incompatible"
-    title = "Incompatible pairing"
 
 
 class LeaseLost(Conflict):
     """A worker's lease token is no longer current (fencing)."""
 
     code = "lease_lost"
-    title = "Lease lost"
 
 
 class Unauthorized(KvplaneError):
@@ -113,7 +155,6 @@ class Unauthorized(KvplaneError):
 
     status = 401
     code = "unauthorized"
-    title = "Unauthorized"
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail, headers={"WWW-Authenticate": 'Bearer realm="kvplane"'})
@@ -124,7 +165,6 @@ class Forbidden(KvplaneError):
 
     status = 403
     code = "forbidden"
-    title = "Forbidden"
 
 
 class PreconditionFailed(KvplaneError):
@@ -132,7 +172,6 @@ class PreconditionFailed(KvplaneError):
 
     status = 412
     code = "precondition_failed"
-    title = "Precondition failed"
 
 
 class PayloadTooLarge(KvplaneError):
@@ -140,7 +179,6 @@ class PayloadTooLarge(KvplaneError):
 
     status = 413
     code = "payload_too_large"
-    title = "Payload too large"
 
 
 class Unavailable(KvplaneError):
@@ -148,7 +186,6 @@ class Unavailable(KvplaneError):
 
     status = 503
     code = "unavailable"
-    title = "Service unavailable"
 
 
 class NotImplementedYet(KvplaneError):
@@ -156,7 +193,6 @@ class NotImplementedYet(KvplaneError):
 
     status = 501
     code = "not_implemented"
-    title = "Not implemented"
 
 
 #: Stable codes and where they come from; the README's error table is generated from this.
@@ -204,7 +240,6 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
 def problem_response(
     status: int,
     code: str,
-    title: str,
     detail: str | None = None,
     *,
     errors: list[dict[str, Any]] | None = None,
@@ -214,7 +249,7 @@ def problem_response(
     """A problem+json response (the one place error JSON is built)."""
     body: dict[str, Any] = {
         "type": PROBLEM_TYPE_PREFIX + code,
-        "title": title,
+        "title": status_title(status),
         "status": status,
         "code": code,
     }
@@ -238,7 +273,6 @@ def validation_problem(exc: RequestValidationError) -> JSONResponse:
         return problem_response(
             400,
             "malformed_json",
-            "Malformed JSON",
             "The request body is not valid JSON.",
             errors=[
                 {"loc": _jsonable_loc(err.get("loc", ())), "msg": str(err.get("msg", ""))}
@@ -255,7 +289,7 @@ def validation_problem(exc: RequestValidationError) -> JSONResponse:
     ]
     fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in errors[:5])
     return problem_response(
-        422, "validation_error", "Invalid request", f"Invalid field(s): {fields}", errors=errors
+        422, "validation_error", f"Invalid field(s): {fields}", errors=errors
     )
 
 
@@ -267,7 +301,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return problem_response(
             exc.status,
             exc.code,
-            exc.title,
             exc.detail,
             errors=exc.errors,
             headers=exc.headers,
@@ -285,7 +318,6 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code,
             code,
             str(exc.detail),
-            None,
             headers=dict(exc.headers or {}),
         )
 
@@ -295,7 +327,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return problem_response(
             503,
             "database_busy",
-            "Database unavailable",
             "The database is locked or unreachable; retry.",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
@@ -303,7 +334,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return problem_response(500, "internal_error", "Internal error", "A bug: please report it.")
+        return problem_response(500, "internal_error", "A bug: please report it.")
 
 
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

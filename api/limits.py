@@ -7,7 +7,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import PROBLEM_MEDIA_TYPE, PROBLEM_TYPE_PREFIX
+from api.errors import PROBLEM_MEDIA_TYPE, PROBLEM_TYPE_PREFIX, status_title
 
 
 async def _send_problem(send: Send, problem: dict[str, object], *, close: bool = False) -> None:
@@ -45,7 +45,7 @@ class EncodedSlashMiddleware:
             send,
             {
                 "type": PROBLEM_TYPE_PREFIX + "validation_error",
-                "title": "Invalid request",
+                "title": status_title(422),
                 "status": 422,
                 "code": "validation_error",
                 "detail": f"Invalid field(s): path.{field}",
@@ -67,7 +67,7 @@ class BodyLimitMiddleware:
         limit = self.max_body_bytes
         problem: dict[str, object] = {
             "type": PROBLEM_TYPE_PREFIX + "payload_too_large",
-            "title": "Payload too large",
+            "title": status_title(413),
             "status": 413,
             "code": "payload_too_large",
             "detail": f"The request body exceeds {limit} bytes.",

@@ -3,6 +3,11 @@
 Request models are *strict*: JSON ``false`` is not ``0`` and ``"1"`` is not ``1``. Sizes are
 bounded (the planning core re-checks the same bounds and every page-table rule, with field paths).
 Workers may import this module; it depends on pydantic only.
+
+Responses declare every key they carry (``tests/contract/test_walk.py`` fails on an undeclared
+one) and mark every always-present field ``required`` in the spec (serialization-mode schemas), so
+generated clients type them as present. Instance reads reuse the write models of the page table,
+so what a client reads can be sent back as is.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from typing_extensions import TypeAliasType
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_PARALLEL = 1024
@@ -27,19 +33,39 @@ MAX_BLOCKS_PER_GROUP = 1 << 20
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-Role = Literal["context", "generation"]
+# Named (a component schema of their own) where requests and responses share them, so that a
+# generated client has one enum type for both and a read value can be sent back unchanged.
+Role = TypeAliasType("Role", Literal["context", "generation"])
+TransferMode = TypeAliasType("TransferMode", Literal["staged", "fragments"])
+Owner = TypeAliasType("Owner", Literal["target", "draft"])
+Layout = TypeAliasType("Layout", Literal["HND", "NHD", "REPLICATED"])
 InstanceStatus = Literal["incomplete", "ready"]
 PairingStatus = Literal["compatible", "incompatible", "stale"]
 TransferStatus = Literal["planned", "queued", "running", "done", "failed"]
-TransferMode = Literal["staged", "fragments"]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _declared_only(schema: dict[str, Any]) -> None:
+    """Response schemas list their keys and say nothing about others (no TS index signature)."""
+    schema.pop("additionalProperties", None)
+
+
 class _Response(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+    """A response: every field is always sent, so the spec lists every field as required.
+
+    ``extra="allow"`` lets a key that a service adds but the model does not declare reach the
+    client instead of vanishing, where the contract walker (``tests/contract``) catches it.
+    """
+
+    model_config = ConfigDict(
+        from_attributes=True,
+        extra="allow",
+        json_schema_serialization_defaults_required=True,
+        json_schema_extra=_declared_only,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,9 +97,9 @@ class ViewCreate(_Request):
     """One class of buffers inside one pool, with its own head geometry."""
 
     pool: int = Field(ge=0, le=MAX_LAYER)
-    owner: Literal["target", "draft"]
+    owner: Owner
     roles: list[Label] = Field(min_length=1, max_length=8)
-    layout: Literal["HND", "NHD", "REPLICATED"]
+    layout: Layout
     num_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
     total_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
     head_dim: int | None = Field(default=None, ge=1, le=MAX_HEAD_DIM)
@@ -108,18 +134,6 @@ class InstanceCreate(_Request):
     ranks: list[RankCreate] = Field(default_factory=list, max_length=MAX_RANKS)
 
 
-class RankRead(_Response):
-    """A rank's page table as registered."""
-
-    model_config = ConfigDict(extra="allow")
-
-    rank: int
-    kv_heads_per_rank: int | None = None
-    agent_metadata: str | None = None
-    pools: list[dict[str, Any]]
-    views: list[dict[str, Any]]
-
-
 class InstanceSummary(_Response):
     """An instance without its page tables (list views)."""
 
@@ -143,9 +157,15 @@ class InstanceSummary(_Response):
 
 
 class InstanceRead(InstanceSummary):
-    """An instance with every reported rank's page table."""
+    """An instance with every reported rank's page table, as registered.
 
-    ranks: list[RankRead]
+    The instance fields and ``ranks`` have the types of :class:`InstanceCreate` (``ranks`` *is*
+    a list of :class:`RankCreate`), so a read instance, changed, is a valid registration body;
+    ``name``, ``status``, ``generation``, ``epoch``, ``world_size``, ``missing_ranks`` and the
+    timestamps are read-only.
+    """
+
+    ranks: list[RankCreate]
 
 
 class InstanceList(_Response):
@@ -209,10 +229,8 @@ class PairingList(_Response):
 class Run(_Response):
     """A strided copy: ``count`` runs of ``len`` bytes, ``src_step``/``dst_step`` apart."""
 
-    model_config = ConfigDict(extra="allow")
-
-    src: int
-    dst: int
+    src: int = Field(description="Byte offset inside the sender's slot")
+    dst: int = Field(description="Byte offset inside the receiver's slot")
     len: int
     count: int
     src_step: int
@@ -222,41 +240,98 @@ class Run(_Response):
 class Segment(_Response):
     """The runs from one sender pool to one receiver pool, applied to every block pair."""
 
-    model_config = ConfigDict(extra="allow")
-
     src_pool: int
     dst_pool: int
+    layer_group: int = Field(description="Layer group of both pools (whose block ids apply)")
     runs: list[Run]
+
+
+class RouteSlice(_Response):
+    """Which heads of which layers of one receiver view a route fills, from which sender view."""
+
+    receiver_view: int = Field(description="Index of the view in the receiver rank's `views`")
+    sender_view: int = Field(description="Index of the view in the sender rank's `views`")
+    owner: Owner
+    roles: list[str]
+    layout: Layout = Field(description="The receiver view's layout")
+    layers: list[int]
+    global_heads: list[int] | None = Field(
+        description="`[start, stop)` of the model-wide heads; null for REPLICATED views"
+    )
+    sender_local_heads: list[int] | None = Field(
+        description="`[start, stop)` of those heads on the sender rank; null for REPLICATED"
+    )
+    receiver_local_heads: list[int] | None = Field(
+        description="`[start, stop)` of those heads on the receiver rank; null for REPLICATED"
+    )
+    bytes_per_block: int
 
 
 class Route(_Response):
     """Everything one sender rank sends to one receiver rank, per block."""
 
-    model_config = ConfigDict(extra="allow")
-
     sender_rank: int
     receiver_rank: int
     bytes_per_block: int
+    cp_modulus: int = Field(
+        description="With CP on one side, the route carries the logical blocks `j` with "
+        "`j % cp_modulus == cp_remainder` (1 without CP)"
+    )
+    cp_remainder: int
+    cp_side: Role | None = Field(
+        description="Which side's block list is split over CP ranks; null without CP"
+    )
     segments: list[Segment]
+    slices: list[RouteSlice]
+
+
+class StagingShare(_Response):
+    """Where one writer's bytes go in a receiver's staging area, per block."""
+
+    sender_rank: int
+    offset_per_block: int
+    bytes_per_block: int
 
 
 class Receiver(_Response):
-    """Per receiver rank: number of writers and whether legacy equal-split would be safe."""
-
-    model_config = ConfigDict(extra="allow")
+    """Per receiver rank: its writers, their staging offsets, and whether legacy equal-split
+    staging would be safe."""
 
     rank: int
-    writers: int
+    writers: int = Field(description="Number of sender ranks writing into this rank")
+    writer_ranks: list[int]
+    overlapping_ranks: list[int] = Field(
+        description="Sender ranks whose heads overlap this rank's (writers or not)"
+    )
     equal_split_safe: bool
+    staging: list[StagingShare]
+
+
+class PlanPool(_Response):
+    """A pool of either side that the plan touches: what expanding blocks into bytes needs."""
+
+    side: Role
+    rank: int
+    pool: int
+    stride: int = Field(description="Slot stride in bytes")
+    num_slots: int
+    layer_group: int
 
 
 class PlanRead(_Response):
     """A compiled plan: per-route templates of strided runs (independent of block counts)."""
 
-    model_config = ConfigDict(extra="allow")
-
+    context: str
+    generation: str
+    context_dp_rank: int | None
+    generation_dp_rank: int | None
+    tokens_per_block: int
+    bytes_per_block: int = Field(description="Bytes moved per aligned block, all routes")
+    runs: int = Field(description="Runs in all templates")
     routes: list[Route]
     receivers: list[Receiver]
+    warnings: list[Issue]
+    pools: list[PlanPool]
 
 
 class InstanceInline(InstanceCreate):
@@ -305,7 +380,19 @@ class BlockLists(_Request):
     generation: BlockIds
 
 
-LayerGroupKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,6})$")]
+LAYER_GROUP_KEY_PATTERN = r"^(0|[1-9][0-9]{0,6})$"
+LayerGroupKey = Annotated[str, StringConstraints(pattern=LAYER_GROUP_KEY_PATTERN)]
+
+
+def _blocks_map_schema(schema: dict[str, Any]) -> None:
+    """Declare the blocks map as ``additionalProperties: BlockLists`` (which code generators
+    type as a map of ``BlockLists``; they drop ``patternProperties``), with the key pattern
+    kept as ``propertyNames``. The server validates the keys either way."""
+    patterns = schema.pop("patternProperties", None)
+    if patterns:
+        ((pattern, value),) = patterns.items()
+        schema["additionalProperties"] = value
+        schema["propertyNames"] = {"pattern": pattern}
 
 
 class TransferCreate(_Request):
@@ -316,7 +403,13 @@ class TransferCreate(_Request):
     request_id: str = Field(min_length=1, max_length=256)
     context_dp_rank: int | None = Field(default=None, ge=0, lt=MAX_PARALLEL)
     generation_dp_rank: int | None = Field(default=None, ge=0, lt=MAX_PARALLEL)
-    blocks: dict[LayerGroupKey, BlockLists] = Field(min_length=1, max_length=1024)
+    blocks: dict[LayerGroupKey, BlockLists] = Field(
+        min_length=1,
+        max_length=1024,
+        description="Layer group (a decimal number without leading zeros: "
+        f"`{LAYER_GROUP_KEY_PATTERN}`) → both sides' block ids in that group",
+        json_schema_extra=_blocks_map_schema,
+    )
     execute: bool = False
     mode: TransferMode = Field(
         default="staged",
@@ -336,12 +429,12 @@ class TransferCreate(_Request):
 class RouteSummary(_Response):
     """What one route moves for this transfer."""
 
-    model_config = ConfigDict(extra="allow")
-
     sender_rank: int
     receiver_rank: int
     bytes: int
     fragments: int
+    runs: int = Field(description="Runs in the route's template")
+    blocks: int = Field(description="Aligned blocks moved (the most of any pool pair)")
 
 
 class TransferRead(_Response):
@@ -400,6 +493,9 @@ class TransferFragments(_Response):
 
 class Health(_Response):
     """Liveness/readiness answer."""
+
+    # `detail` is left out when empty (response_model_exclude_none), so it is not required.
+    model_config = ConfigDict(json_schema_serialization_defaults_required=False)
 
     status: Literal["ok", "unavailable"]
     detail: str | None = None

@@ -66,6 +66,8 @@ class WorkerCreate(_Request):
 class WorkerRead(BaseModel):
     """A worker as the control plane sees it (``directory_revision``: see the directory)."""
 
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
     id: str
     instance: str
     rank: int

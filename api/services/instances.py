@@ -277,5 +277,5 @@ def instance_read(row: InstanceRow) -> schemas.InstanceRead:
     summary = instance_summary(row)
     return schemas.InstanceRead(
         **summary.model_dump(),
-        ranks=[schemas.RankRead.model_validate(rank.body) for rank in row.ranks],
+        ranks=[schemas.RankCreate.model_validate(rank.body) for rank in row.ranks],
     )
