@@ -164,5 +164,5 @@ def test_connection_errors_are_retried_then_raise_transport_error(
 def test_a_connection_error_then_success_recovers() -> None:
     handler, seen = _sequence(httpx.ConnectError("reset"), httpx.Response(204))
     with Client("http://cp", transport=httpx.MockTransport(handler)) as api:
-        assert api.claim_job("w1") is None  # 204: no job
+        assert api.stop_worker("w1") is None  # 204: no body
     assert len(seen) == 2

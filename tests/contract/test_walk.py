@@ -1,7 +1,7 @@
 """Real responses of every route, walked against the spec: no key that the spec does not declare.
 
 A scripted flow drives the app (real database, real services) through registration, pairing,
-plans, transfers, workers and jobs, and provokes the documented problems. Then a generic sweep
+plans, transfers, workers and their records, and provokes the documented problems. Then a generic sweep
 calls every operation of the spec that has not answered 2xx yet: path parameters come from the
 ids seen so far (``name`` → instances, ``<thing>_id`` → the ids under ``/v1/<thing>s``), bodies
 are the last body sent to that operation or one built from its request schema. New routes are
@@ -384,7 +384,7 @@ def _flow(walk: Walk) -> None:
     call("GET", f"/v1/transfers/{planned['id']}", expect=200)
     call("GET", f"/v1/transfers/{planned['id']}/fragments", expect=200)
 
-    # Workers on every rank, an executed transfer, its jobs claimed, completed and failed.
+    # Workers on every rank, their directories, an executed transfer and the parts they record.
     ranks = {CTX: context["ranks"], GEN: [gen_rank]}
     workers = {
         (name, body["rank"]): get(
@@ -395,23 +395,26 @@ def _flow(walk: Walk) -> None:
         for name, bodies in ranks.items() for body in bodies
     }
     call("GET", "/v1/workers", expect=200)
+    directories = {}
+    for key_, worker_id in workers.items():
+        call("POST", f"/v1/workers/{worker_id}/heartbeat", expect=200)
+        directories[key_] = get("GET", f"/v1/workers/{worker_id}/directory", expect=200)
     executed = get("POST", "/v1/transfers", expect=201,
                    json_body={**transfer_body, "request_id": "walk-2", "execute": True})
-    leases = []
-    for worker_id in workers.values():
-        call("POST", f"/v1/workers/{worker_id}/heartbeat", expect=200)
-        response = call("POST", "/v1/jobs/claim", json_body={"worker_id": worker_id})
-        if response.status_code == 200:
-            leases.append(response.json())
-    assert len(leases) >= 2, leases
-    call("GET", "/v1/jobs", expect=200)
-    first, second = leases[0], leases[1]
-    call("POST", f"/v1/workers/{workers[(first['instance'], first['rank'])]}/heartbeat",
-         json_body={"jobs": [first["id"]]}, expect=200)
-    call("POST", f"/v1/jobs/{first['id']}/complete", expect=200,
-         json_body={"lease_token": first["lease_token"], "bytes": 1, "duration_s": 0.1})
-    call("POST", f"/v1/jobs/{second['id']}/fail", expect=200,
-         json_body={"lease_token": second["lease_token"], "reason": "walk", "retryable": False})
+    generation = directories[(GEN, gen_rank["rank"])]
+    (pairing,) = [p for p in generation["pairings"] if p["context"] == CTX]
+    sender = next(key_ for key_ in workers if key_[0] == CTX)
+    record = {
+        "transfer_id": executed["id"], "attempt": 1, "request_id": "walk-2",
+        "pairing_id": pairing["id"], "context": CTX, "generation": GEN,
+        "context_epoch": pairing["context_epoch"],
+        "generation_epoch": pairing["generation_epoch"],
+        "side": "send", "rank": sender[1], "status": "failed", "error": "walk",
+        "bytes": 0, "started_at": 1.0e9, "finished_at": 1.0e9 + 1,
+    }
+    call("POST", "/v1/transfers/records", expect=200,
+         json_body={"worker_id": workers[sender], "records": [record]})
+    call("GET", f"/v1/transfers/{executed['id']}/parts", expect=200)
     failed = get("GET", f"/v1/transfers/{executed['id']}", expect=200)
     assert failed["status"] == "failed", failed
     call("POST", f"/v1/transfers/{executed['id']}/retry", expect=200)
