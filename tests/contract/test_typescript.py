@@ -52,7 +52,7 @@ export function responses(
     mode, t.verify, t.attempt + p.bytes_per_block + p.runs + route.cp_modulus,
     route.slices.length + route.segments[0].layer_group + receiver.writer_ranks.length
       + receiver.staging[0].offset_per_block + t.routes[0].blocks + t.routes[0].runs,
-    route.cp_side, i.tp + i.ranks[0].pools.length, i.attention_dp, w.connected,
+    route.cp_side, i.tp + i.ranks[0].pools.length, i.attention_dp, w.directory_revision,
   ];
 }
 
