@@ -18,10 +18,9 @@ from sqlalchemy.orm import Session, defer
 
 from api.db import utcnow
 from api.models import InstanceRow, JobRow, PairingRow, TransferRow, WorkerRow
+from api.services.stats import count_workers_by_status
 
 IN_FLIGHT_STATUSES = ("queued", "running")
-#: A worker whose last heartbeat is older than this is gone (callers pass the job queue's value).
-WORKER_GONE_AFTER_S = 10.0
 FAILED_WINDOW = timedelta(hours=1)
 
 
@@ -37,8 +36,9 @@ class Overview:
     transfers_failed_last_hour: int = 0
     bytes_moved: int = 0
     bytes_planned: int = 0
-    workers_alive: int = 0
-    workers_gone: int = 0
+    #: Workers by status, as ``GET /v1/workers`` and ``/metrics`` name it: ``alive``,
+    #: ``gone`` (no heartbeat), ``stale`` (its instance re-registered) and ``stopped``.
+    workers: dict[str, int] = field(default_factory=dict)
     jobs: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -53,6 +53,10 @@ class Overview:
     def transfer_total(self) -> int:
         return sum(self.transfers.values())
 
+    @property
+    def worker_total(self) -> int:
+        return sum(self.workers.values())
+
 
 def _grouped(session: Session, col: Any) -> dict[str, int]:
     return {
@@ -61,12 +65,7 @@ def _grouped(session: Session, col: Any) -> dict[str, int]:
     }
 
 
-def overview(
-    *,
-    session: Session,
-    now: datetime | None = None,
-    worker_gone_after_s: float = WORKER_GONE_AFTER_S,
-) -> Overview:
+def overview(*, session: Session, now: datetime | None = None) -> Overview:
     """Counts and health of the whole fleet (a handful of grouped, indexed queries)."""
     now = now or utcnow()
     result = Overview(
@@ -95,19 +94,7 @@ def overview(
     result.bytes_planned = int(
         session.scalar(select(func.coalesce(func.sum(TransferRow.bytes), 0))) or 0
     )
-    total = int(session.scalar(select(func.count()).select_from(WorkerRow)) or 0)
-    result.workers_alive = int(
-        session.scalar(
-            select(func.count())
-            .select_from(WorkerRow)
-            .where(
-                WorkerRow.stopped.is_(False),
-                WorkerRow.heartbeat_at >= now - timedelta(seconds=worker_gone_after_s),
-            )
-        )
-        or 0
-    )
-    result.workers_gone = total - result.workers_alive
+    result.workers = count_workers_by_status(session=session, now=now)
     result.jobs = _grouped(session, JobRow.state)
     return result
 

@@ -122,9 +122,7 @@ def _now(request: Request) -> datetime:
 def overview(request: Request, db: DbDep) -> HTMLResponse:
     """Counts and health of the fleet, refreshed live."""
     with db.read() as session:
-        stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
-        )
+        stats = queries.overview(session=session, now=_now(request))
     return _render(request, "overview.html", stats=stats, nav="overview")
 
 
@@ -134,9 +132,7 @@ def overview_fragment(request: Request, db: DbDep) -> Response:
     if request.headers.get("hx-request") != "true":
         return RedirectResponse("/", status_code=303)
     with db.read() as session:
-        stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=job_service.WORKER_GONE_S
-        )
+        stats = queries.overview(session=session, now=_now(request))
     return _render(request, "_overview_stats.html", stats=stats)
 
 
