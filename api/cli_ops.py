@@ -580,6 +580,8 @@ def workers_list(
     params: dict[str, Any] = {} if instance is None else {"instance": instance}
     with _client(control_plane, token) as client:
         page = client.list_workers(**params)
+        if instance is not None and not page["items"]:
+            client.get_instance(instance)  # a misspelt name is an error, not "no workers"
     if as_json:
         _dump(page)
         return
