@@ -18,6 +18,12 @@ from fastapi.staticfiles import StaticFiles
 
 ASSETS_DIR = Path(fastapi_offline.__file__).resolve().parent / "static"
 ASSETS_URL = "/docs-assets"
+#: The pages may load nothing from another host. ReDoc's sidebar links a logo on its makers'
+#: CDN; the browser drops that request instead of leaking it (blob: is ReDoc's search worker).
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; connect-src 'self'"
+)
 
 
 def install(app: FastAPI) -> None:
@@ -27,7 +33,7 @@ def install(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(
+        return _local_only(get_swagger_ui_html(
             openapi_url=openapi_url,
             title=f"{title}: API docs",
             swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
@@ -36,16 +42,21 @@ def install(app: FastAPI) -> None:
             oauth2_redirect_url=None,
             # Swagger UI would otherwise ask a public validator service about the spec.
             swagger_ui_parameters={"validatorUrl": None},
-        )
+        ))
 
     @app.get("/redoc", include_in_schema=False)
     def redoc() -> HTMLResponse:
-        return get_redoc_html(
+        return _local_only(get_redoc_html(
             openapi_url=openapi_url,
             title=f"{title}: API reference",
             redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
             redoc_favicon_url=f"{ASSETS_URL}/favicon.png",
             with_google_fonts=False,
-        )
+        ))
 
     app.mount(ASSETS_URL, StaticFiles(directory=str(ASSETS_DIR)), name="docs-assets")
+
+
+def _local_only(page: HTMLResponse) -> HTMLResponse:
+    page.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+    return page
