@@ -20,7 +20,7 @@ from web.format import human_bytes
 
 WIDTH = 460
 HEIGHT = 170
-LEFT = 64
+LEFT = 80
 RIGHT = 10
 TOP = 12
 BOTTOM = 24
@@ -56,6 +56,8 @@ class Chart:
     title: str
     width: int = WIDTH
     height: int = HEIGHT
+    left: int = LEFT
+    right: int = WIDTH - RIGHT
     legend: list[tuple[str, str]] = field(default_factory=list)  # (name, css class)
     segments: list[tuple[str, str]] = field(default_factory=list)  # (css class, points)
     points: list[tuple[str, Point]] = field(default_factory=list)
@@ -76,6 +78,14 @@ def nice_ceiling(value: float) -> float:
         if candidate >= value * (1 - 1e-9):
             return candidate
     return 10.0 ** (exponent + 1)  # pragma: no cover - the loop always returns
+
+
+def nice_binary_ceiling(value: float) -> float:
+    """Like :func:`nice_ceiling` in units of 1024^k: ``51.2 KiB`` → ``100 KiB``."""
+    if value <= 0 or not math.isfinite(value):
+        return 1.0
+    unit = 1024.0 ** max(0, math.floor(math.log(value, 1024)))
+    return nice_ceiling(value / unit) * unit
 
 
 def per_second(value: float) -> str:
@@ -127,12 +137,16 @@ def line_chart(
     step_s: int,
     series: Mapping[str, Sequence[float | None]],
     fmt: Format,
+    binary: bool = False,
 ) -> Chart:
-    """One polyline per series; ``None`` breaks the line (no value in that bucket)."""
+    """One polyline per series; ``None`` breaks the line (no value in that bucket).
+
+    ``binary``: round the axis in 1024-based units (bytes).
+    """
     chart = Chart(chart_id, title)
     buckets = max((len(values) for values in series.values()), default=0)
     values_seen = [v for values in series.values() for v in values if v is not None]
-    top = nice_ceiling(max(values_seen, default=0.0))
+    top = (nice_binary_ceiling if binary else nice_ceiling)(max(values_seen, default=0.0))
     _axes(chart, start, step_s, buckets, top, fmt)
     peaks: list[str] = []
     for number, (name, values) in enumerate(series.items()):

@@ -135,6 +135,7 @@ def transfer_charts(series: queries.TransferSeries) -> list[charts.Chart]:
             "Bytes per second (done)",
             series={"moved": series.bytes_per_s},
             fmt=charts.bytes_per_second,
+            binary=True,
             start=start,
             step_s=step_s,
         ),

@@ -11,7 +11,7 @@ from sqlalchemy import insert
 
 from api.db import Database, utcnow
 from api.models import TransferRow
-from web.charts import bar_chart, line_chart, nice_ceiling, seconds
+from web.charts import bar_chart, line_chart, nice_binary_ceiling, nice_ceiling, seconds
 from web.queries import failure_reason, transfer_series
 
 
@@ -84,6 +84,8 @@ def test_failure_reasons_drop_particulars() -> None:
 
 def test_chart_geometry() -> None:
     assert [nice_ceiling(v) for v in (0, 0.3, 1, 1.1, 7, 0.0451)] == [1, 0.5, 1, 2, 10, 0.05]
+    assert nice_binary_ceiling(51.2 * 1024) == 100 * 1024
+    assert nice_binary_ceiling(3 << 30) == 5 << 30 and nice_binary_ceiling(700) == 1000
     start = datetime(2026, 1, 1, 12, 0)
     chart = line_chart(
         "c", "Latency", start=start, step_s=60,
