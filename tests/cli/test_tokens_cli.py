@@ -54,18 +54,22 @@ def test_create_list_revoke(db_url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "message"),
     [
-        ("--scope", "root"),
-        ("--scope", "instance"),  # a bound scope needs --instance
-        ("--scope", "worker"),
-        ("--scope", "operator", "--instance", "ctx"),  # an operator is not bound
+        (("--scope", "root"), "scope must be one of instance, worker, operator, admin"),
+        (("--scope", "instance"), "an instance token must be bound to an instance"),
+        (("--scope", "worker"), "a worker token must be bound to an instance"),
+        (
+            ("--scope", "operator", "--instance", "ctx"),
+            "an operator token is not bound to an instance",
+        ),
+        (("--scope", "admin", "--instance", "ctx"), "an admin token is not bound to an instance"),
     ],
 )
-def test_create_refuses_bad_scopes(sqlite_url: str, args: tuple[str, ...]) -> None:
+def test_create_refuses_bad_scopes(sqlite_url: str, args: tuple[str, ...], message: str) -> None:
     result = invoke(sqlite_url, "tokens", "create", *args)
     assert result.exit_code == 2
-    assert "error:" in result.stderr
+    assert result.stderr == f"error: {message}\n"
 
 
 def test_revoke_unknown_token(sqlite_url: str) -> None:
