@@ -48,7 +48,10 @@ def test_api_docs_render_without_network(
     page.goto(live_server.url + path)
     if path == "/docs":
         # Swagger UI lists every operation; the first tag's routes are expanded.
-        expect(page.locator(".swagger-ui .info .title")).to_contain_text("kvplane")
+        # Swagger UI parses a 1.5 MB bundle and the spec first: slow on a loaded machine.
+        expect(page.locator(".swagger-ui .info .title")).to_contain_text(
+            "kvplane", timeout=60_000
+        )
         expect(page.locator(f"#operations-instances-{operation}")).to_be_visible()
         expect(page.locator(".opblock-tag", has_text="transfers")).to_be_visible()
     else:
