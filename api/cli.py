@@ -14,6 +14,7 @@ from api.cli_ops import (
     Token,
     api_failure,
     check_rank,
+    database_errors,
     unreachable,
     usage_error,
 )
@@ -56,8 +57,10 @@ def serve(
     typer.echo(
         f"kvplane on http://{host}:{port} (API docs: /docs), database {settings.database_url}"
     )
+    with database_errors(settings.database_url):
+        app = create_app(settings)
     # Our handler formats uvicorn's records too; access lines come from RequestIdMiddleware.
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=None, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False)
 
 
 def _refuse_exposure(host: str, *, auth: bool, insecure: bool) -> None:
@@ -83,7 +86,8 @@ def migrate() -> None:
     from api.settings import Settings
 
     settings = Settings()
-    upgrade(settings.database_url)
+    with database_errors(settings.database_url):
+        upgrade(settings.database_url)
     typer.echo(f"migrated {settings.database_url} to head")
 
 

@@ -83,6 +83,31 @@ def usage_error(message: str) -> typer.Exit:
 
 
 @contextmanager
+def database_errors(url: str) -> Iterator[None]:
+    """Turn a database that cannot be used into one line naming it (password hidden); exit 2.
+
+    For the commands that work on ``KVPLANE_DATABASE_URL`` directly (``migrate``, ``tokens``,
+    ``serve``'s start-up migration).
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+
+    try:
+        yield
+    except (OperationalError, ProgrammingError, DBAPIError) as error:
+        shown = make_url(url).render_as_string(hide_password=True)
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+        if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
+            raise usage_error(
+                f"the database at {shown} has no kvplane schema ({reason}); "
+                "run `kvplane migrate` first"
+            ) from None
+        raise usage_error(
+            f"cannot use the database at {shown} ({reason}); check KVPLANE_DATABASE_URL"
+        ) from None
+
+
+@contextmanager
 def _client(url: str, token: str | None) -> Iterator[Client]:
     # Few, short retries: an operator at a terminal wants an answer, not a long backoff.
     try:
