@@ -18,7 +18,7 @@ from api.limits import BodyLimitMiddleware, EncodedSlashMiddleware
 from api.logs import RequestIdMiddleware
 from api.metrics import Metrics, TimingMiddleware
 from api.migrate import head_revisions, upgrade
-from api.routers import dashboard, execution, health, instances, pairings, transfers
+from api.routers import dashboard, docs, execution, health, instances, pairings, transfers
 from api.services import stats
 from api.settings import Settings
 
@@ -89,6 +89,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description=DESCRIPTION,
         openapi_tags=OPENAPI_TAGS,
         lifespan=lifespan,
+        # /docs and /redoc are served by api.routers.docs, with assets from the package.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.db = db
@@ -121,6 +124,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(execution.records_router, dependencies=guard)
     auth.install(app)
     openapi.document(app)
+    docs.install(app)
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(EncodedSlashMiddleware)

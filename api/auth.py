@@ -76,6 +76,11 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
+def _article(word: str) -> str:
+    """``an`` before ``instance``, ``operator``, ``admin``; ``a`` before ``worker``."""
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def create_token(
     *, session: Session, scope: str, instance: str | None = None, name: str = ""
 ) -> tuple[TokenRow, str]:
@@ -83,9 +88,15 @@ def create_token(
     if scope not in SCOPES:
         raise BadRequest(f"scope must be one of {', '.join(SCOPES)}", code="validation_error")
     if scope in BOUND_SCOPES and not instance:
-        raise BadRequest(f"a {scope} token must be bound to an instance", code="validation_error")
+        raise BadRequest(
+            f"{_article(scope)} {scope} token must be bound to an instance",
+            code="validation_error",
+        )
     if scope not in BOUND_SCOPES and instance:
-        raise BadRequest(f"a {scope} token is not bound to an instance", code="validation_error")
+        raise BadRequest(
+            f"{_article(scope)} {scope} token is not bound to an instance",
+            code="validation_error",
+        )
     if instance is not None and len(instance) > NAME_LENGTH:
         raise BadRequest("instance name too long", code="validation_error")
     secret = new_secret()
@@ -316,7 +327,9 @@ async def check(request: Request, principal: Principal, operation: str) -> None:
             f"this {principal.scope} token is bound to instance {principal.instance!r}; "
             f"{operation} here concerns another instance"
         )
-    raise Forbidden(f"a {principal.scope} token may not call {operation}")
+    raise Forbidden(
+        f"{_article(principal.scope)} {principal.scope} token may not call {operation}"
+    )
 
 
 async def authorize(request: Request) -> None:
@@ -400,7 +413,10 @@ async def dashboard_session(request: Request) -> None:
             raise LoginRequired(target if request.method == "GET" else "/")
         principal = found
     if principal.scope not in ("operator", "admin"):
-        raise Forbidden(f"the dashboard needs an operator token, not a {principal.scope} token")
+        raise Forbidden(
+            "the dashboard needs an operator token, "
+            f"not {_article(principal.scope)} {principal.scope} token"
+        )
     request.state.principal = principal
 
 

@@ -8,6 +8,17 @@ from typing import Any
 
 import typer
 
+from api.cli_ops import (
+    DEFAULT_URL,
+    ControlPlane,
+    Token,
+    api_failure,
+    check_rank,
+    database_errors,
+    unreachable,
+    usage_error,
+)
+
 cli = typer.Typer(
     help="kvplane: control plane for disaggregated LLM serving.", no_args_is_help=True
 )
@@ -15,9 +26,17 @@ cli = typer.Typer(
 
 @cli.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Address to bind."),
-    port: int = typer.Option(8000, help="Port to bind."),
-    demo_fleet: bool = typer.Option(False, "--demo-fleet", help="Register a small demo fleet."),
+    host: str = typer.Option(
+        "127.0.0.1", envvar="KVPLANE_HOST", show_envvar=True, help="Address to bind."
+    ),
+    port: int = typer.Option(8000, envvar="KVPLANE_PORT", show_envvar=True, help="Port to bind."),
+    demo_fleet: bool = typer.Option(
+        False,
+        "--demo-fleet",
+        envvar="KVPLANE_DEMO_FLEET",
+        show_envvar=True,
+        help="Register a small demo fleet.",
+    ),
     migrate: bool = typer.Option(
         True, "--migrate/--no-migrate", help="Upgrade the database to the newest schema first."
     ),
@@ -38,8 +57,10 @@ def serve(
     typer.echo(
         f"kvplane on http://{host}:{port} (API docs: /docs), database {settings.database_url}"
     )
+    with database_errors(settings.database_url):
+        app = create_app(settings)
     # Our handler formats uvicorn's records too; access lines come from RequestIdMiddleware.
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=None, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False)
 
 
 def _refuse_exposure(host: str, *, auth: bool, insecure: bool) -> None:
@@ -60,12 +81,13 @@ def _refuse_exposure(host: str, *, auth: bool, insecure: bool) -> None:
 
 @cli.command()
 def migrate() -> None:
-    """Upgrade the database (``KVPLANE_DATABASE_URL``, default SQLite file) to the newest schema."""
+    """Upgrade the database (KVPLANE_DATABASE_URL, default SQLite file) to the newest schema."""
     from api.migrate import upgrade
     from api.settings import Settings
 
     settings = Settings()
-    upgrade(settings.database_url)
+    with database_errors(settings.database_url):
+        upgrade(settings.database_url)
     typer.echo(f"migrated {settings.database_url} to head")
 
 
@@ -173,9 +195,10 @@ def describe(
 
 @cli.command()
 def worker(
-    control_plane: str = typer.Option("http://127.0.0.1:8000", help="Control-plane URL."),
     instance: str = typer.Option(..., help="Instance name (registered)."),
     rank: int = typer.Option(..., min=0, help="The rank this worker serves."),
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
     device: str = typer.Option("cpu", help="cpu or cuda:N: where the pools live."),
     staging_mib: int = typer.Option(256, min=1, help="Staging buffer size (MiB)."),
     fill_pattern: bool = typer.Option(
@@ -184,9 +207,6 @@ def worker(
         "targeted (demos and tests)."),
     idle_exit_s: float | None = typer.Option(
         None, min=0.1, help="Exit after this many seconds without a transfer."),
-    token: str | None = typer.Option(
-        None, envvar="KVPLANE_TOKEN", show_default=False,
-        help="Bearer token (scope worker, bound to the instance) when auth is on."),
     metrics_port: int | None = typer.Option(
         None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."),
 ) -> None:
@@ -194,32 +214,41 @@ def worker(
     pushes to it (engines embed `workers.agent.Worker` instead) until stopped."""
     import signal
 
-    from api.client import Client
+    from api.client import ApiError, Client, TransportError
     from api.logs import configure_logging, set_process_context
     from api.settings import Settings
     from workers import metrics as worker_metrics
-    from workers.agent import Worker
+    from workers.agent import Worker, WorkerError
 
     configure_logging(json_lines=Settings().log_json)
-    with Client(control_plane, token=token) as client:
-        agent = Worker(client, instance, rank, device=device, staging_bytes=staging_mib << 20,
-                       fill=fill_pattern)
-        worker_metrics.instrument(agent)
-        if metrics_port is not None:
-            from prometheus_client import start_http_server
+    try:
+        with Client(control_plane, token=token) as client:
+            # Refuse a rank the instance does not have before allocating anything.
+            check_rank(client.get_instance(instance), rank, option="--rank")
+            agent = Worker(client, instance, rank, device=device,
+                           staging_bytes=staging_mib << 20, fill=fill_pattern)
+            worker_metrics.instrument(agent)
+            if metrics_port is not None:
+                from prometheus_client import start_http_server
 
-            start_http_server(metrics_port)
-        signal.signal(signal.SIGTERM, lambda *_: agent._stop.set())
-        try:
-            agent.attach()
-            set_process_context(worker_id=agent.worker_id)
-            worker_metrics.describe_worker(agent)
-            typer.echo(f"worker {agent.worker_id}: {instance} rank {rank} on {device}")
-            agent.serve(idle_exit_s=idle_exit_s)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            agent.stop()
+                start_http_server(metrics_port)
+            signal.signal(signal.SIGTERM, lambda *_: agent._stop.set())
+            try:
+                agent.attach()
+                set_process_context(worker_id=agent.worker_id)
+                worker_metrics.describe_worker(agent)
+                typer.echo(f"worker {agent.worker_id}: {instance} rank {rank} on {device}")
+                agent.serve(idle_exit_s=idle_exit_s)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                agent.stop()
+    except TransportError as error:
+        raise unreachable(control_plane, error) from None
+    except ApiError as error:
+        raise api_failure(error) from None
+    except WorkerError as error:  # e.g. the rank has not reported its page table yet
+        raise usage_error(str(error)) from None
 
 
 @cli.command()

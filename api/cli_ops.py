@@ -3,7 +3,8 @@
 ``kvplane instances list|show``, ``pairings check``, ``plan show``, ``transfers list|show``,
 ``workers list``. Every command takes ``--control-plane`` (env ``KVPLANE_URL``), ``--token``
 (env ``KVPLANE_TOKEN``) and ``--json``; without ``--json`` it prints aligned tables. An API error
-prints ``error: <code>: <detail>`` on stderr and exits 2.
+prints ``error: <code>: <detail>`` on stderr and exits 2; an unreachable control plane prints one
+line naming the URL and exits 2 as well. ``kvplane worker`` shares the same two options.
 """
 
 from __future__ import annotations
@@ -15,15 +16,26 @@ from typing import Annotated, Any
 
 import typer
 
-from api.client import ApiError, Client
+from api.client import ApiError, Client, TransportError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "KVPLANE_URL"
+TOKEN_ENV = "KVPLANE_TOKEN"
 
 ControlPlane = Annotated[
-    str, typer.Option("--control-plane", envvar="KVPLANE_URL", help="Control-plane URL.")
+    str,
+    typer.Option("--control-plane", envvar=URL_ENV, show_envvar=True, help="Control-plane URL."),
 ]
 Token = Annotated[
-    str | None, typer.Option("--token", envvar="KVPLANE_TOKEN", help="Bearer token, if required.")
+    str | None,
+    typer.Option(
+        "--token",
+        envvar=TOKEN_ENV,
+        show_envvar=True,
+        show_default=False,
+        help="Bearer token, when the server runs with KVPLANE_AUTH=true (prefer the variable: "
+        "ps shows options).",
+    ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
 
@@ -45,18 +57,72 @@ def install(cli: typer.Typer) -> None:
     cli.add_typer(workers_app, name="workers")
 
 
+def unreachable(url: str, error: TransportError) -> typer.Exit:
+    """Print the one-line "cannot reach" error naming ``url``; the caller raises the result."""
+    typer.echo(
+        f"error: cannot reach the control plane at {url} ({error.detail}); "
+        f"check --control-plane or {URL_ENV}",
+        err=True,
+    )
+    return typer.Exit(2)
+
+
+def api_failure(error: ApiError) -> typer.Exit:
+    """Print ``error: <code>: <detail>`` and the field errors; the caller raises the result."""
+    typer.echo(f"error: {error.code}: {error.detail}", err=True)
+    for field_error in error.errors:
+        where = ".".join(str(part) for part in field_error.get("loc", []))
+        typer.echo(f"  {where}: {field_error.get('msg', '')}", err=True)
+    return typer.Exit(2)
+
+
+def usage_error(message: str) -> typer.Exit:
+    """Print ``error: <message>`` (a wrong argument the server cannot judge); exit 2."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+@contextmanager
+def database_errors(url: str) -> Iterator[None]:
+    """Turn a database that cannot be used into one line naming it (password hidden); exit 2.
+
+    For the commands that work on ``KVPLANE_DATABASE_URL`` directly (``migrate``, ``tokens``,
+    ``serve``'s start-up migration).
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+
+    try:
+        yield
+    except (OperationalError, ProgrammingError, DBAPIError) as error:
+        shown = make_url(url).render_as_string(hide_password=True)
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+        if "no such table" in reason or ("relation" in reason and "does not exist" in reason):
+            raise usage_error(
+                f"the database at {shown} has no kvplane schema ({reason}); "
+                "run `kvplane migrate` first"
+            ) from None
+        raise usage_error(
+            f"cannot use the database at {shown} ({reason}); check KVPLANE_DATABASE_URL"
+        ) from None
+
+
 @contextmanager
 def _client(url: str, token: str | None) -> Iterator[Client]:
     # Few, short retries: an operator at a terminal wants an answer, not a long backoff.
     try:
         with Client(url, token=token, retries=2, backoff_s=0.2, max_backoff_s=1.0) as client:
             yield client
+    except TransportError as error:
+        raise unreachable(url, error) from None
     except ApiError as error:
-        typer.echo(f"error: {error.code}: {error.detail}", err=True)
-        for field_error in error.errors:
-            where = ".".join(str(part) for part in field_error.get("loc", []))
-            typer.echo(f"  {where}: {field_error.get('msg', '')}", err=True)
-        raise typer.Exit(2) from None
+        raise api_failure(error) from None
+
+
+def _nothing(kind: str, **filters: str | None) -> str:
+    """``no workers``, or ``no workers with instance=x`` (an empty list, said in words)."""
+    shown = ", ".join(f"{key}={value}" for key, value in filters.items() if value is not None)
+    return f"no {kind}" + (f" with {shown}" if shown else "")
 
 
 def _dump(data: Any) -> None:
@@ -97,6 +163,11 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _plain(value: int | None) -> str | None:
+    """An identifier-like number (a PID) printed without thousands separators."""
+    return None if value is None else str(value)
+
+
 def ranges(values: Sequence[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` → ``0-2,5,7-8``."""
     ordered = sorted(set(values))
@@ -134,6 +205,9 @@ def instances_list(
         page = client.list_instances(limit=limit, **params)
     if as_json:
         _dump(page)
+        return
+    if not page["items"]:
+        typer.echo(_nothing("instances", role=role, status=status))
         return
     rows = [
         [
@@ -269,6 +343,23 @@ def pairings_check(
     raise typer.Exit(0 if pairing["compatible"] else 1)
 
 
+def world_size(instance: dict[str, Any]) -> int:
+    """Ranks of a registered instance: ``tp × pp × cp``."""
+    return int(instance["tp"]) * int(instance["pp"]) * int(instance["cp"])
+
+
+def check_rank(instance: dict[str, Any], rank: int, *, option: str) -> None:
+    """Exit 2 naming the valid range when ``rank`` is not a rank of ``instance``."""
+    size = world_size(instance)
+    if not 0 <= rank < size:
+        raise usage_error(
+            f"{option} {rank} is out of range: {instance['name']} has ranks 0-{size - 1} "
+            f"(tp={instance['tp']} pp={instance['pp']} cp={instance['cp']})"
+            if size > 1
+            else f"{option} {rank} is out of range: {instance['name']} has only rank 0"
+        )
+
+
 def _find_pairing(client: Client, context: str, generation: str) -> dict[str, Any]:
     offset = 0
     while True:
@@ -303,6 +394,7 @@ def plan_show(
     """Which sender rank fills which head range of each view on one receiver rank."""
     with _client(control_plane, token) as client:
         pairing = _find_pairing(client, context, generation)
+        check_rank(client.get_instance(generation), receiver_rank, option="--receiver-rank")
         plan = client.get_plan(
             pairing["id"], context_dp_rank=context_dp_rank, generation_dp_rank=generation_dp_rank
         )
@@ -404,6 +496,11 @@ def transfers_list(
         page = client.list_transfers(limit=limit, **params)
     if as_json:
         _dump(page)
+        return
+    if not page["items"]:
+        typer.echo(
+            _nothing("transfers", status=status, context=context, generation=generation)
+        )
         return
     rows = [
         [
@@ -508,8 +605,13 @@ def workers_list(
     params: dict[str, Any] = {} if instance is None else {"instance": instance}
     with _client(control_plane, token) as client:
         page = client.list_workers(**params)
+        if instance is not None and not page["items"]:
+            client.get_instance(instance)  # a misspelt name is an error, not "no workers"
     if as_json:
         _dump(page)
+        return
+    if not page["items"]:
+        typer.echo(_nothing("workers", instance=instance))
         return
     rows = [
         [
@@ -519,7 +621,7 @@ def workers_list(
             w["status"],
             w["device"],
             w["host"],
-            w["pid"],
+            _plain(w["pid"]),
             w["heartbeat_age_s"],
             "yes" if w.get("connected") else "no",
         ]

@@ -11,6 +11,7 @@ import json
 import typer
 
 from api.auth import BOUND_SCOPES, SCOPES, create_token, list_tokens, revoke_token
+from api.cli_ops import database_errors
 
 tokens_app = typer.Typer(
     help="Create, list and revoke API tokens (works on the database directly).",
@@ -18,11 +19,16 @@ tokens_app = typer.Typer(
 )
 
 
-def _database():  # type: ignore[no-untyped-def]
-    from api.db import Database
+def _url() -> str:
     from api.settings import Settings
 
-    return Database(Settings().database_url)
+    return Settings().database_url
+
+
+def _database():  # type: ignore[no-untyped-def]
+    from api.db import Database
+
+    return Database(_url())
 
 
 def _fail(message: str) -> typer.Exit:
@@ -40,19 +46,15 @@ def create(
     as_json: bool = typer.Option(False, "--json", help="Print id, scope and secret as JSON."),
 ) -> None:
     """Create a token and print its secret (shown once: store it now)."""
-    from sqlalchemy.exc import OperationalError
-
     from api.errors import KvplaneError
 
     db = _database()
     try:
-        with db.write() as session:
+        with database_errors(_url()), db.write() as session:
             row, secret = create_token(session=session, scope=scope, instance=instance, name=name)
             token_id = row.id
     except KvplaneError as error:
         raise _fail(error.detail) from None
-    except OperationalError:
-        raise _fail("cannot write the tokens table; run `kvplane migrate` first") from None
     finally:
         db.dispose()
     if as_json:
@@ -79,7 +81,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON lines."
     """List tokens (never their secrets)."""
     db = _database()
     try:
-        with db.read() as session:
+        with database_errors(_url()), db.read() as session:
             rows = [
                 {
                     "id": row.id,
@@ -117,7 +119,7 @@ def revoke(
 
     db = _database()
     try:
-        with db.write() as session:
+        with database_errors(_url()), db.write() as session:
             revoke_token(session=session, token_id=token_id)
     except KvplaneError as error:
         raise _fail(error.detail) from None

@@ -31,6 +31,9 @@ REQUEST_ID_HEADER = "X-Request-ID"
 # Echoed into logs and headers: printable ASCII without spaces, bounded.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 _HANDLER_NAME = "kvplane"
+#: Libraries that log every HTTP request at INFO: a worker's heartbeats and claims would drown
+#: what happened. Our own access log (``kvplane.access``) already records the server's side.
+QUIET_LOGGERS = ("httpx", "httpcore")
 
 _context: ContextVar[Mapping[str, str] | None] = ContextVar("kvplane_log_context", default=None)
 _process: dict[str, str] = {}
@@ -141,6 +144,8 @@ def configure_logging(*, json_lines: bool, level: int | str = logging.INFO) -> l
     handler.addFilter(ContextFilter())
     root.addHandler(handler)
     root.setLevel(level)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     return handler
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PAIRING_STATUSES = ("compatible", "incompatible", "stale")
@@ -197,11 +198,31 @@ class TimingMiddleware:
                 status = int(message["status"])
             await send(message)
 
+        # The router rewrites ``root_path`` for mounts: match on the scope as it came in.
+        incoming = dict(scope)
         try:
             await self.app(scope, receive, _send)
         finally:
-            route: Any = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
-            self.metrics.http_duration.labels(scope["method"], template, str(status)).observe(
-                time.perf_counter() - start
-            )
+            self.metrics.http_duration.labels(
+                scope["method"], _route_template(scope, incoming), str(status)
+            ).observe(time.perf_counter() - start)
+
+
+def _route_template(scope: Scope, incoming: Scope) -> str:
+    """The path template that served ``scope``, or ``unmatched``.
+
+    FastAPI's API routes leave themselves in ``scope["route"]``; Starlette's plain routes
+    (``/openapi.json``) and mounts (static files) do not, so they are matched here again
+    against the ``incoming`` scope.
+    """
+    route: Any = scope.get("route")
+    template = getattr(route, "path", None)
+    if template:
+        return str(template)
+    app: Any = scope.get("app")
+    for candidate in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = candidate.matches(incoming)
+        if match is Match.FULL:
+            path = str(getattr(candidate, "path", "") or "")
+            return path + "/{path}" if isinstance(candidate, Mount) else path or "unmatched"
+    return "unmatched"

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection
+from sqlalchemy import Connection, inspect, text
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+#: Alembic's default version table (``migrations/env.py`` does not rename it).
+VERSION_TABLE = "alembic_version"
 
 
 def alembic_config(database_url: str) -> Config:
@@ -37,5 +38,12 @@ def head_revisions() -> set[str]:
 
 
 def current_revisions(connection: Connection) -> set[str]:
-    """The revision ids the connected database is at (empty when never migrated)."""
-    return set(MigrationContext.configure(connection).get_current_heads())
+    """The revision ids the connected database is at (empty when never migrated).
+
+    Reads Alembic's version table directly: ``/readyz`` calls this on every probe, and a
+    ``MigrationContext`` would log two INFO lines each time.
+    """
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return set()
+    rows = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars()
+    return {str(rev) for rev in rows}

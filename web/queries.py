@@ -10,6 +10,7 @@ Workers and transfer parts themselves are read through ``api.services.workers`` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,10 +20,9 @@ from sqlalchemy.orm import Session, defer
 
 from api.db import utcnow
 from api.models import InstanceRow, JobRow, PairingRow, TransferRow, WorkerRow
+from api.services.stats import count_workers_by_status
 
 IN_FLIGHT_STATUSES = ("queued", "running")
-#: A worker whose last heartbeat is older than this is gone (callers pass the job queue's value).
-WORKER_GONE_AFTER_S = 10.0
 FAILED_WINDOW = timedelta(hours=1)
 
 
@@ -38,8 +38,9 @@ class Overview:
     transfers_failed_last_hour: int = 0
     bytes_moved: int = 0
     bytes_planned: int = 0
-    workers_alive: int = 0
-    workers_gone: int = 0
+    #: Workers by status, as ``GET /v1/workers`` and ``/metrics`` name it: ``alive``,
+    #: ``gone`` (no heartbeat), ``stale`` (its instance re-registered) and ``stopped``.
+    workers: dict[str, int] = field(default_factory=dict)
     jobs: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -54,6 +55,10 @@ class Overview:
     def transfer_total(self) -> int:
         return sum(self.transfers.values())
 
+    @property
+    def worker_total(self) -> int:
+        return sum(self.workers.values())
+
 
 def _grouped(session: Session, col: Any) -> dict[str, int]:
     return {
@@ -62,12 +67,7 @@ def _grouped(session: Session, col: Any) -> dict[str, int]:
     }
 
 
-def overview(
-    *,
-    session: Session,
-    now: datetime | None = None,
-    worker_gone_after_s: float = WORKER_GONE_AFTER_S,
-) -> Overview:
+def overview(*, session: Session, now: datetime | None = None) -> Overview:
     """Counts and health of the whole fleet (a handful of grouped, indexed queries)."""
     now = now or utcnow()
     result = Overview(
@@ -96,19 +96,7 @@ def overview(
     result.bytes_planned = int(
         session.scalar(select(func.coalesce(func.sum(TransferRow.bytes), 0))) or 0
     )
-    total = int(session.scalar(select(func.count()).select_from(WorkerRow)) or 0)
-    result.workers_alive = int(
-        session.scalar(
-            select(func.count())
-            .select_from(WorkerRow)
-            .where(
-                WorkerRow.stopped.is_(False),
-                WorkerRow.heartbeat_at >= now - timedelta(seconds=worker_gone_after_s),
-            )
-        )
-        or 0
-    )
-    result.workers_gone = total - result.workers_alive
+    result.workers = count_workers_by_status(session=session, now=now)
     result.jobs = _grouped(session, JobRow.state)
     return result
 
@@ -238,3 +226,142 @@ def job_stats(*, session: Session, transfer_ids: list[str]) -> dict[str, JobStat
 def count_workers(*, session: Session) -> int:
     """How many workers are registered."""
     return int(session.scalar(select(func.count()).select_from(WorkerRow)) or 0)
+
+
+#: The charts cover this window in :data:`SERIES_BUCKETS` equal steps (one minute each).
+SERIES_WINDOW = timedelta(hours=1)
+SERIES_BUCKETS = 60
+#: At most this many transfers of the window are read for the charts (the newest ones).
+SERIES_MAX_ROWS = 200_000
+#: Failure reasons beyond this many (the most frequent first) are summed as ``other``.
+SERIES_MAX_REASONS = 5
+
+
+@dataclass
+class TransferSeries:
+    """Per-minute series of the last hour, from the transfers table (oldest bucket first).
+
+    ``planned_per_s``: transfers created; ``done_per_s`` and ``bytes_per_s``: transfers that
+    finished ``done`` and their bytes, by finish time; ``p50_s``/``p99_s``: creation-to-done
+    latency of those (``None`` for a minute without one); ``failures``: failed transfers per
+    minute by reason (:func:`failure_reason`).
+    """
+
+    start: datetime
+    step_s: int
+    planned_per_s: list[float]
+    done_per_s: list[float]
+    bytes_per_s: list[float]
+    p50_s: list[float | None]
+    p99_s: list[float | None]
+    failures: dict[str, list[int]]
+    rows: int
+    truncated: bool
+
+    @property
+    def buckets(self) -> int:
+        return len(self.planned_per_s)
+
+
+_JOB_PREFIX = re.compile(r"^job \w+ rank \d+: ")
+_NUMBERS = re.compile(r"\b(?:[0-9a-f]{8,}|\d+(?:\.\d+)?)\b")
+
+
+def failure_reason(error: str | None) -> str:
+    """A failure's reason without its particulars (ids, ranks, byte counts), for grouping.
+
+    ``peer_restarted: ctx re-registered`` → ``peer_restarted``;
+    ``job send rank 1: NIXL write timed out`` → ``NIXL write timed out``;
+    ``no live worker for context rank 3`` → ``no live worker for context rank N``.
+    """
+    text = _JOB_PREFIX.sub("", (error or "").strip())
+    if not text:
+        return "unknown"
+    head = text.split(":", 1)[0].strip() or text
+    return _NUMBERS.sub("N", head)[:60]
+
+
+def transfer_series(
+    *,
+    session: Session,
+    now: datetime,
+    window: timedelta = SERIES_WINDOW,
+    buckets: int = SERIES_BUCKETS,
+) -> TransferSeries:
+    """The charts' data: one indexed range query on ``created_at``, bucketed here.
+
+    Percentiles have no portable SQL (SQLite has none), so the rows of the window, four small
+    columns each, are read and bucketed with numpy.
+    """
+    import numpy as np
+
+    start = now - window
+    step_s = window.total_seconds() / buckets
+    rows = session.execute(
+        select(
+            TransferRow.created_at,
+            TransferRow.finished_at,
+            TransferRow.status,
+            TransferRow.bytes,
+            TransferRow.error,
+        )
+        .where(TransferRow.created_at >= start)
+        .order_by(TransferRow.created_at.desc())
+        .limit(SERIES_MAX_ROWS + 1)
+    ).all()
+    truncated = len(rows) > SERIES_MAX_ROWS
+    rows = rows[:SERIES_MAX_ROWS]
+
+    def bucket_of(moment: datetime | None) -> int:
+        if moment is None:
+            return -1
+        index = int((moment - start).total_seconds() // step_s)
+        return index if 0 <= index < buckets else -1
+
+    created = np.array([bucket_of(row[0]) for row in rows], dtype=np.int64)
+    finished = np.array([bucket_of(row[1]) for row in rows], dtype=np.int64)
+    status = np.array([row[2] for row in rows], dtype=object)
+    sizes = np.array([row[3] or 0 for row in rows], dtype=np.float64)
+    latency = np.array(
+        [(row[1] - row[0]).total_seconds() if row[1] is not None else np.nan for row in rows],
+        dtype=np.float64,
+    )
+
+    def per_bucket(mask: Any, where: Any, weights: Any = None) -> Any:
+        chosen = mask & (where >= 0)
+        return np.bincount(
+            where[chosen], weights=None if weights is None else weights[chosen], minlength=buckets
+        )
+
+    everything = np.ones(len(rows), dtype=bool)
+    done = status == "done"
+    p50: list[float | None] = [None] * buckets
+    p99: list[float | None] = [None] * buckets
+    done_in_window = done & (finished >= 0)
+    for index in np.unique(finished[done_in_window]):
+        values = latency[done_in_window & (finished == index)]
+        p50[int(index)] = float(np.percentile(values, 50))
+        p99[int(index)] = float(np.percentile(values, 99))
+
+    by_reason: dict[str, Any] = {}
+    for row, bucket in zip(rows, finished, strict=True):
+        if row[2] == "failed" and bucket >= 0:
+            counts = by_reason.setdefault(failure_reason(row[4]), np.zeros(buckets, np.int64))
+            counts[bucket] += 1
+    ranked = sorted(by_reason.items(), key=lambda item: (-int(item[1].sum()), item[0]))
+    failures = {reason: [int(v) for v in counts] for reason, counts in ranked[:SERIES_MAX_REASONS]}
+    if len(ranked) > SERIES_MAX_REASONS:
+        rest = sum((counts for _, counts in ranked[SERIES_MAX_REASONS:]), np.zeros(buckets))
+        failures["other"] = [int(v) for v in rest]
+    return TransferSeries(
+        start=start,
+        step_s=int(step_s),
+        planned_per_s=[float(v) / step_s for v in per_bucket(everything, created)],
+        done_per_s=[float(v) / step_s for v in per_bucket(done, finished)],
+        bytes_per_s=[float(v) / step_s for v in per_bucket(done, finished, sizes)],
+        p50_s=p50,
+        p99_s=p99,
+        failures=failures,
+        rows=len(rows),
+        truncated=truncated,
+    )

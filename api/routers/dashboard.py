@@ -29,7 +29,7 @@ from api.services import instances as instance_service
 from api.services import pairings as pairing_service
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
-from web import diagrams, queries
+from web import charts, diagrams, queries
 from web.format import FILTERS, rate
 
 # web/ sits beside api/ (in the checkout and in an installed wheel alike).
@@ -119,14 +119,57 @@ def _now(request: Request) -> datetime:
 # overview
 
 
+def transfer_charts(series: queries.TransferSeries) -> list[charts.Chart]:
+    """The four charts of the last hour (overview and transfers pages)."""
+    start, step_s = series.start, series.step_s
+    return [
+        charts.line_chart(
+            "chart-rate",
+            "Transfers per second",
+            series={"planned": series.planned_per_s, "done": series.done_per_s},
+            fmt=charts.per_second,
+            start=start,
+            step_s=step_s,
+        ),
+        charts.line_chart(
+            "chart-bytes",
+            "Bytes per second (done)",
+            series={"moved": series.bytes_per_s},
+            fmt=charts.bytes_per_second,
+            binary=True,
+            start=start,
+            step_s=step_s,
+        ),
+        charts.line_chart(
+            "chart-latency",
+            "Handover latency (created → done)",
+            series={"p50": series.p50_s, "p99": series.p99_s},
+            fmt=charts.seconds,
+            start=start,
+            step_s=step_s,
+        ),
+        charts.bar_chart(
+            "chart-failures",
+            "Failures by reason",
+            series=series.failures,
+            start=start,
+            step_s=step_s,
+        ),
+    ]
+
+
+def _charts(session: Any, request: Request) -> dict[str, Any]:
+    series = queries.transfer_series(session=session, now=_now(request))
+    return {"charts": transfer_charts(series), "series": series}
+
+
 @router.get("/", response_class=HTMLResponse)
 def overview(request: Request, db: DbDep) -> HTMLResponse:
-    """Counts and health of the fleet, refreshed live."""
+    """Counts and health of the fleet, refreshed live; transfer charts of the last hour."""
     with db.read() as session:
-        stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=worker_service.WORKER_GONE_S
-        )
-    return _render(request, "overview.html", stats=stats, nav="overview")
+        stats = queries.overview(session=session, now=_now(request))
+        shown = _charts(session, request)
+    return _render(request, "overview.html", stats=stats, nav="overview", **shown)
 
 
 @router.get("/ui/overview", response_class=HTMLResponse, response_model=None)
@@ -135,9 +178,7 @@ def overview_fragment(request: Request, db: DbDep) -> Response:
     if request.headers.get("hx-request") != "true":
         return RedirectResponse("/", status_code=303)
     with db.read() as session:
-        stats = queries.overview(
-            session=session, now=_now(request), worker_gone_after_s=worker_service.WORKER_GONE_S
-        )
+        stats = queries.overview(session=session, now=_now(request))
     return _render(request, "_overview_stats.html", stats=stats)
 
 
@@ -481,6 +522,7 @@ def transfer_list(
         )
         stats = queries.job_stats(session=session, transfer_ids=[row.id for row in rows])
         items = [_transfer_row(row, stats.get(row.id)) for row in rows]
+        shown = _charts(session, request) if page == 1 and status is None else {}
     return _render(
         request,
         "transfers.html",
@@ -489,6 +531,7 @@ def transfer_list(
         status=status,
         statuses=TRANSFER_STATUSES,
         pager=_pages(total, page),
+        **shown,
     )
 
 

@@ -323,3 +323,58 @@ def test_logs_inside_a_sync_route_carry_the_request_id(
         api.get("/probe", headers={"X-Request-ID": "req-probe"})
     record = next(r for r in caplog.records if r.getMessage() == "inside the route")
     assert getattr(record, "request_id", None) == "req-probe"
+
+
+def test_docs_routes_have_their_own_metric_labels(client: TestClient) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs-assets/swagger-ui.css"):
+        assert client.get(path).status_code == 200, path
+    assert client.get("/no/such/route").status_code == 404
+    text = client.get("/metrics").text
+    routes = {dict(labels)["route"] for labels in samples(
+        text, "kvplane_http_request_duration_seconds_count")}
+    assert {"/docs", "/redoc", "/openapi.json", "/docs-assets/{path}"} <= routes
+    counted = samples(text, "kvplane_http_request_duration_seconds_count")
+    unmatched = [dict(labels) for labels in counted if dict(labels)["route"] == "unmatched"]
+    assert [label["status"] for label in unmatched] == ["404"]
+
+
+def test_readyz_logs_nothing_but_its_access_line(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(3):
+            assert client.get("/readyz").status_code == 200
+    # (httpx lines come from the test's own client, not from the server)
+    noisy = [
+        (r.name, r.getMessage())
+        for r in caplog.records
+        if r.name not in ("kvplane.access", "httpx") and r.levelno >= logging.INFO
+    ]
+    assert noisy == []
+    assert sum(r.name == "kvplane.access" for r in caplog.records) == 3
+
+
+def test_configured_logging_keeps_http_client_polls_out_of_the_log() -> None:
+    import httpx
+
+    from api.logs import configure_logging
+
+    root = logging.getLogger()
+    saved_level, saved_handlers = root.level, list(root.handlers)
+    saved = {name: logging.getLogger(name).level for name in ("httpx", "httpcore")}
+    handler = configure_logging(json_lines=True)
+    stream = io.StringIO()
+    handler.setStream(stream)  # type: ignore[attr-defined]
+    try:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, json={}))
+        with httpx.Client(transport=transport, base_url="http://cp") as http:
+            for _ in range(5):  # what a worker's heartbeat thread and claim loop do
+                http.post("/v1/workers/w/heartbeat")
+        logging.getLogger("kvplane.worker").info("transfer t-1 done")
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["message"] for line in lines] == ["transfer t-1 done"]

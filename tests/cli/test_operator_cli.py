@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -73,6 +76,7 @@ def server(sqlite_url: str) -> Iterator[str]:
                             "instance": name,
                             "rank": rank_body["rank"],
                             "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
+                            "pid": 19451 + rank_body["rank"],
                         },
                     ).raise_for_status()
             api.post(
@@ -130,11 +134,78 @@ def test_api_errors_print_code_and_detail_and_exit_2(server: str) -> None:
     assert result.stdout == ""
 
 
-def test_unreachable_control_plane_exits_2() -> None:
+#: Every command that talks to a control plane, with arguments that would otherwise work.
+REMOTE_COMMANDS = [
+    ["instances", "list"],
+    ["instances", "show", "ctx"],
+    ["pairings", "check", "ctx", "gen"],
+    ["plan", "show", "ctx", "gen", "--receiver-rank", "0"],
+    ["transfers", "list"],
+    ["transfers", "show", "t-1"],
+    ["workers", "list"],
+    ["worker", "--instance", "ctx", "--rank", "0"],
+]
+
+
+def _kvplane_process(args: list[str], url: str | None) -> subprocess.CompletedProcess[str]:
+    """``kvplane ARGS`` as a real process (what an operator's shell runs), KVPLANE_URL set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLANE_")}
+    if url is not None:
+        env["KVPLANE_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "api.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("args", REMOTE_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_unreachable_control_plane_is_one_line_naming_the_url(args: list[str]) -> None:
+    # KVPLANE_URL, not --control-plane: every command reads the same variable.
     url = f"http://127.0.0.1:{_free_port()}"
-    result = runner.invoke(cli, ["workers", "list", "--control-plane", url])
-    assert result.exit_code == 2
-    assert result.stderr.startswith("error: unreachable: ")
+    result = _kvplane_process(args, url)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: cannot reach the control plane at {url} ([Errno 111] Connection refused); "
+        "check --control-plane or KVPLANE_URL"
+    ]
+
+
+@pytest.mark.parametrize("args", REMOTE_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_remote_commands_show_their_env_vars_in_help(args: list[str]) -> None:
+    command = args[:2] if args[0] != "worker" else args[:1]
+    result = runner.invoke(cli, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "[env var: KVPLANE_URL]" in result.output
+    assert "[env var: KVPLANE_TOKEN]" in result.output
+
+
+def _all_commands(group: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    yield prefix
+    for name, command in getattr(group, "commands", {}).items():
+        yield from _all_commands(command, (*prefix, name))
+
+
+def test_help_texts_read_as_plain_text() -> None:
+    import typer.main
+
+    commands = list(_all_commands(typer.main.get_command(cli)))
+    assert ("worker",) in commands and ("tokens", "create") in commands
+    for command in commands:
+        result = runner.invoke(cli, [*command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (command, result.output)
+        assert "``" not in result.output, (command, result.output)
+        assert ":class:" not in result.output, command
+
+
+def test_serve_reads_host_and_port_variables() -> None:
+    result = runner.invoke(cli, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert "[env var: KVPLANE_HOST]" in result.output
+    assert "[env var: KVPLANE_PORT]" in result.output
 
 
 def test_pairings_check_exit_codes(server: str) -> None:
@@ -169,13 +240,44 @@ def test_plan_show_names_the_sender_of_each_head_range(server: str) -> None:
     assert missing.exit_code == 2 and "pairing_not_found" in missing.stderr
 
 
+def test_out_of_range_ranks_are_errors_naming_the_range(server: str) -> None:
+    # gen is TP1: rank 1 does not exist, which is not the same as "nothing is sent to it".
+    result = kvplane(server, "plan", "show", "ctx", "gen", "--receiver-rank", "1")
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.strip() == "error: --receiver-rank 1 is out of range: gen has only rank 0"
+    # ctx is TP2: a worker for its rank 5 is refused before it allocates anything.
+    worker = _kvplane_process(["worker", "--instance", "ctx", "--rank", "5"], server)
+    assert worker.returncode == 2, worker.stderr
+    assert worker.stderr.strip() == (
+        "error: --rank 5 is out of range: ctx has ranks 0-1 (tp=2 pp=1 cp=1)"
+    )
+    # A dp rank out of range is refused by the server, with its code.
+    dp = kvplane(server, "plan", "show", "ctx", "gen", "--receiver-rank", "0",
+                 "--context-dp-rank", "3")
+    assert dp.exit_code == 2 and "dp_rank_out_of_range" in dp.stderr
+    # A misspelt instance filter is an error, not an empty list.
+    nobody = kvplane(server, "workers", "list", "--instance", "nope")
+    assert nobody.exit_code == 2 and nobody.stderr.startswith("error: instance_not_found")
+
+
+def test_worker_for_an_unknown_instance_is_one_line(server: str) -> None:
+    result = _kvplane_process(["worker", "--instance", "nope", "--rank", "0"], server)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: instance_not_found: instance 'nope' is not registered"
+    ]
+
+
 def test_transfers_list_and_show(server: str) -> None:
     result = kvplane(server, "transfers", "list")
     assert result.exit_code == 0, result.output
     header, row = result.stdout.splitlines()
     fields = dict(zip(header.split(), row.split(), strict=False))
     assert (fields["STATUS"], fields["CONTEXT"], fields["REQUEST"]) == ("queued", "ctx", "req-7")
-    assert kvplane(server, "transfers", "list", "--status", "done").stdout.splitlines()[1:] == []
+    assert kvplane(server, "transfers", "list", "--status", "done").stdout == (
+        "no transfers with status=done\n"
+    )
     page = json.loads(kvplane(server, "transfers", "list", "--json").stdout)
     transfer_id = page["items"][0]["id"]
 
@@ -200,3 +302,11 @@ def test_workers_list(server: str) -> None:
     ]
     data = json.loads(kvplane(server, "workers", "list", "--json", "--instance", "gen").stdout)
     assert [w["rank"] for w in data["items"]] == [0]
+    # PIDs are identifiers: no thousands separators.
+    assert sorted(r[6] for r in rows) == ["19451", "19451", "19452"]
+
+
+def test_an_empty_list_says_so(server: str) -> None:
+    result = kvplane(server, "workers", "list", "--instance", "gen-bad")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "no workers with instance=gen-bad\n"

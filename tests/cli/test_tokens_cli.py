@@ -54,18 +54,43 @@ def test_create_list_revoke(db_url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "message"),
     [
-        ("--scope", "root"),
-        ("--scope", "instance"),  # a bound scope needs --instance
-        ("--scope", "worker"),
-        ("--scope", "operator", "--instance", "ctx"),  # an operator is not bound
+        (("--scope", "root"), "scope must be one of instance, worker, operator, admin"),
+        (("--scope", "instance"), "an instance token must be bound to an instance"),
+        (("--scope", "worker"), "a worker token must be bound to an instance"),
+        (
+            ("--scope", "operator", "--instance", "ctx"),
+            "an operator token is not bound to an instance",
+        ),
+        (("--scope", "admin", "--instance", "ctx"), "an admin token is not bound to an instance"),
     ],
 )
-def test_create_refuses_bad_scopes(sqlite_url: str, args: tuple[str, ...]) -> None:
+def test_create_refuses_bad_scopes(sqlite_url: str, args: tuple[str, ...], message: str) -> None:
     result = invoke(sqlite_url, "tokens", "create", *args)
     assert result.exit_code == 2
-    assert "error:" in result.stderr
+    assert result.stderr == f"error: {message}\n"
+
+
+def test_database_problems_are_one_line(tmp_path: Any) -> None:
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    result = invoke(empty, "tokens", "create", "--scope", "admin")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: the database at {empty} has no kvplane schema (no such table: tokens); "
+        "run `kvplane migrate` first\n"
+    )
+    # Nothing listens on port 1: one line, the password hidden.
+    unreachable = "postgresql+psycopg://kv:s3cret@127.0.0.1:1/kv"
+    for args in (("migrate",), ("tokens", "list")):
+        result = invoke(unreachable, *args)
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and "s3cret" not in result.stderr, lines
+        assert lines[0].startswith(
+            "error: cannot use the database at postgresql+psycopg://kv:***@127.0.0.1:1/kv ("
+        )
+        assert lines[0].endswith("); check KVPLANE_DATABASE_URL")
 
 
 def test_revoke_unknown_token(sqlite_url: str) -> None:

@@ -330,13 +330,16 @@ def test_workers_and_jobs_of_a_failed_transfer(
             row.started_at, row.finished_at = now - timedelta(seconds=2), now
             row.error = "job send rank 1: NIXL write timed out"
             workers = []
-            for rank in range(4):
+            # Ranks 0-2 alive, rank 3 silent for 10 minutes (gone), and a retired worker of
+            # rank 0 (stopped: it left on purpose, which the overview must not call gone).
+            for rank in range(5):
                 worker = models.WorkerRow(
                     id=f"worker-{rank}",
                     instance_id=ctx.id,
-                    rank=rank,
+                    rank=rank % 4,
                     epoch=ctx.epoch,
                     device=f"cuda:{rank}",
+                    stopped=rank == 4,
                     transport="nixl",
                     agent=f"agent-{rank}",
                     peer={},
@@ -369,12 +372,19 @@ def test_workers_and_jobs_of_a_failed_transfer(
         db.dispose()
 
     page.goto(live_server.url + "/")
+    assert _stat(page, "workers-total") == "5"
     assert _stat(page, "workers-alive") == "3"
     assert _stat(page, "workers-gone") == "1"
+    assert _stat(page, "workers-stopped") == "1"
+    assert _stat(page, "workers-stale") == "0"
+    # The same counts as the API's own statuses.
+    api_statuses = [w["status"] for w in live_server.api.get("/v1/workers").json()["items"]]
+    assert sorted(api_statuses) == ["alive", "alive", "alive", "gone", "stopped"]
     assert _stat(page, "transfers-failed-hour") == "1"
     page.goto(live_server.url + "/ui/workers")
-    expect(page.locator("table tbody tr")).to_have_count(4)
+    expect(page.locator("table tbody tr")).to_have_count(5)
     expect(page.get_by_role("row", name=re.compile("cuda:3"))).to_contain_text("gone")
+    expect(page.get_by_role("row", name=re.compile("cuda:4"))).to_contain_text("stopped")
     expect(page.get_by_role("row", name=re.compile("cuda:2"))).to_contain_text("job-2")
     screenshot(page, "50-workers")
 
