@@ -5,7 +5,8 @@ plans, transfers, workers and their records, and provokes the documented problem
 generic sweep calls every operation of the spec that has not answered 2xx yet: path
 parameters come from the ids seen so far (``name`` → instances, ``<thing>_id`` → the ids under
 ``/v1/<thing>s``), bodies are the last body sent to that operation or one built from its
-request schema. New routes are thus walked without being listed here. Every recorded answer must then:
+request schema. New routes are thus walked without being listed here. Every recorded answer
+must then:
 
 - have a status and a content type that its operation documents;
 - validate against the documented schema (types, ``required``);
