@@ -201,12 +201,13 @@ def test_operator_scope(api: TestClient, tokens: dict[str, str]) -> None:
         "/v1/instances",
         "/v1/pairings",
         "/v1/workers",
-        "/v1/jobs",
         f"/v1/transfers/{transfer.json()['id']}",
+        f"/v1/transfers/{transfer.json()['id']}/parts",
     ):
         assert api.get(path, headers=op).status_code == 200, path
     # Operators do not act as workers.
-    problem(api.post("/v1/jobs/claim", json={"worker_id": "x" * 32}, headers=op), 403, "forbidden")
+    record = {"worker_id": "x" * 32, "records": [{}]}
+    problem(api.post("/v1/transfers/records", json=record, headers=op), 403, "forbidden")
 
 
 def test_engines_plan_and_poll_their_own_transfers(
@@ -264,35 +265,49 @@ def test_worker_token_acts_only_for_its_instance(api: TestClient, tokens: dict[s
     assert api.get("/v1/instances/ctx", headers=ctx_w).status_code == 200
     problem(api.get("/v1/instances/gen", headers=ctx_w), 403, "forbidden")
     problem(api.get("/v1/instances", headers=ctx_w), 403, "forbidden")
-    # Heartbeats and claims for another instance's worker are refused.
+    # Heartbeats, directories, command streams and records of another instance's worker are
+    # refused.
     problem(api.post(f"/v1/workers/{gen_id}/heartbeat", headers=ctx_w), 403, "forbidden")
-    problem(api.post("/v1/jobs/claim", json={"worker_id": gen_id}, headers=ctx_w), 403, "forbidden")
+    problem(api.get(f"/v1/workers/{gen_id}/directory", headers=ctx_w), 403, "forbidden")
+    problem(api.get(f"/v1/workers/{gen_id}/commands", headers=ctx_w), 403, "forbidden")
     assert api.post(f"/v1/workers/{ctx_workers[0]}/heartbeat", headers=ctx_w).status_code == 200
-    lease = api.post("/v1/jobs/claim", json={"worker_id": ctx_workers[0]}, headers=ctx_w)
-    assert lease.status_code == 200, lease.text
-    job = lease.json()
-    report = {"lease_token": job["lease_token"], "reason": "test", "retryable": False}
-    problem(api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=gen_w), 403, "forbidden")
-    problem(
-        api.post(
-            f"/v1/jobs/{job['id']}/complete",
-            json={"lease_token": job["lease_token"], "bytes": 0, "duration_s": 0.0},
-            headers=gen_w,
-        ),
-        403,
-        "forbidden",
-    )
+    directory = api.get(f"/v1/workers/{ctx_workers[0]}/directory", headers=ctx_w)
+    assert directory.status_code == 200, directory.text
+    (pairing,) = directory.json()["pairings"]
+    executed = api.post("/v1/transfers", json={**TRANSFER, "request_id": "r-exec",
+                                               "execute": True},
+                        headers=bearer(tokens["operator"]))
+    assert executed.status_code == 201, executed.text
+    record = {
+        "transfer_id": executed.json()["id"], "request_id": "r-exec",
+        "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
+        "context_epoch": pairing["context_epoch"], "generation_epoch": pairing["generation_epoch"],
+        "side": "send", "rank": 0, "status": "failed", "error": "test", "bytes": 0,
+        "started_at": 1.0e9, "finished_at": 1.0e9,
+    }
+    # The generation's worker token cannot record through a context worker ...
+    problem(api.post("/v1/transfers/records",
+                     json={"worker_id": ctx_workers[0], "records": [record]}, headers=gen_w),
+            403, "forbidden")
+    # ... nor make its own worker record the context's side.
+    problem(api.post("/v1/transfers/records",
+                     json={"worker_id": gen_id, "records": [record]}, headers=gen_w),
+            403, "forbidden")
     problem(api.delete(f"/v1/workers/{ctx_workers[1]}", headers=gen_w), 403, "forbidden")
-    # Its own job: accepted (by the lease rules, not refused by auth).
-    assert api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=ctx_w).status_code == 200
+    # Its own part: accepted.
+    accepted = api.post("/v1/transfers/records",
+                        json={"worker_id": ctx_workers[0], "records": [record]}, headers=ctx_w)
+    assert accepted.status_code == 200, accepted.text
+    assert accepted.json()["settled"] == [executed.json()["id"]]
     # Unknown ids are the route's business: 404, not 403.
     problem(
         api.post("/v1/workers/nope/heartbeat", headers=ctx_w),
         404,
         api.post("/v1/workers/nope/heartbeat", headers=bearer(tokens["admin"])).json()["code"],
     )
-    # A malformed claim body cannot name an instance: refused, never let through.
-    assert api.post("/v1/jobs/claim", content=b"{", headers=ctx_w).status_code in (403, 400)
+    # A malformed record body cannot name a worker: refused, never let through.
+    assert api.post("/v1/transfers/records", content=b"{", headers=ctx_w).status_code in (403,
+                                                                                        400)
 
 
 def test_auth_off_by_default(client: TestClient) -> None:

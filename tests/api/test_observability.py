@@ -143,37 +143,24 @@ def _submit(api: TestClient, request_id: str) -> str:
     return str(answer.json()["id"])
 
 
-def _claim(api: TestClient, worker_id: str) -> dict[str, Any]:
-    answer = api.post("/v1/jobs/claim", json={"worker_id": worker_id})
-    assert answer.status_code == 200, answer.text
-    return dict(answer.json())
-
-
-def _complete(api: TestClient, lease: dict[str, Any]) -> None:
-    routes = [
-        {
-            "sender_rank": r.get("sender_rank", lease["rank"]),
-            "receiver_rank": r.get("receiver_rank", lease["rank"]),
-            "bytes": r["bytes"],
-        }
-        for r in lease["payload"]["routes"]
-    ]
-    answer = api.post(
-        f"/v1/jobs/{lease['id']}/complete",
-        json={
-            "lease_token": lease["lease_token"],
-            "bytes": sum(r["bytes"] for r in routes),
-            "duration_s": 0.01,
-            "routes": routes,
-        },
-    )
+def _record(api: TestClient, worker_id: str, transfer_id: str, side: str, rank: int,
+            nbytes: int = 1) -> None:
+    """What a worker posts when its part of the transfer finished."""
+    directory = api.get(f"/v1/workers/{worker_id}/directory").json()
+    (pairing,) = directory["pairings"]
+    answer = api.post("/v1/transfers/records", json={"worker_id": worker_id, "records": [{
+        "transfer_id": transfer_id, "request_id": "r", "pairing_id": pairing["id"],
+        "context": "ctx", "generation": "gen", "context_epoch": pairing["context_epoch"],
+        "generation_epoch": pairing["generation_epoch"], "side": side, "rank": rank,
+        "status": "done", "bytes": nbytes, "started_at": 1.0e9, "finished_at": 1.0e9 + 0.01,
+    }]})
     assert answer.status_code == 200, answer.text
 
 
-def test_metrics_follow_registrations_transfers_jobs_and_lease_expiries(
+def test_metrics_follow_registrations_transfers_parts_and_overdue_transfers(
     make_app: Callable[..., FastAPI],
 ) -> None:
-    app = make_app(lease_ttl_s=5.0)
+    app = make_app()
     clock = Clock()
     app.state.clock = clock
     with TestClient(app) as api:
@@ -183,7 +170,6 @@ def test_metrics_follow_registrations_transfers_jobs_and_lease_expiries(
         assert value(text, "kvplane_registrations_total", kind="instance", outcome="created") == 2
         assert value(text, "kvplane_pairings", status="compatible") == 1
         assert value(text, "kvplane_workers", status="alive") == 3
-        assert value(text, "kvplane_jobs", state="queued") == 3
         transfer = api.get(f"/v1/transfers/{first}").json()
         assert value(text, "kvplane_transfer_bytes_total") == transfer["bytes"] > 0
         assert value(text, "kvplane_transfer_fragments_count", pairing="ctx->gen") == 1
@@ -197,14 +183,13 @@ def test_metrics_follow_registrations_transfers_jobs_and_lease_expiries(
             > 0
         )
 
-        # run it: duration observed once, when the last job completes
-        clock.now = utcnow()  # jobs are enqueued on the wall clock
-        leases = [_claim(api, workers[key]) for key in (("ctx", 0), ("ctx", 1), ("gen", 0))]
-        clock.now += timedelta(seconds=2)
-        for lease in leases:
+        # run it: duration observed once, when the transfer settles
+        clock.now = utcnow() + timedelta(seconds=2)  # transfers are created on the wall clock
+        for worker, side, rank in ((("ctx", 0), "send", 0), (("ctx", 1), "send", 1)):
+            _record(api, workers[worker], first, side, rank, nbytes=10)
             text = api.get("/metrics").text
             assert value(text, "kvplane_transfer_duration_seconds_count", status="done") == 0
-            _complete(api, lease)
+        _record(api, workers[("gen", 0)], first, "receive", 0, nbytes=20)
         done = api.get(f"/v1/transfers/{first}").json()
         assert done["status"] == "done"
         waited = (
@@ -217,22 +202,20 @@ def test_metrics_follow_registrations_transfers_jobs_and_lease_expiries(
             waited
         )
         assert value(text, "kvplane_transfers_finished_total", status="done") == 1
-        assert value(text, "kvplane_jobs", state="done") == 3
+        assert value(text, "kvplane_transfer_parts", state="done") == 3
+        assert value(text, "kvplane_recorded_parts_total", state="done") == 3
+        assert value(text, "kvplane_moved_bytes_total", kind="send") == 20
+        assert value(text, "kvplane_moved_bytes_total", kind="receive") == 20
+        assert value(text, "kvplane_record_batches_total") == 3
 
-        # a lease that expires is counted by whichever request reaps it
-        _submit(api, "r2")
-        clock.now = utcnow()
-        _claim(api, workers[("ctx", 0)])
-        clock.now += timedelta(seconds=6)
-        for key in (("ctx", 1), ("gen", 0)):  # ctx rank 0, holding the lease, went silent
-            api.post(f"/v1/workers/{workers[key]}/heartbeat")
-        assert api.post("/v1/jobs/claim", json={"worker_id": workers[("ctx", 1)]}).status_code in (
-            200,
-            204,
-        )
+        # a transfer nobody reports by its deadline is failed (and counted) by a waiting read
+        second = _submit(api, "r2")
+        clock.now += timedelta(seconds=120)
+        answer = api.get(f"/v1/transfers/{second}", params={"wait": 1.5}).json()
+        assert answer["status"] == "failed" and answer["error"].startswith("deadline")
         text = api.get("/metrics").text
-        assert value(text, "kvplane_lease_expiries_total") == 1
-        clock.now += timedelta(seconds=60)
+        assert value(text, "kvplane_transfers_overdue_total") == 1
+        assert value(text, "kvplane_transfers_finished_total", status="failed") == 1
         text = api.get("/metrics").text
         assert value(text, "kvplane_workers", status="gone") == 3
 

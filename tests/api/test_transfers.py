@@ -81,7 +81,7 @@ def test_execute_without_workers_is_503_and_stores_nothing(client: TestClient) -
     assert "context rank 0" in problem["detail"]
     metrics = client.get("/metrics").text
     assert "kvplane_transfers_total 0.0" in metrics
-    assert client.get("/v1/jobs").json() == []
+    assert client.get("/v1/transfers").json()["total"] == 0
 
 
 def test_unknown_pairing_and_instances(client: TestClient) -> None:
