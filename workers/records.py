@@ -27,6 +27,7 @@ BATCH = 256
 INTERVAL_S = 1.0
 MAX_PENDING = 100_000
 MAX_BACKOFF_S = 10.0
+_REFUSED = (400, 403, 404, 409, 422)  # retrying the same record cannot succeed
 
 
 class Recorder:
@@ -113,21 +114,36 @@ class Recorder:
                 hold_until = last_post + 1.0
                 continue
             try:
-                self.client.record_transfers(worker_id, batch)
+                done = self._post(worker_id, batch)
             except ApiError as error:
                 self.failures += 1
-                if error.status not in (400, 403, 404, 422):
-                    delay = min(MAX_BACKOFF_S, max(0.5, delay * 2))
-                    hold_until = time.monotonic() + delay
-                    log.warning("recording %d transfer(s) failed (%s); retrying in %.1f s",
-                                len(batch), error, delay)
-                    continue
-                # Refused for good (a bug, or a worker the control plane no longer knows):
-                # retrying would refuse it forever.
-                log.warning("control plane refused %d record(s): %s", len(batch), error)
+                delay = min(MAX_BACKOFF_S, max(0.5, delay * 2))
+                hold_until = time.monotonic() + delay
+                log.warning("recording %d transfer(s) failed (%s); retrying in %.1f s",
+                            len(batch), error, delay)
+                continue
             delay = 0.0
             with self._cond:
-                for _ in batch:
+                for _ in range(done):
                     if self._pending:
                         self._pending.popleft()
-                self.posted += len(batch)
+
+    def _post(self, worker_id: str, batch: list[dict[str, Any]]) -> int:
+        """Post ``batch``; returns how many of its records are settled (posted or refused for
+        good). A batch the control plane refuses is split, so that one bad record (a bug, or a
+        worker the control plane no longer knows) does not take the good ones with it."""
+        try:
+            self.client.record_transfers(worker_id, batch)
+        except ApiError as error:
+            if error.status not in _REFUSED:
+                raise
+            self.failures += 1
+            if len(batch) == 1:
+                log.warning("control plane refused a record: %s", error)
+                return 1
+            done = 0
+            for record in batch:
+                done += self._post(worker_id, [record])
+            return done
+        self.posted += len(batch)
+        return len(batch)

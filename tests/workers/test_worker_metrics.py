@@ -1,175 +1,215 @@
-"""Worker metrics and per-job log context (``workers/metrics.py``), without NIXL or a server."""
+"""Worker metrics and the batched record (``workers/metrics.py``, ``workers/records.py``), with
+resolved handles and a stub control plane: no NIXL, no server."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
-from api.client import LeaseLostError
-from api.logs import ContextFilter
-from workers.agent import JobError, Worker
+from api.client import ApiError, TransportError, UnavailableError
+from workers.agent import Worker
+from workers.directory import PlanEntry
+from workers.handover import ARRIVED, FAILED, RELEASED, Handle
 from workers.metrics import WorkerMetrics, describe_worker, instrument
+from workers.records import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
 
+ENTRY = PlanEntry(
+    pairing_id="p1", context="ctx", generation="gen", context_epoch="ce", generation_epoch="ge",
+    context_dp_rank=None, generation_dp_rank=None, senders=(0, 1), receivers=(0,), routes=(),
+    route_dicts=(),
+)
+
 
 class StubClient:
-    """Records reports; ``complete_job`` raises ``complete_error`` when set."""
+    """A control plane that answers record batches from a script of outcomes."""
 
-    def __init__(self) -> None:
-        self.completed: list[str] = []
-        self.failed: list[str] = []
-        self.complete_error: Exception | None = None
+    def __init__(self, outcomes: Sequence[Exception | None] = ()) -> None:
+        self.outcomes = list(outcomes)
+        self.batches: list[list[Mapping[str, Any]]] = []
+        self.calls = 0
+        self.lock = threading.Lock()
 
-    def complete_job(self, job_id: str, body: Mapping[str, Any]) -> None:
-        if self.complete_error is not None:
-            raise self.complete_error
-        self.completed.append(job_id)
+    def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
+        with self.lock:
+            self.calls += 1
+            if any(record.get("bad") for record in records):
+                raise ApiError(422, "validation_error", "bad record")
+            outcome = self.outcomes.pop(0) if self.outcomes else None
+            if outcome is not None:
+                raise outcome
+            self.batches.append(list(records))
+        return {"accepted": len(records), "settled": []}
 
-    def fail_job(self, job_id: str, body: Mapping[str, Any]) -> None:
-        self.failed.append(job_id)
 
-
-def job(job_id: str, kind: str = "send") -> dict[str, Any]:
-    return {"id": job_id, "kind": kind, "transfer_id": f"t-{job_id}", "lease_token": "tok",
-            "payload": {"timeout_s": 60.0}}
+def resolved(side: str, state: str, nbytes: int = 100, seconds: float = 0.002,
+             reason: str | None = None, **context: Any) -> Handle:
+    handle = Handle(f"r-{side}-{state}", side, "gen" if side == "send" else "ctx", ENTRY, 30.0)
+    handle.context.update({"blocks": {"0": {"context": [1], "generation": [2]}}, **context})
+    handle.bytes = nbytes
+    handle._resolve(state, reason)
+    assert handle.finished_at is not None
+    handle.started_at = handle.finished_at - seconds
+    return handle
 
 
 @pytest.fixture
-def setup() -> tuple[Worker, StubClient, CollectorRegistry]:
-    client = StubClient()
-    worker = Worker(client, "ctx", 1, device="cpu")  # type: ignore[arg-type]
-    worker.worker_id = "w-1"
-    registry = CollectorRegistry()
-    instrument(worker, WorkerMetrics.create(registry))
-    instrument(worker, WorkerMetrics.create(CollectorRegistry()))  # idempotent: not wrapped twice
-    return worker, client, registry
+def worker() -> Worker:
+    agent = Worker(StubClient(), "ctx", 1, device="cpu")  # type: ignore[arg-type]
+    agent.worker_id = "w-1"
+    return agent
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
-def test_done_failed_and_lost_jobs_are_counted_by_outcome(
-    setup: tuple[Worker, StubClient, CollectorRegistry], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    worker, client, registry = setup
-    outcomes = iter(
-        [
-            {"bytes": 4096, "routes": []},
-            JobError("peer gone", retryable=False),
-            {"bytes": 10, "routes": []},
-        ]
-    )
-
-    def fake_send(lease: Mapping[str, Any]) -> dict[str, Any]:
-        item = next(outcomes)
-        if isinstance(item, Exception):
-            raise item
-        return dict(item)
-
-    monkeypatch.setattr(worker, "_send", fake_send)
-    worker.run_job(job("a"))
-    worker.run_job(job("b"))
-    client.complete_error = LeaseLostError(409, "lease_lost", "gone")
-    worker.run_job(job("c"))
-
-    assert (client.completed, client.failed) == (["a"], ["b"])
-    assert value(registry, "kvplane_worker_jobs_total", kind="send", outcome="done") == 1
-    assert value(registry, "kvplane_worker_jobs_total", kind="send", outcome="failed") == 1
-    assert value(registry, "kvplane_worker_jobs_total", kind="send", outcome="lease_lost") == 1
-    # only completed jobs count bytes and executor time
-    assert value(registry, "kvplane_worker_bytes_moved_total", kind="send") == 4096
-    assert value(registry, "kvplane_worker_executor_seconds_total", kind="send") > 0
-    assert (
-        value(registry, "kvplane_worker_job_duration_seconds_count", kind="send", outcome="done")
-        == 1
-    )
+def test_handovers_are_counted_by_side_and_outcome(worker: Worker) -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics.create(registry)
+    instrument(worker, metrics)
+    instrument(worker, metrics)  # idempotent: one listener, no double counts
+    for handle in (resolved("send", RELEASED), resolved("send", RELEASED, nbytes=50),
+                   resolved("send", FAILED, reason="deadline"),
+                   resolved("receive", ARRIVED, nbytes=7)):
+        worker._on_finished(handle)
+    assert value(registry, "kvplane_worker_handovers_total", side="send",
+                 outcome=RELEASED) == 2
+    assert value(registry, "kvplane_worker_handovers_total", side="send", outcome=FAILED) == 1
+    assert value(registry, "kvplane_worker_handovers_total", side="receive",
+                 outcome=ARRIVED) == 1
+    assert value(registry, "kvplane_worker_bytes_moved_total", side="send") == 150  # not failed
+    assert value(registry, "kvplane_worker_bytes_moved_total", side="receive") == 7
+    assert value(registry, "kvplane_worker_handover_seconds_count", side="send",
+                 outcome=RELEASED) == 2
+    assert value(registry, "kvplane_worker_handover_seconds_sum", side="send",
+                 outcome=RELEASED) == pytest.approx(0.004, abs=1e-5)
+    assert (worker.stats.sent, worker.stats.received, worker.stats.failed) == (2, 1, 1)
+    assert worker.stats.errors == ["deadline"]
 
 
-def test_a_report_that_raises_counts_as_error(
-    setup: tuple[Worker, StubClient, CollectorRegistry], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    worker, client, registry = setup
-    monkeypatch.setattr(worker, "_send", lambda lease: {"bytes": 1, "routes": []})
-    client.complete_error = RuntimeError("control plane unreachable")
-    with pytest.raises(RuntimeError):
-        worker.run_job(job("x"))
-    assert value(registry, "kvplane_worker_jobs_total", kind="send", outcome="error") == 1
-
-
-def test_logs_during_a_job_carry_its_ids(
-    setup: tuple[Worker, StubClient, CollectorRegistry],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    worker, _client, _registry = setup
-
-    def noisy_send(lease: Mapping[str, Any]) -> dict[str, Any]:
-        logging.getLogger("kvplane.worker").warning("writing")
-        return {"bytes": 1, "routes": []}
-
-    monkeypatch.setattr(worker, "_send", noisy_send)
-    caplog.handler.addFilter(ContextFilter())
-    with caplog.at_level(logging.WARNING, logger="kvplane.worker"):
-        worker.run_job(job("j9"))
-        logging.getLogger("kvplane.worker").warning("idle")
-    during, after = (r for r in caplog.records if r.getMessage() in ("writing", "idle"))
-    assert (getattr(during, "job_id", None), getattr(during, "transfer_id", None)) == ("j9", "t-j9")
-    assert getattr(after, "job_id", None) is None
-
-
-def test_worker_info_names_the_rank(setup: tuple[Worker, StubClient, CollectorRegistry]) -> None:
-    worker, _client, _registry = setup
+def test_worker_info_names_the_rank(worker: Worker) -> None:
     registry = CollectorRegistry()
     describe_worker(worker, WorkerMetrics.create(registry))
-    labels = {"kv_instance": "ctx", "rank": "1", "device": "cpu", "worker_id": "w-1"}
-    assert registry.get_sample_value("kvplane_worker_info", labels) == 1
-    assert "kvplane_worker_info{" in generate_latest(registry).decode()
+    assert value(registry, "kvplane_worker_info", kv_instance="ctx", rank="1", device="cpu",
+                 worker_id="w-1") == 1
 
 
-def test_worker_metrics_import_neither_fastapi_nor_sqlalchemy() -> None:
+def test_the_record_of_a_handle_names_its_transfer_and_epochs(worker: Worker) -> None:
+    engine = worker._record(resolved("send", RELEASED), None)
+    assert (engine["pairing_id"], engine["context_epoch"], engine["generation_epoch"]) == (
+        "p1", "ce", "ge")
+    assert engine["status"] == "done" and "transfer_id" not in engine
+    assert engine["blocks"] == {"0": {"context": [1], "generation": [2]}}  # creates the row
+    rest = worker._record(resolved("receive", FAILED, reason="peer_restarted: x",
+                                   transfer_id="t1", attempt=2), None)
+    assert (rest["transfer_id"], rest["attempt"], rest["status"], rest["error"]) == (
+        "t1", 2, "failed", "peer_restarted: x")
+    assert "blocks" not in rest
+
+
+def _wait(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_records_are_batched_by_count_or_interval() -> None:
+    client = StubClient()
+    recorder = Recorder(client, lambda: "w-1", batch=5, interval_s=3600)  # type: ignore[arg-type]
+    try:
+        for i in range(4):
+            recorder.add({"n": i})
+        time.sleep(0.2)
+        assert client.batches == []  # four of five, and the interval is far away
+        recorder.add({"n": 4})
+        _wait(lambda: client.batches)
+        assert [r["n"] for r in client.batches[0]] == [0, 1, 2, 3, 4]
+        recorder.add({"n": 5}, urgent=True)  # somebody waits for it: at once
+        _wait(lambda: len(client.batches) == 2)
+    finally:
+        recorder.close()
+    assert recorder.pending == 0 and recorder.posted == 6
+
+
+def test_records_ride_an_outage_and_none_is_lost() -> None:
+    down = [TransportError(0, "unreachable", "refused"), UnavailableError(503, "busy", "x"),
+            TransportError(0, "unreachable", "refused")]
+    client = StubClient(down)
+    recorder = Recorder(client, lambda: "w-1", batch=1, interval_s=0.05)  # type: ignore[arg-type]
+    try:
+        for i in range(20):
+            recorder.add({"n": i})
+        _wait(lambda: recorder.posted == 20, timeout_s=30)
+    finally:
+        recorder.close()
+    delivered = [r["n"] for batch in client.batches for r in batch]
+    assert sorted(delivered) == list(range(20)) and len(delivered) == 20
+    assert client.calls == len(client.batches) + 3 and recorder.failures == 3
+
+
+def test_a_refused_record_is_dropped_alone_and_not_retried_forever() -> None:
+    client = StubClient()
+    recorder = Recorder(client, lambda: "w-1", batch=3, interval_s=3600)  # type: ignore[arg-type]
+    try:
+        recorder.add({"n": 0})
+        recorder.add({"n": 1, "bad": True})
+        recorder.add({"n": 2})  # one batch of three: refused, then split
+        _wait(lambda: recorder.pending == 0)
+    finally:
+        recorder.close()
+    assert sorted(r["n"] for batch in client.batches for r in batch) == [0, 2]
+    assert recorder.posted == 2
+
+
+def test_the_backlog_is_bounded_and_counts_what_it_dropped() -> None:
+    client = StubClient([TransportError(0, "unreachable", "refused")] * 1000)
+    recorder = Recorder(client, lambda: "w-1", batch=1000, interval_s=3600,  # type: ignore[arg-type]
+                        max_pending=10)
+    try:
+        for i in range(25):
+            recorder.add({"n": i})
+        assert recorder.pending == 10 and recorder.dropped == 15
+    finally:
+        recorder.close(timeout_s=0.1)
+
+
+def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> None:
+    """Bytes an earlier transfer wrote are not corruption; bytes nobody targeted are."""
+    import torch
+
+    from workers.agent import VerificationError
+    from workers.pools import Pool, PoolSpec, pattern_tensor
+
+    spec = PoolSpec(id=0, slot_bytes=64, slot_stride_bytes=64, num_slots=4)
+    worker.rank = 0
+    worker.pools = {0: Pool(spec, pattern_tensor(0, 0, spec.nbytes).clone())}
+    worker._touched = {0: np.zeros(spec.nbytes, dtype=bool)}
+    handle = resolved("receive", ARRIVED)
+    assert worker.verify_transfer(handle) == spec.nbytes  # nothing targeted, nothing changed
+    worker.pools[0].tensor[70] ^= 0xFF  # an earlier transfer's byte in slot 1 ...
+    with pytest.raises(VerificationError, match="no transfer targeted"):
+        worker.verify_transfer(handle)
+    worker._touched[0][64:128] = True  # ... is fine once that transfer had targeted slot 1
+    assert worker.verify_transfer(handle) == spec.nbytes - 64
+    assert torch.equal(worker.pools[0].tensor[:64], pattern_tensor(0, 0, 64))
+
+
+def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
     code = (
-        "import sys, workers.metrics, api.logs; "
+        "import sys, workers.metrics, workers.agent, workers.handover, api.logs; "
         "bad = [m for m in ('fastapi', 'sqlalchemy', 'starlette') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
-def test_serve_rides_an_outage_and_stops_on_a_refused_token(
-    setup: tuple[Worker, StubClient, CollectorRegistry], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from api.client import ApiError, TransportError, UnavailableError
-    from workers import agent
-
-    worker, client, _ = setup
-    monkeypatch.setattr(agent, "OUTAGE_BACKOFF_S", 0.01)
-    worker.heartbeat_interval_s = 3600.0  # no heartbeats in this test
-    answers: list[Any] = [
-        TransportError(0, "transport_error", "connection refused"),
-        UnavailableError(503, "database_busy", "retry"),
-        None,  # a poll that found no job: the control plane is back
-        ApiError(403, "forbidden", "token revoked"),
-    ]
-    calls = []
-
-    def claim_job(worker_id: str, wait_s: float = 0.0) -> Any:
-        answer = answers[len(calls)]
-        calls.append(worker_id)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    client.claim_job = claim_job  # type: ignore[attr-defined]
-    with pytest.raises(ApiError) as stopped:
-        worker.serve()
-    assert stopped.value.status == 403
-    assert len(calls) == 4  # two failed claims were retried, then the refusal ended serve
