@@ -9,7 +9,6 @@ import re
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi import FastAPI
