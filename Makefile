@@ -35,11 +35,12 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 node-tools: $(NODE_STAMP)
 
 run: install
-	# The main job first: control plane + 6 real workers, a byte-verified NIXL transfer TP4 -> TP2.
-	$(VENV)/bin/kvplane demo
-	# Then the server for the dashboard and API docs, with a demo fleet registered.
-	$(VENV)/bin/kvplane migrate
-	$(VENV)/bin/kvplane serve --host $(HOST) --port $(PORT) --demo-fleet
+	# The main job first: control plane + 6 real workers, byte-verified NIXL transfers TP4 -> TP2
+	# through REST and the engine path, on var/kvplane.db ...
+	$(VENV)/bin/kvplane demo --host $(HOST) --port $(PORT) --database var/kvplane.db
+	# ... then the same database served for the dashboard and API docs: the demo's instances,
+	# pairing, transfers and their latency are there to click through.
+	KVPLANE_DATABASE_URL=sqlite:///var/kvplane.db $(VENV)/bin/kvplane serve --host $(HOST) --port $(PORT)
 
 demo: install
 	$(VENV)/bin/kvplane demo

@@ -254,6 +254,7 @@ def worker(
 @cli.command()
 def demo(
     blocks: int = typer.Option(64, min=1, max=4096, help="Blocks to transfer."),
+    host: str = typer.Option("127.0.0.1", help="Address of the demo's own control plane."),
     port: int = typer.Option(8765, help="Port of the demo's own control plane."),
     database: Path = typer.Option(Path("var/demo.db"), help="SQLite file (recreated)."),
     keep_running: bool = typer.Option(False, help="Leave server and workers up afterwards."),
@@ -261,7 +262,7 @@ def demo(
     """The main job: control plane + 6 real workers, a verified NIXL transfer TP4 → TP2."""
     from api.demo_run import run_demo
 
-    raise typer.Exit(run_demo(blocks=blocks, port=port, database=database,
+    raise typer.Exit(run_demo(blocks=blocks, host=host, port=port, database=database,
                               keep_running=keep_running))
 
 

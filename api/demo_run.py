@@ -72,7 +72,8 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait(timeout=5)
 
 
-def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool) -> int:
+def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
+             host: str = "127.0.0.1") -> int:
     """Run the demo; returns the process exit code (0 only if every byte verified)."""
     database.parent.mkdir(parents=True, exist_ok=True)
     for suffix in ("", "-wal", "-shm"):
@@ -83,11 +84,11 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool) -> i
     env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{database.resolve()}",
            "KVPLANE_AUTH": "false"}
     kvplane = [sys.executable, "-m", "api.cli"]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     processes: list[subprocess.Popen[bytes]] = []
     try:
         print(f"control plane: {url} (database {database}, logs in {logs}/)")
-        processes.append(_spawn([*kvplane, "serve", "--port", str(port)],
+        processes.append(_spawn([*kvplane, "serve", "--host", host, "--port", str(port)],
                                 logs / "server.log", env))
         client = Client(url, retries=2)
         _wait_for(lambda: client._http.get("/readyz").status_code == 200, 60, "the server")
