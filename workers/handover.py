@@ -535,11 +535,10 @@ class Handover:
             index[state.key] = state
             self._waiting.append(state)
         self._retry_waiting()
-        if op.side == "send":
-            for state in op.routes:
-                early = self._early.pop(state.key, None)
-                if early is not None:
-                    self._on_message(early[0], early[1], state)
+        for state in op.routes:
+            early = self._early.pop(state.key, None)
+            if early is not None and not op.handle.done:
+                self._on_message(early[0], early[1], state)
         self._maybe_complete(op)
 
     def _retry_waiting(self) -> None:
@@ -760,8 +759,9 @@ class Handover:
                                               self.directory.role == "context") else self._recv
         state = index.get(key)
         if state is None:
-            if kind in ("G", "X") and self.directory.role == "context":
-                self._early[key] = (agent, fields, time.monotonic())  # send() not called yet
+            if kind == "X" or (kind == "G" and self.directory.role == "context"):
+                # send()/expect() not called yet: a grant, or an abort, waits for it
+                self._early[key] = (agent, fields, time.monotonic())
             return
         self._on_message(agent, fields, state)
 
