@@ -65,7 +65,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from api.client import ApiError, Client
+from api.client import Client
 from api.demo_run import demo_bodies
 
 CONTEXT = "engine-ctx-tp4"
@@ -588,7 +588,7 @@ class Fleet:
                 process.start()
                 theirs.close()
                 self.ranks.append((spec, process, mine))
-        for spec, process, conn in self.ranks:
+        for spec, _, conn in self.ranks:
             self._answer(spec, conn, START_TIMEOUT_S)
         self.call_all("sync")
 
@@ -629,10 +629,10 @@ class Fleet:
                                                                                strict=True)])
 
     def stop(self) -> None:
-        for spec, process, conn in self.ranks:
+        for _, _, conn in self.ranks:
             with contextlib.suppress(Exception):
                 conn.send(("stop", {}))
-        for spec, process, conn in self.ranks:
+        for _, process, conn in self.ranks:
             with contextlib.suppress(Exception):
                 if conn.poll(20):
                     conn.recv()

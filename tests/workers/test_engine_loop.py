@@ -41,9 +41,12 @@ NUM_SLOTS = 32
 BLOCKS = 4
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    running = Fleet(tmp_path, num_slots=NUM_SLOTS, fill=True, staging_bytes=16 << 20)
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One fleet for the module (starting six rank processes takes a while); a test that stops
+    the control plane starts it again before it ends."""
+    running = Fleet(tmp_path_factory.mktemp("engine-loop"), num_slots=NUM_SLOTS, fill=True,
+                    staging_bytes=16 << 20)
     try:
         running.start()
         yield running
@@ -178,10 +181,12 @@ def test_engine_path_runs_without_the_control_plane_and_the_record_catches_up(
     before = fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, verify=True, seed=8)
     _assert_clean(before)
     fleet.server.stop()  # terminate the server process: no control plane at all
-    during = fleet.run_engine(requests=12, blocks=BLOCKS, in_flight=4, verify=True, seed=9)
-    _assert_clean(during)
-    stats = fleet.call_all("stats")
-    assert any((s["records_pending"] or 0) > 0 for s in stats), stats  # nothing could post
-    fleet.server.start()  # same database, same port
+    try:
+        during = fleet.run_engine(requests=12, blocks=BLOCKS, in_flight=4, verify=True, seed=9)
+        _assert_clean(during)
+        stats = fleet.call_all("stats")
+        assert any((s["records_pending"] or 0) > 0 for s in stats), stats  # nothing could post
+    finally:
+        fleet.server.start()  # same database, same port
     _wait_recorded(fleet, _engine_ids(fleet, before) | _engine_ids(fleet, during),
                    timeout_s=40)
