@@ -72,6 +72,9 @@ CONTEXT = "engine-ctx-tp4"
 GENERATION = "engine-gen-tp2"
 WORLD = {CONTEXT: 4, GENERATION: 2}
 START_TIMEOUT_S = 180.0
+# Between empty polls the raw loops sleep as long as the handover's busy progress loop does
+# (workers/handover.py BUSY_SLEEP_S): six processes spinning on two cores measure the scheduler.
+RAW_POLL_SLEEP_S = 0.00005
 REPO = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("kvplane.engine_loop")
@@ -396,7 +399,8 @@ class EngineRank:
         give_up = time.monotonic() + run_timeout_s
         for i in range(requests):
             while len(pending) >= in_flight:
-                self._raw_reap(pending)
+                if not self._raw_reap(pending):
+                    time.sleep(RAW_POLL_SLEEP_S)
                 if time.monotonic() > give_up:
                     raise TimeoutError("raw WRITEs did not complete")
             out["issued"][i] = time.time()
@@ -413,17 +417,21 @@ class EngineRank:
                                             f"R|{i}|{self.spec.rank}".encode(), "raw"))
             pending.append((i, posted))
         while pending:
-            self._raw_reap(pending)
+            if not self._raw_reap(pending):
+                time.sleep(RAW_POLL_SLEEP_S)
             if time.monotonic() > give_up:
                 raise TimeoutError("raw WRITEs did not complete")
 
-    def _raw_reap(self, pending: deque[tuple[int, list[Any]]]) -> None:
+    def _raw_reap(self, pending: deque[tuple[int, list[Any]]]) -> bool:
+        """Drop completed requests from ``pending``; True when one completed."""
         tp = self.worker.transport
         assert tp is not None
-        for _ in range(len(pending)):
+        before = len(pending)
+        for _ in range(before):
             i, posted = pending.popleft()
             if not all([tp.poll(p) for p in posted]):
                 pending.append((i, posted))
+        return len(pending) < before
 
     def _raw_receive(self, out: dict[str, Any], expected: int, requests: int,
                      run_timeout_s: float) -> None:
@@ -432,7 +440,10 @@ class EngineRank:
         counts: dict[int, int] = {}
         give_up = time.monotonic() + run_timeout_s
         while len(out["arrived"]) < requests:
-            for msgs in tp.drain_notifications().values():
+            notifications = tp.drain_notifications()
+            if not notifications:
+                time.sleep(RAW_POLL_SLEEP_S)
+            for msgs in notifications.values():
                 now = time.time()
                 for msg in msgs:
                     parts = msg.split(b"|")
@@ -611,6 +622,12 @@ class Fleet:
             conn.send((command, args))
         return [self._answer(spec, conn, timeout_s) for spec, _, conn in self.ranks]
 
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids: ``{"ranks": [...], "server": [...]}`` (for CPU accounting)."""
+        server = self.server.process
+        return {"ranks": [process.pid for _, process, _ in self.ranks],
+                "server": [] if server is None else [server.pid]}
+
     def run_engine(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
                    tag: str | None = None, start_delay_s: float = 0.3, **options: Any
                    ) -> EngineRun:
@@ -647,6 +664,19 @@ class Fleet:
 
 
 # --- what a run tells -----------------------------------------------------------------------
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of these processes so far (all their threads; Linux)."""
+    total = 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -725,5 +755,5 @@ class RawRun:
 
 
 __all__ = ["CONTEXT", "GENERATION", "BlockCache", "CacheError", "ControlPlane", "EngineRank",
-           "EngineRun", "Fleet", "RankSpec", "RawRun", "RunResult", "arrivals", "free_port",
-           "percentile", "request_blocks"]
+           "EngineRun", "Fleet", "RankSpec", "RawRun", "RunResult", "arrivals", "cpu_seconds",
+           "free_port", "percentile", "request_blocks"]

@@ -18,8 +18,10 @@ flight (closed loop), three paths between the same six processes:
   from ``in flight`` client threads; the same workers serve it through their command stream.
   Latency = POST sent → GET answered ``done``.
 
-transfers/s = requests / (first issue → last outcome). Prints a markdown table, the CPU and the
-load average before and after, and whether the goals of issue 11 are met.
+transfers/s = requests / (first issue → last outcome). CPU ms/request: user + system CPU time
+of the six rank processes and of the control plane during the measurement (read 1.2 s after the
+engine path's last outcome, so its batched records are in), per request. Prints a markdown
+table, the CPU and the load average before and after, and whether the goals of issue 11 are met.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from bench.engine_loop import (  # noqa: E402
     CONTEXT,
     GENERATION,
     Fleet,
+    cpu_seconds,
     percentile,
     request_blocks,
 )
@@ -52,6 +55,8 @@ from bench.engine_loop import (  # noqa: E402
 BLOCKS = (1, 4, 16, 64)
 IN_FLIGHT = (1, 4, 16)
 REST_EXTRA = (4, 8)  # (blocks, in flight): the issue's REST goal
+REST_RETRIES = 5
+RECORD_SETTLE_S = 1.2
 
 
 def cpu_model() -> str:
@@ -84,6 +89,7 @@ def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots:
     """``in_flight`` client threads, each POST + GET ?wait= in turn over its own block lane."""
     latencies: list[float] = []
     errors: list[str] = []
+    retries: list[str] = []
     starts: list[float] = []
     ends: list[float] = []
     lock = threading.Lock()
@@ -100,9 +106,17 @@ def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots:
                     return
                 t0 = time.time()
                 try:
-                    created = http.post("/v1/transfers", json={
-                        "context": CONTEXT, "generation": GENERATION,
-                        "request_id": f"{tag}-{k}", "blocks": body_blocks, "execute": True})
+                    for attempt in range(REST_RETRIES + 1):
+                        created = http.post("/v1/transfers", json={
+                            "context": CONTEXT, "generation": GENERATION,
+                            "request_id": f"{tag}-{k}", "blocks": body_blocks,
+                            "execute": True})
+                        if created.status_code != 503 or attempt == REST_RETRIES:
+                            break
+                        # As a client should: 503 (SQLite busy) says when to come back.
+                        with lock:
+                            retries.append(created.json().get("code", "503"))
+                        time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
                     created.raise_for_status()
                     done = http.get(f"/v1/transfers/{created.json()['id']}",
                                     params={"wait": 30})
@@ -124,14 +138,29 @@ def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots:
         thread.start()
     for thread in threads:
         thread.join()
-    return {"latencies": latencies, "errors": errors,
+    return {"latencies": latencies, "errors": errors, "retries": retries,
             "throughput": requests / max(max(ends) - min(starts), 1e-9)}
 
 
+class CpuMeter:
+    """CPU seconds the rank processes and the control plane spent during one measurement."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.pids = fleet.pids()
+        self.start = {k: cpu_seconds(v) for k, v in self.pids.items()}
+        self.rest_client = time.process_time()  # this process: the REST client threads
+
+    def per_request_ms(self, requests: int) -> dict[str, float]:
+        out = {k: (cpu_seconds(v) - self.start[k]) * 1e3 / requests
+               for k, v in self.pids.items()}
+        out["client"] = (time.process_time() - self.rest_client) * 1e3 / requests
+        return out
+
+
 def row(path: str, blocks: int, in_flight: int, nbytes: int, latencies: list[float],
-        throughput: float, failures: int) -> dict[str, Any]:
+        throughput: float, failures: int, cpu: dict[str, float]) -> dict[str, Any]:
     return {"path": path, "blocks": blocks, "in_flight": in_flight, "bytes": nbytes,
-            "n": len(latencies), "failed": failures,
+            "n": len(latencies), "failed": failures, "cpu_ms": cpu,
             "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
             "per_s": throughput}
 
@@ -173,30 +202,36 @@ def main(argv: list[str] | None = None) -> int:
             requests = requests_for(blocks, in_flight, args.quick)
             extra = (blocks, in_flight) == REST_EXTRA and in_flight not in flights
             if "raw" in paths and not extra:
+                meter = CpuMeter(fleet)
                 raw = fleet.run_raw(requests=requests, blocks=blocks, in_flight=in_flight,
                                     seed=seed)
                 if raw.errors:
                     print(f"raw {blocks}x{in_flight}: {raw.errors}", file=sys.stderr)
                 lat = raw.latencies_s()
                 rows.append(row("raw", blocks, in_flight, nbytes, lat, raw.throughput(),
-                                requests - len(lat)))
+                                requests - len(lat), meter.per_request_ms(requests)))
             if "engine" in paths and not extra:
+                meter = CpuMeter(fleet)
                 run = fleet.run_engine(requests=requests, blocks=blocks, in_flight=in_flight,
                                        seed=seed)
                 if run.failures or run.leaked or run.stalled:
                     print(f"engine {blocks}x{in_flight}: failures {list(run.failures.items())[:3]}"
                           f" leaked {run.leaked} stalled {run.stalled}", file=sys.stderr)
                 lat = run.latencies_s()
+                time.sleep(RECORD_SETTLE_S)  # the batched records belong to this measurement
                 rows.append(row("engine", blocks, in_flight, nbytes, lat, run.throughput(),
-                                requests - len(lat)))
+                                requests - len(lat), meter.per_request_ms(requests)))
             if "rest" in paths:
+                meter = CpuMeter(fleet)
                 rest = run_rest(fleet.server.url, requests=requests, blocks=blocks,
                                 in_flight=in_flight, num_slots=num_slots, seed=seed,
                                 tag=f"rest-{seed}")
                 if rest["errors"]:
                     print(f"rest {blocks}x{in_flight}: {rest['errors'][:3]}", file=sys.stderr)
                 rows.append(row("REST", blocks, in_flight, nbytes, rest["latencies"],
-                                rest["throughput"], len(rest["errors"])))
+                                rest["throughput"], len(rest["errors"]),
+                                meter.per_request_ms(requests)))
+                rows[-1]["retries_503"] = len(rest["retries"])
             print(f"  {blocks} blocks x {in_flight} in flight: "
                   + ", ".join(f"{r['path']} p50 {r['p50_ms']:.1f} ms" for r in rows
                               if r["blocks"] == blocks and r["in_flight"] == in_flight),
@@ -222,8 +257,8 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
           + (" (--quick)" if args.quick else ""))
     print()
     print("| path | blocks | in flight | bytes/request | n | p50 ms | p99 ms | transfers/s "
-          "| p50 ÷ raw | transfers/s ÷ raw |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = {"raw": 0, "engine": 1, "REST": 2}
     for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"], order[r["path"]])):
         base = raw.get((r["blocks"], r["in_flight"]))
@@ -233,9 +268,12 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
         else:
             ratio = tput = "–"
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
+        if r.get("retries_503"):
+            failed += f" ({r['retries_503']} × 503)"
+        cpu = r["cpu_ms"]
         print(f"| {r['path']} | {r['blocks']} | {r['in_flight']} | {r['bytes']:,} | "
               f"{r['n']}{failed} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['per_s']:.1f} | "
-              f"{ratio} | {tput} |")
+              f"{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |")
     print()
     print("Goals (issue 11):")
     for goal, met in goals(rows):
