@@ -44,6 +44,7 @@ No pytest in here: ``tests/workers/test_engine_loop.py`` and ``bench/latency.py`
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -150,9 +151,14 @@ def request_blocks(seed: int, index: int, blocks: int, num_slots: int
     lane = index % lanes
     sides = []
     for side in (0, 1):  # the two instances' caches are scattered differently
-        perm = np.random.default_rng([seed, side]).permutation(num_slots)
-        sides.append([int(x) for x in perm[lane * blocks:(lane + 1) * blocks]])
+        perm = _permutation(seed, side, num_slots)
+        sides.append(perm[lane * blocks:(lane + 1) * blocks])
     return {0: (sides[0], sides[1])}
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(seed: int, side: int, num_slots: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng([seed, side]).permutation(num_slots)]
 
 
 def lanes_of(blocks: int, num_slots: int) -> int:

@@ -76,8 +76,8 @@ def request_bytes(num_slots: int, blocks: int) -> int:
     return int(expand(plan, pairs).bytes)
 
 
-def requests_for(blocks: int, in_flight: int, quick: bool) -> int:
-    if quick:
+def requests_for(blocks: int, in_flight: int, quick: bool, path: str = "engine") -> int:
+    if quick or path == "REST":  # REST is slow here: keep the run's length bounded
         return max(8, 2 * in_flight)
     if blocks >= 64:
         return max(16, 3 * in_flight)
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                 requests - len(lat), meter.per_request_ms(requests)))
             if "rest" in paths:
                 meter = CpuMeter(fleet)
+                requests = requests_for(blocks, in_flight, args.quick, "REST")
                 rest = run_rest(fleet.server.url, requests=requests, blocks=blocks,
                                 in_flight=in_flight, num_slots=num_slots, seed=seed,
                                 tag=f"rest-{seed}")
