@@ -142,16 +142,17 @@ class BlockCache:
         return len(self._free)
 
 
-def request_blocks(seed: int, index: int, blocks: int, num_slots: int
-                   ) -> dict[int, tuple[list[int], list[int]]]:
-    """Request ``index``'s ``{group: (context_ids, generation_ids)}``: the same on every rank."""
+def request_blocks(seed: int, index: int, blocks: int, num_slots: int, *,
+                   contiguous: bool = False) -> dict[int, tuple[list[int], list[int]]]:
+    """Request ``index``'s ``{group: (context_ids, generation_ids)}``: the same on every rank
+    (``contiguous``: each lane's ids in order, as in a fresh cache)."""
     lanes = num_slots // blocks
     if lanes < 1:
         raise ValueError(f"{blocks} blocks per request do not fit {num_slots} slots")
     lane = index % lanes
     sides = []
     for side in (0, 1):  # the two instances' caches are scattered differently
-        perm = _permutation(seed, side, num_slots)
+        perm = list(range(num_slots)) if contiguous else _permutation(seed, side, num_slots)
         sides.append(perm[lane * blocks:(lane + 1) * blocks])
     return {0: (sides[0], sides[1])}
 
@@ -259,8 +260,8 @@ class EngineRank:
 
     def run(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
             tag: str, arrival: str = "closed", rate: float = 100.0, verify: bool = False,
-            mode: str = "staged", timeout_s: float = 30.0, run_timeout_s: float = 300.0
-            ) -> dict[str, Any]:
+            mode: str = "staged", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
+            contiguous: bool = False) -> dict[str, Any]:
         """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict."""
         spec = self.spec
         result = RunResult(rank=spec.rank, role=spec.role)
@@ -282,7 +283,8 @@ class EngineRank:
                     if time.time() < due:
                         wait_s = min(wait_s, due - time.time())
                         break
-                pairs = request_blocks(seed, nxt, blocks, self.num_slots)
+                pairs = request_blocks(seed, nxt, blocks, self.num_slots,
+                                       contiguous=contiguous)
                 mine = {g: ids[side] for g, ids in pairs.items()}
                 if not all(self.caches[g].available(ids) for g, ids in mine.items()):
                     break  # our cache has no room for it yet: wait for an outcome
