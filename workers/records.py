@@ -60,7 +60,9 @@ class Recorder:
                 self.dropped += 1
             if urgent:
                 self._urgent = True
-            if urgent or len(self._pending) >= self.batch:
+            # The first record of an empty queue wakes the loop too: it sleeps without a
+            # timeout while nothing is queued, and must start the interval's clock.
+            if urgent or len(self._pending) >= self.batch or len(self._pending) == 1:
                 self._cond.notify()
 
     @property

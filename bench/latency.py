@@ -1,0 +1,312 @@
+"""Handover latency: raw NIXL vs the engine path vs REST, one run, the demo fleet.
+
+    .venv/bin/python bench/latency.py [--quick] [--device cuda] [--json out.json]
+
+One control plane (``kvplane serve``, SQLite) and six rank processes (``bench/engine_loop.py``:
+TP4 context with an 8-head target and a 2-head draft view → TP2 generation, each rank a fake
+engine embedding a Worker). For 1, 4, 16 and 64 blocks per request and 1, 4 and 16 requests in
+flight (closed loop), three paths between the same six processes:
+
+- **raw**: the same routes' byte counts as plain NIXL WRITEs, staging → staging, one notification
+  per route, in a tight loop (the handover's progress thread paused meanwhile). A sender keeps
+  ``in flight`` requests' WRITEs posted; latency = last receiver's last notification − last
+  sender's post. The physical limit of this machine's loopback.
+- **engine**: ``worker.send`` / ``worker.expect`` per request on every rank, with paged-cache
+  accounting (each rank keeps ``in flight`` of its own handles pending); latency = last generation
+  handle ``arrived`` − last rank's call. All ranks share the machine clock (``time.time()``).
+- **REST**: ``POST /v1/transfers`` (``execute=true``) + ``GET /v1/transfers/{id}?wait=30``
+  from ``in flight`` client threads; the same workers serve it through their command stream.
+  Latency = POST sent → GET answered ``done``.
+
+transfers/s = requests / (first issue → last outcome). CPU ms/request: user + system CPU time
+of the six rank processes and of the control plane during the measurement (read 1.2 s after the
+engine path's last outcome, so its batched records are in), per request. Prints a markdown
+table, the CPU and the load average before and after, and whether the goals of issue 11 are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+
+from api.demo_run import demo_bodies  # noqa: E402
+from api.geometry import compile_plan, expand, parse_instance  # noqa: E402
+from bench.engine_loop import (  # noqa: E402
+    CONTEXT,
+    GENERATION,
+    Fleet,
+    cpu_seconds,
+    percentile,
+    request_blocks,
+)
+
+BLOCKS = (1, 4, 16, 64)
+IN_FLIGHT = (1, 4, 16)
+REST_EXTRA = (4, 8)  # (blocks, in flight): the issue's REST goal
+REST_RETRIES = 5
+RECORD_SETTLE_S = 1.2
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def request_bytes(num_slots: int, blocks: int) -> int:
+    context, generation = demo_bodies(num_slots=num_slots)
+    plan = compile_plan(parse_instance(context, CONTEXT), parse_instance(generation, GENERATION))
+    pairs = request_blocks(1, 0, blocks, num_slots)
+    return int(expand(plan, pairs).bytes)
+
+
+def requests_for(blocks: int, in_flight: int, quick: bool, path: str = "engine") -> int:
+    if quick or path == "REST":  # REST is slow here: keep the run's length bounded
+        return max(8, 2 * in_flight)
+    if blocks >= 64:
+        return max(16, 3 * in_flight)
+    return max(30, 6 * in_flight)
+
+
+def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots: int,
+             seed: int, tag: str) -> dict[str, Any]:
+    """``in_flight`` client threads, each POST + GET ?wait= in turn over its own block lane."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    retries: list[str] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def client(lane: int) -> None:
+        pairs = request_blocks(seed, lane, blocks, num_slots)
+        body_blocks = {str(g): {"context": c, "generation": r} for g, (c, r) in pairs.items()}
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while True:
+                with lock:
+                    k = next(counter, None)
+                if k is None:
+                    return
+                t0 = time.time()
+                try:
+                    for attempt in range(REST_RETRIES + 1):
+                        created = http.post("/v1/transfers", json={
+                            "context": CONTEXT, "generation": GENERATION,
+                            "request_id": f"{tag}-{k}", "blocks": body_blocks,
+                            "execute": True})
+                        if created.status_code != 503 or attempt == REST_RETRIES:
+                            break
+                        # As a client should: 503 (SQLite busy) says when to come back.
+                        with lock:
+                            retries.append(created.json().get("code", "503"))
+                        time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
+                    created.raise_for_status()
+                    done = http.get(f"/v1/transfers/{created.json()['id']}",
+                                    params={"wait": 30})
+                    done.raise_for_status()
+                    status = done.json()["status"]
+                except httpx.HTTPError as error:
+                    status = f"{type(error).__name__}: {error}"
+                t1 = time.time()
+                with lock:
+                    starts.append(t0)
+                    ends.append(t1)
+                    if status == "done":
+                        latencies.append(t1 - t0)
+                    else:
+                        errors.append(str(status)[:200])
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(in_flight)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"latencies": latencies, "errors": errors, "retries": retries,
+            "throughput": requests / max(max(ends) - min(starts), 1e-9)}
+
+
+class CpuMeter:
+    """CPU seconds the rank processes and the control plane spent during one measurement."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.pids = fleet.pids()
+        self.start = {k: cpu_seconds(v) for k, v in self.pids.items()}
+        self.rest_client = time.process_time()  # this process: the REST client threads
+
+    def per_request_ms(self, requests: int) -> dict[str, float]:
+        out = {k: (cpu_seconds(v) - self.start[k]) * 1e3 / requests
+               for k, v in self.pids.items()}
+        out["client"] = (time.process_time() - self.rest_client) * 1e3 / requests
+        return out
+
+
+def row(path: str, blocks: int, in_flight: int, nbytes: int, latencies: list[float],
+        throughput: float, failures: int, cpu: dict[str, float]) -> dict[str, Any]:
+    return {"path": path, "blocks": blocks, "in_flight": in_flight, "bytes": nbytes,
+            "n": len(latencies), "failed": failures, "cpu_ms": cpu,
+            "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
+            "per_s": throughput}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--quick", action="store_true", help="fewer requests per cell")
+    parser.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
+    parser.add_argument("--in-flight", default=",".join(map(str, IN_FLIGHT)))
+    parser.add_argument("--paths", default="raw,engine,rest")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--workdir", type=Path, help="logs and database (default: a temp dir)")
+    args = parser.parse_args(argv)
+    block_counts = [int(x) for x in args.blocks.split(",")]
+    flights = [int(x) for x in args.in_flight.split(",")]
+    paths = args.paths.split(",")
+    num_slots = max(64, max(block_counts) * max(flights + [REST_EXTRA[1]]))
+
+    load_before = os.getloadavg()
+    started = time.time()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvplane-latency-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(workdir, num_slots=num_slots, device=args.device, staging_bytes=128 << 20)
+    rows: list[dict[str, Any]] = []
+    try:
+        fleet.start()
+        print(f"fleet up in {time.time() - started:.0f} s (logs in {workdir})", file=sys.stderr)
+        # Warm-up: NIXL connections, the REST command streams.
+        fleet.run_engine(requests=4, blocks=4, in_flight=2, tag="warm")
+        if "rest" in paths:
+            run_rest(fleet.server.url, requests=2, blocks=4, in_flight=1, num_slots=num_slots,
+                     seed=2, tag="warm-rest")
+        cells = [(b, n) for b in block_counts for n in flights]
+        if "rest" in paths and REST_EXTRA[0] in block_counts:
+            cells.append(REST_EXTRA)
+        for seed, (blocks, in_flight) in enumerate(cells, start=10):
+            nbytes = request_bytes(num_slots, blocks)
+            requests = requests_for(blocks, in_flight, args.quick)
+            extra = (blocks, in_flight) == REST_EXTRA and in_flight not in flights
+            if "raw" in paths and not extra:
+                meter = CpuMeter(fleet)
+                raw = fleet.run_raw(requests=requests, blocks=blocks, in_flight=in_flight,
+                                    seed=seed)
+                if raw.errors:
+                    print(f"raw {blocks}x{in_flight}: {raw.errors}", file=sys.stderr)
+                lat = raw.latencies_s()
+                rows.append(row("raw", blocks, in_flight, nbytes, lat, raw.throughput(),
+                                requests - len(lat), meter.per_request_ms(requests)))
+            if "engine" in paths and not extra:
+                meter = CpuMeter(fleet)
+                run = fleet.run_engine(requests=requests, blocks=blocks, in_flight=in_flight,
+                                       seed=seed)
+                if run.failures or run.leaked or run.stalled:
+                    print(f"engine {blocks}x{in_flight}: failures {list(run.failures.items())[:3]}"
+                          f" leaked {run.leaked} stalled {run.stalled}", file=sys.stderr)
+                lat = run.latencies_s()
+                time.sleep(RECORD_SETTLE_S)  # the batched records belong to this measurement
+                rows.append(row("engine", blocks, in_flight, nbytes, lat, run.throughput(),
+                                requests - len(lat), meter.per_request_ms(requests)))
+            if "rest" in paths:
+                meter = CpuMeter(fleet)
+                requests = requests_for(blocks, in_flight, args.quick, "REST")
+                rest = run_rest(fleet.server.url, requests=requests, blocks=blocks,
+                                in_flight=in_flight, num_slots=num_slots, seed=seed,
+                                tag=f"rest-{seed}")
+                if rest["errors"]:
+                    print(f"rest {blocks}x{in_flight}: {rest['errors'][:3]}", file=sys.stderr)
+                rows.append(row("REST", blocks, in_flight, nbytes, rest["latencies"],
+                                rest["throughput"], len(rest["errors"]),
+                                meter.per_request_ms(requests)))
+                rows[-1]["retries_503"] = len(rest["retries"])
+            print(f"  {blocks} blocks x {in_flight} in flight: "
+                  + ", ".join(f"{r['path']} p50 {r['p50_ms']:.1f} ms" for r in rows
+                              if r["blocks"] == blocks and r["in_flight"] == in_flight),
+                  file=sys.stderr)
+    finally:
+        fleet.stop()
+    load_after = os.getloadavg()
+    print_report(rows, args, load_before, load_after, time.time() - started)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "rows": rows, "cpu": cpu_model(), "cpus": os.cpu_count(), "device": args.device,
+            "load_before": load_before, "load_after": load_after}, indent=1))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
+                 load_before: tuple[float, ...], load_after: tuple[float, ...],
+                 seconds: float) -> None:
+    raw = {(r["blocks"], r["in_flight"]): r for r in rows if r["path"] == "raw"}
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); device {args.device}; "
+          f"load average before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
+          f"{'/'.join(f'{x:.2f}' for x in load_after)}; {seconds:.0f} s"
+          + (" (--quick)" if args.quick else ""))
+    print()
+    print("| path | blocks | in flight | bytes/request | n | p50 ms | p99 ms | transfers/s "
+          "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    order = {"raw": 0, "engine": 1, "REST": 2}
+    for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"], order[r["path"]])):
+        base = raw.get((r["blocks"], r["in_flight"]))
+        if base and r["path"] != "raw":
+            ratio = f"{r['p50_ms'] / base['p50_ms']:.1f}×"
+            tput = f"{r['per_s'] / base['per_s']:.2f}×"
+        else:
+            ratio = tput = "–"
+        failed = f" ({r['failed']} failed)" if r["failed"] else ""
+        if r.get("retries_503"):
+            failed += f" ({r['retries_503']} × 503)"
+        cpu = r["cpu_ms"]
+        print(f"| {r['path']} | {r['blocks']} | {r['in_flight']} | {r['bytes']:,} | "
+              f"{r['n']}{failed} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['per_s']:.1f} | "
+              f"{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |")
+    print()
+    print("Goals (issue 11):")
+    for goal, met in goals(rows):
+        print(f"- {goal}: {'met' if met else 'NOT met'}")
+
+
+def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    def get(path: str, blocks: int, in_flight: int) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["path"], r["blocks"], r["in_flight"]) ==
+                     (path, blocks, in_flight)), None)
+
+    out: list[tuple[str, bool]] = []
+    for n in sorted({r["in_flight"] for r in rows if r["blocks"] == 4 and r["path"] == "raw"}):
+        engine, raw = get("engine", 4, n), get("raw", 4, n)
+        if engine and raw:
+            out.append((f"engine p50 ≤ 2 × raw p50 at 4 blocks, {n} in flight "
+                        f"({engine['p50_ms']:.2f} vs {2 * raw['p50_ms']:.2f} ms)",
+                        engine["p50_ms"] <= 2 * raw["p50_ms"]))
+    for b in sorted({r["blocks"] for r in rows if r["in_flight"] == 16}):
+        engine, raw = get("engine", b, 16), get("raw", b, 16)
+        if engine and raw:
+            out.append((f"engine transfers/s ≥ 0.5 × raw at 16 in flight, {b} blocks "
+                        f"({engine['per_s']:.1f} vs {0.5 * raw['per_s']:.1f}/s)",
+                        engine["per_s"] >= 0.5 * raw["per_s"]))
+    rest = get("REST", 4, 8)
+    if rest:
+        out.append((f"REST at 4 blocks, 8 in flight: p50 ≤ 30 ms ({rest['p50_ms']:.1f} ms)",
+                    rest["p50_ms"] <= 30))
+        out.append((f"REST at 4 blocks, 8 in flight: ≥ 50 transfers/s ({rest['per_s']:.1f}/s)",
+                    rest["per_s"] >= 50))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

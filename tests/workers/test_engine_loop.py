@@ -1,0 +1,192 @@
+"""The reference engine loop (``bench/engine_loop.py``) on the demo fleet, end to end.
+
+Six rank processes (TP4 context with an 8-head target and a 2-head draft view → TP2 generation),
+each a fake engine that owns its pools, allocates and frees block ids like a paged cache and
+embeds a real Worker (real NIXL on loopback, a real control plane on SQLite). Every pool is
+pattern-filled and every receive verified: written bytes carry the sender's pattern, all others
+are untouched. The record must follow: ``GET /v1/transfers`` lists every request as ``done``,
+also for requests that ran while the control plane was down.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.client import Client
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytest.importorskip("nixl")
+pytest.importorskip("torch")
+# bench/ is scripts, not an installed package: import it from the checkout (the rank processes
+# it spawns inherit this path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.engine_loop import (  # noqa: E402 (after the importorskips)
+    CONTEXT,
+    GENERATION,
+    BlockCache,
+    CacheError,
+    EngineRun,
+    Fleet,
+    request_blocks,
+)
+
+NUM_SLOTS = 32
+BLOCKS = 4
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One fleet for the module (starting six rank processes takes a while); a test that stops
+    the control plane starts it again before it ends."""
+    running = Fleet(tmp_path_factory.mktemp("engine-loop"), num_slots=NUM_SLOTS, fill=True,
+                    staging_bytes=16 << 20)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+def _assert_clean(run: EngineRun) -> None:
+    assert run.complete, run.stalled
+    assert run.failures == {}
+    assert run.leaked == 0
+    assert not run.stalled
+    for rank in run.ranks:
+        assert rank.double_allocations == 0
+        assert rank.verify_errors == []
+
+
+def _verified(run: EngineRun) -> int:
+    return sum(r.verified_bytes for r in run.ranks if r.role == "generation")
+
+
+def _engine_ids(fleet: Fleet, run: EngineRun) -> set[str]:
+    from api.services.execution import engine_transfer_id
+
+    pairing = fleet.client.get_pairing(fleet.pairing["id"]) if fleet.client else {}
+    ctx = fleet.client.get_instance(CONTEXT) if fleet.client else {}
+    gen = fleet.client.get_instance(GENERATION) if fleet.client else {}
+    return {engine_transfer_id(str(pairing["id"]), str(ctx["epoch"]), str(gen["epoch"]),
+                               f"{run.tag}-{i}") for i in range(run.requests)}
+
+
+def _records(client: Client, ids: set[str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    offset = 0
+    while True:
+        page = client.list_transfers(limit=1000, offset=offset)
+        for item in page["items"]:
+            if item["id"] in ids:
+                found[item["id"]] = item
+        offset += len(page["items"])
+        if not page["items"] or offset >= page["total"]:
+            return found
+
+
+def _wait_recorded(fleet: Fleet, ids: set[str], timeout_s: float) -> dict[str, Any]:
+    assert fleet.client is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = _records(fleet.client, ids)
+        if len(found) == len(ids) and all(t["status"] == "done" for t in found.values()):
+            return found
+        if time.monotonic() > deadline:
+            statuses = sorted({t["status"] for t in found.values()})
+            raise AssertionError(f"{len(found)} of {len(ids)} transfers recorded after "
+                                 f"{timeout_s:.0f} s, statuses {statuses}: "
+                                 f"{[t['error'] for t in found.values() if t['error']][:3]}")
+        time.sleep(0.2)
+
+
+class _Sink:
+    """Collects what a Recorder posts (the HTTP client's one method it calls)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+
+    def record_transfers(self, worker_id: str, records: list[Any]) -> None:
+        self.batches.append(list(records))
+
+
+def test_a_lone_record_is_posted_within_the_interval() -> None:
+    from workers.records import Recorder
+
+    sink = _Sink()
+    recorder = Recorder(sink, lambda: "w1", interval_s=0.2)  # type: ignore[arg-type]
+    try:
+        recorder.add({"n": 1})  # neither urgent nor a full batch
+        deadline = time.monotonic() + 10
+        while not sink.batches and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.batches == [[{"n": 1}]]
+    finally:
+        recorder.close(timeout_s=1)
+
+
+def test_block_cache_refuses_double_allocation_and_counts_leaks() -> None:
+    cache = BlockCache(8)
+    cache.reserve([3, 1])
+    with pytest.raises(CacheError, match="double allocation"):
+        cache.reserve([1, 2])
+    assert cache.alloc(2) == [0, 2]
+    assert cache.leaked == 4
+    cache.free([3, 1, 0, 2])
+    with pytest.raises(CacheError, match="not in use"):
+        cache.free([3])
+    assert cache.leaked == 0 and cache.free_count == 8
+
+
+def test_request_blocks_are_the_same_everywhere_and_disjoint_in_flight() -> None:
+    lanes = NUM_SLOTS // BLOCKS
+    maps = [request_blocks(5, i, BLOCKS, NUM_SLOTS) for i in range(lanes)]
+    assert maps[0] == request_blocks(5, 0, BLOCKS, NUM_SLOTS)
+    assert maps[0] != request_blocks(6, 0, BLOCKS, NUM_SLOTS)
+    for side in (0, 1):
+        ids = [x for m in maps for x in m[0][side]]
+        assert sorted(ids) == list(range(NUM_SLOTS))  # one lane per request, no overlap
+    assert request_blocks(5, lanes, BLOCKS, NUM_SLOTS) == maps[0]
+
+
+def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fleet) -> None:
+    closed = fleet.run_engine(requests=30, blocks=BLOCKS, in_flight=4, verify=True, seed=3)
+    _assert_clean(closed)
+    poisson = fleet.run_engine(requests=20, blocks=BLOCKS, in_flight=8, verify=True, seed=4,
+                               arrival="poisson", rate=40.0)
+    _assert_clean(poisson)
+    assert len(closed.latencies_s()) == 30 and len(poisson.latencies_s()) == 20
+    # Every receive checked its bytes: at least every pool byte of both generation ranks once
+    # per request (the written ones against the sender's pattern, the rest untouched).
+    assert _verified(closed) > 0 and _verified(poisson) > 0
+    for run in (closed, poisson):
+        assert all(r.verified_bytes for r in run.ranks if r.role == "generation")
+    # The record follows within seconds: every request is one transfer, done.
+    ids = _engine_ids(fleet, closed) | _engine_ids(fleet, poisson)
+    recorded = _wait_recorded(fleet, ids, timeout_s=15)
+    assert {t["request_id"] for t in recorded.values()} == (
+        {f"{closed.tag}-{i}" for i in range(30)} | {f"{poisson.tag}-{i}" for i in range(20)})
+    assert all(t["bytes"] > 0 for t in recorded.values())
+
+
+def test_engine_path_runs_without_the_control_plane_and_the_record_catches_up(
+    fleet: Fleet,
+) -> None:
+    before = fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, verify=True, seed=8)
+    _assert_clean(before)
+    fleet.server.stop()  # terminate the server process: no control plane at all
+    try:
+        during = fleet.run_engine(requests=12, blocks=BLOCKS, in_flight=4, verify=True, seed=9)
+        _assert_clean(during)
+        stats = fleet.call_all("stats")
+        assert any((s["records_pending"] or 0) > 0 for s in stats), stats  # nothing could post
+    finally:
+        fleet.server.start()  # same database, same port
+    _wait_recorded(fleet, _engine_ids(fleet, before) | _engine_ids(fleet, during),
+                   timeout_s=40)
