@@ -166,6 +166,7 @@ class Worker:
             self.handover = Handover(self.transport, instance=self.instance, rank=self.rank,
                                      on_finished=self._on_finished,
                                      on_start=self._mark_targeted if self.fill else None,
+                                     check=self._check_filled if self.fill else None,
                                      chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
                                      hold_s=self.hold_s)
             log.info("worker %s attached to %s rank %d (%s, agent %s)", self.worker_id,
@@ -372,18 +373,13 @@ class Worker:
 
     def _on_finished(self, handle: Handle) -> None:
         """Progress thread: stats, fill-mode verification, the record, listeners."""
-        verified = None
+        verified = handle.context.get("verified_bytes")
         if handle.state != FAILED:
             if handle.side == "send":
                 self.stats.sent += 1
             else:
                 self.stats.received += 1
             self.stats.bytes_moved += handle.bytes
-            if self.fill and handle.side == "receive" and handle.context.get("verify", False):
-                try:
-                    verified = self.verify_transfer(handle)
-                except VerificationError as error:
-                    handle.state, handle.reason = FAILED, str(error)
         if handle.state == FAILED:
             self.stats.failed += 1
             self.stats.errors.append(str(handle.reason))
@@ -446,7 +442,8 @@ class Worker:
                 continue
             src_specs: Mapping[int, PoolSpec] = _AnySpec()
             if sources:
-                peer = self.directory.peer(handle.peer, route.sender_rank)
+                assert self.handover is not None
+                peer = self.handover.peer(handle.peer, route.sender_rank)
                 if peer is None:
                     raise VerificationError(f"no endpoint of {handle.peer} rank "
                                             f"{route.sender_rank} to verify against")
@@ -458,6 +455,16 @@ class Worker:
                 out.append((route.sender_rank * 1_000_000 + src_pool, dst_pool,
                             np.repeat(so, ln) + within, np.repeat(do, ln) + within))
         return out
+
+    def _check_filled(self, handle: Handle) -> str | None:
+        """Before a verified receive resolves (fill mode): check its bytes; a reason fails it."""
+        if not handle.context.get("verify", False):
+            return None
+        try:
+            handle.context["verified_bytes"] = self.verify_transfer(handle)
+        except VerificationError as error:
+            return str(error)
+        return None
 
     def verify_transfer(self, handle: Handle) -> int:
         """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned

@@ -306,6 +306,7 @@ class Handover:
         directory: Directory | None = None,
         on_finished: Callable[[Handle], None] | None = None,
         on_start: Callable[[Handle], None] | None = None,
+        check: Callable[[Handle], str | None] | None = None,
         chunk_blocks: int = CHUNK_BLOCKS,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         hold_s: float = 0.0,
@@ -316,6 +317,8 @@ class Handover:
         self.directory = directory or Directory.empty(instance, rank)
         self.on_finished = on_finished
         self.on_start = on_start  # caller's thread, before the first byte can move
+        # Progress thread, before a receive resolves: a reason fails it (fill-pattern checks).
+        self.check = check
         self.chunk_blocks = chunk_blocks
         self.default_timeout_s = default_timeout_s
         # Fault injection for tests and chaos drills: a receiver holds its grants, a sender
@@ -330,6 +333,7 @@ class Handover:
         self._send: dict[tuple[str, int, int], _RouteState] = {}
         self._waiting: list[_RouteState] = []  # routes waiting for staging space or a peer
         self._early: dict[tuple[str, int, int], tuple[str, list[str], float]] = {}
+        self._peers: dict[tuple[str, int], PeerWorker] = {}  # the directory's, plus kept ones
         self._agents: dict[str, PeerWorker] = {}
         self._retired: dict[str, PeerWorker] = {}
         self._finished: deque[Handle] = deque()
@@ -402,6 +406,10 @@ class Handover:
     @property
     def pending(self) -> int:
         return len(self._ops)
+
+    def peer(self, instance: str, rank: int) -> PeerWorker | None:
+        """The worker of ``instance`` rank ``rank`` this rank would talk to now."""
+        return self._peers.get((instance, rank))
 
     # --- starting a handle (caller's thread: validation only) --------------------------------
 
@@ -550,7 +558,7 @@ class Handover:
                 continue
             if state.agent is None:
                 peer_instance = op.peer
-                peer = self.directory.peer(peer_instance, state.peer_rank)
+                peer = self._peers.get((peer_instance, state.peer_rank))
                 if peer is None or not self._load_peer(peer):
                     still.append(state)
                     continue
@@ -803,6 +811,13 @@ class Handover:
         handle = op.handle
         handle.bytes = sum(state.layout.nbytes for state in op.routes)
         handle.routes = self._route_results(op)
+        if self.check is not None and op.side == "receive" and op.routes:
+            reason = self.check(handle)
+            if reason is not None:
+                self._ops.pop(id(op), None)
+                self.stats["failed"] += 1
+                self._resolve(handle, FAILED, reason)
+                return
         self._ops.pop(id(op), None)
         self.stats["sent" if op.side == "send" else "received"] += 1
         self.stats["bytes"] += handle.bytes
@@ -882,18 +897,32 @@ class Handover:
     # --- directory ---------------------------------------------------------------------------
 
     def _apply_directory(self, directory: Directory) -> None:
-        old = self._agents
+        """Swap in a refreshed directory.
+
+        A peer worker is retired only when its rank has another worker now or its instance
+        has another epoch. A rank that is merely missing (the control plane is slow, its
+        heartbeats lag) keeps its last known worker: the hot path does not depend on the control
+        plane's view of liveness, only on NIXL and on deadlines.
+        """
         self.directory = directory
-        self._agents = {peer.agent: peer for peer in directory.peers.values()}
-        for agent, peer in old.items():
-            if agent not in self._agents:
-                self._retired[agent] = peer
-                if agent in self._loaded:
-                    self._loaded.discard(agent)
-                    try:
-                        self.transport.remove_peer(agent)
-                    except TransportError as error:
-                        log.debug("dropping peer %s: %s", agent, error)
+        peers = dict(directory.peers)
+        for key, peer in self._peers.items():
+            if key in peers:
+                continue
+            epoch = directory.peer_epochs.get(peer.instance)
+            if epoch is None or epoch == peer.epoch:  # still that epoch, or not paired now
+                peers[key] = peer
+        retired = {p.agent for p in self._peers.values()} - {p.agent for p in peers.values()}
+        for agent in retired:
+            self._retired[agent] = self._agents[agent]
+            if agent in self._loaded:
+                self._loaded.discard(agent)
+                try:
+                    self.transport.remove_peer(agent)
+                except TransportError as error:
+                    log.debug("dropping peer %s: %s", agent, error)
+        self._peers = peers
+        self._agents = {peer.agent: peer for peer in peers.values()}
         if len(self._retired) > 4096:
             self._retired = dict(list(self._retired.items())[-1024:])
         for op in list(self._ops.values()):
@@ -902,9 +931,9 @@ class Handover:
                 self._fail(op, f"peer_restarted: {op.peer} re-registered (new epoch)")
                 continue
             for state in op.routes:
-                if state.agent is not None and state.agent not in self._agents and not state.done:
+                if state.agent is not None and state.agent in retired and not state.done:
                     self._fail(op, f"peer_restarted: the worker of {op.peer} rank "
-                                   f"{state.peer_rank} left or restarted")
+                                   f"{state.peer_rank} was replaced")
                     break
 
 

@@ -95,8 +95,10 @@ def worker_heartbeat(
     """A worker is alive. The answer's `directory_revision` tells it when to refetch its
     directory (409 `worker_stale`: its instance re-registered, attach again)."""
     now = now_of(request)
-    with db.write() as session:
-        row = service.heartbeat(session=session, worker_id=worker_id, now=now)
+    with db.write() as session:  # the write is one UPDATE; SQLite's write lock is precious
+        service.heartbeat(session=session, worker_id=worker_id, now=now)
+    with db.read() as session:
+        row = service.get_worker(session=session, worker_id=worker_id)
         revision = service.directory_revision(session=session, worker=row, now=now)
         read = service.worker_read(row, now, connected=hub_of(request).connected(row.id),
                                    revision=revision)

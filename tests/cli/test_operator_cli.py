@@ -68,9 +68,10 @@ def server(sqlite_url: str) -> Iterator[str]:
             for name, body in (("ctx", ctx), ("gen", gen), ("gen-bad", bad)):
                 api.put(f"/v1/instances/{name}", json=body).raise_for_status()
             api.post("/v1/pairings", json={"context": "ctx", "generation": "gen"})
+            workers = {}
             for name, body in (("ctx", ctx), ("gen", gen)):
                 for rank_body in body["ranks"]:
-                    api.post(
+                    attached = api.post(
                         "/v1/workers",
                         json={
                             "instance": name,
@@ -78,8 +79,10 @@ def server(sqlite_url: str) -> Iterator[str]:
                             "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
                             "pid": 19451 + rank_body["rank"],
                         },
-                    ).raise_for_status()
-            api.post(
+                    )
+                    attached.raise_for_status()
+                    workers[(name, rank_body["rank"])] = attached.json()["id"]
+            transfer = api.post(
                 "/v1/transfers",
                 json={
                     "context": "ctx",
@@ -88,7 +91,20 @@ def server(sqlite_url: str) -> Iterator[str]:
                     "execute": True,
                     "blocks": {"0": {"context": [0, 1, 2], "generation": [5, 6, 7]}},
                 },
-            ).raise_for_status()
+            )
+            transfer.raise_for_status()
+            # The context workers record their parts (as real workers do); the receiver has not.
+            (pairing,) = api.get(
+                f"/v1/workers/{workers[('ctx', 0)]}/directory").json()["pairings"]
+            for rank in (0, 1):
+                api.post("/v1/transfers/records", json={
+                    "worker_id": workers[("ctx", rank)], "records": [{
+                        "transfer_id": transfer.json()["id"], "request_id": "req-7",
+                        "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
+                        "context_epoch": pairing["context_epoch"],
+                        "generation_epoch": pairing["generation_epoch"], "side": "send",
+                        "rank": rank, "status": "done", "bytes": 64, "started_at": 1.0e9,
+                        "finished_at": 1.0e9 + 0.001}]}).raise_for_status()
         yield url
     finally:
         uv.should_exit = True
@@ -274,7 +290,7 @@ def test_transfers_list_and_show(server: str) -> None:
     assert result.exit_code == 0, result.output
     header, row = result.stdout.splitlines()
     fields = dict(zip(header.split(), row.split(), strict=False))
-    assert (fields["STATUS"], fields["CONTEXT"], fields["REQUEST"]) == ("queued", "ctx", "req-7")
+    assert (fields["STATUS"], fields["CONTEXT"], fields["REQUEST"]) == ("running", "ctx", "req-7")
     assert kvplane(server, "transfers", "list", "--status", "done").stdout == (
         "no transfers with status=done\n"
     )
@@ -283,12 +299,12 @@ def test_transfers_list_and_show(server: str) -> None:
 
     shown = kvplane(server, "transfers", "show", transfer_id)
     assert shown.exit_code == 0, shown.output
-    assert shown.stdout.startswith(f"transfer {transfer_id}: queued, ctx -> gen")
-    job_lines = shown.stdout.split("\n\n")[1].splitlines()
-    assert job_lines[0].split()[:2] == ["JOB", "KIND"]
-    assert sorted(line.split()[1] for line in job_lines[1:]) == ["receive", "send", "send"]
+    assert shown.stdout.startswith(f"transfer {transfer_id}: running, ctx -> gen")
+    part_lines = shown.stdout.split("\n\n")[1].splitlines()
+    assert part_lines[0].split()[:2] == ["PART", "SIDE"]
+    assert sorted(line.split()[1] for line in part_lines[1:]) == ["send", "send"]
     data = json.loads(kvplane(server, "transfers", "show", transfer_id, "--json").stdout)
-    assert data["request_id"] == "req-7" and len(data["jobs"]) == 3
+    assert data["request_id"] == "req-7" and len(data["parts"]) == 2
 
 
 def test_workers_list(server: str) -> None:
