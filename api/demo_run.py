@@ -1,124 +1,70 @@
 """``kvplane demo``: the main job, end to end, on one machine.
 
-1. start a control plane (uvicorn, fresh SQLite file) on 127.0.0.1;
+1. start a control plane (``kvplane serve``, a fresh SQLite file) on loopback;
 2. register a context instance (TP4; an 8-head target view and a 2-head draft view sharing one
    pool) and a generation instance (TP2), and pair them;
-3. start six real worker processes on the CPU (four context ranks, two generation ranks), every
-   pool filled with the (rank, pool, byte) pattern;
-4. transfer ``blocks`` blocks through real NIXL on loopback, staged and then per-fragment, each
-   verified: every generation byte is checked by its worker (written bytes carry the sender's
-   pattern, all others are untouched) and every route's sender/receiver crc32 must agree;
-5. print a table and stop everything.
+3. start six rank processes on the CPU (``workers/engine_loop.py``: a fake engine per rank that
+   owns its KV tensors and embeds a worker), every pool filled with the (rank, pool, byte) pattern;
+4. through REST, transfer ``blocks`` blocks staged and then per fragment, both verified: the bytes
+   each transfer wrote carry the sender's pattern at the planned offsets, and every route's
+   sender and receiver crc32 agree;
+5. a burst of small requests three ways on the same processes: raw NIXL WRITEs (the physical
+   limit), the engine path (``send``/``expect`` in process) and REST, with latency percentiles
+   side by side. The engine and REST requests are verified like step 4;
+6. sweep every pool byte that no transfer targeted (each must still hold its own pattern), check
+   that no block leaked, print the tables and stop everything. The database keeps the record.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
+from api.client import Client
 
-from api.client import ApiError, Client
-from api.geometry.builders import ViewSpec, instance_body
-
-CONTEXT = "demo-ctx-tp4"
-GENERATION = "demo-gen-tp2"
-WORKER_START_TIMEOUT_S = 120.0
+BURST_REQUESTS = 32
+BURST_BLOCKS = 4
+BURST_IN_FLIGHT = 4
 
 
-def demo_bodies(num_slots: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The demo fleet: Llama-like 8-head target (4 layers) + 2-head one-layer draft, bf16, HND."""
-    views = [ViewSpec("target", 4, 8, 128), ViewSpec("draft", 1, 2, 128)]
-    context = instance_body(role="context", views=views, tp=4, num_slots=num_slots,
-                            model="demo-llama")
-    generation = instance_body(role="generation", views=views, tp=2, num_slots=num_slots,
-                               model="demo-llama")
-    return context, generation
+def _row(path: str, latencies: list[float], throughput: float, failures: int) -> str:
+    import numpy as np
 
-
-def _spawn(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with log_path.open("wb") as log_file:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-
-
-def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (ApiError, OSError, httpx.HTTPError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=5)
+    if latencies:
+        p50, p99 = (float(np.percentile(latencies, q)) * 1000 for q in (50, 99))
+        return (f"| {path:<11} | {len(latencies):>4} | {failures:>6} | {p50:>8.2f} | "
+                f"{p99:>8.2f} | {throughput:>12.1f} |")
+    return f"| {path:<11} | {0:>4} | {failures:>6} | {'-':>8} | {'-':>8} | {'-':>12} |"
 
 
 def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
              host: str = "127.0.0.1") -> int:
     """Run the demo; returns the process exit code (0 only if every byte verified)."""
+    from workers.engine_loop import CONTEXT, GENERATION, Fleet, run_rest
+
     database.parent.mkdir(parents=True, exist_ok=True)
     for suffix in ("", "-wal", "-shm"):
         Path(f"{database}{suffix}").unlink(missing_ok=True)
     logs = database.parent / "demo-logs"
     logs.mkdir(exist_ok=True)
-    # The demo's own control plane listens on loopback only, without auth.
-    env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{database.resolve()}",
-           "KVPLANE_AUTH": "false"}
-    kvplane = [sys.executable, "-m", "api.cli"]
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    processes: list[subprocess.Popen[bytes]] = []
+    num_slots = max(2 * blocks, 128)
+    fleet = Fleet(logs, num_slots=num_slots, fill=True, database=database, port=port,
+                  host=host)
+    ok = True
     try:
-        print(f"control plane: {url} (database {database}, logs in {logs}/)")
-        processes.append(_spawn([*kvplane, "serve", "--host", host, "--port", str(port)],
-                                logs / "server.log", env))
-        client = Client(url, retries=2)
-        _wait_for(lambda: client._http.get("/readyz").status_code == 200, 60, "the server")
+        print(f"control plane: {fleet.server.url} (database {database}, logs in {logs}/)")
+        fleet.start()
+        print(f"pairing {fleet.pairing['id']}: compatible, "
+              f"{len(fleet.pairing['warnings'])} warning(s)")
+        print("ranks: 6 processes (4 context, 2 generation), each a fake engine embedding a "
+              "worker; pools pattern-filled")
+        client = Client(fleet.server.url, retries=3)
 
-        context, generation = demo_bodies(num_slots=max(2 * blocks, 128))
-        client.register_instance(CONTEXT, context)
-        client.register_instance(GENERATION, generation)
-        pairing = client.create_pairing(CONTEXT, GENERATION)
-        if not pairing["compatible"]:
-            print("pairing refused:", pairing["errors"])
-            return 1
-        print(f"pairing {pairing['id']}: compatible, {len(pairing['warnings'])} warning(s)")
-
-        for name, world in ((CONTEXT, 4), (GENERATION, 2)):
-            for rank in range(world):
-                processes.append(_spawn(
-                    [*kvplane, "worker", "--control-plane", url, "--instance", name,
-                     "--rank", str(rank), "--fill-pattern", "--staging-mib", "64"],
-                    logs / f"worker-{name}-{rank}.log", env))
-        _wait_for(
-            lambda: sum(w["status"] == "alive" for w in client.list_workers()["items"]) == 6,
-            WORKER_START_TIMEOUT_S, "six workers to attach")
-        print("workers: 6 attached (4 context ranks, 2 generation ranks), pools pattern-filled")
-
+        # --- REST, one big verified transfer per mode ------------------------------------------
         context_ids = list(range(blocks))
-        # Prefix caching on the generation side would shorten its list; here the ids differ
-        # so that a copy to the wrong slot is caught.
+        # The generation ids differ from the context's: a copy to the wrong slot is caught.
         generation_ids = [blocks + i for i in range(blocks)]
         rows = []
-        ok = True
         for mode in ("staged", "fragments"):
             transfer = client.create_transfer({
                 "context": CONTEXT, "generation": GENERATION, "request_id": f"demo-{mode}",
@@ -126,48 +72,90 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
                 "execute": True, "mode": mode, "verify": True,
             })
             done = client.get_transfer(transfer["id"], wait_s=60)
-            jobs = client.list_parts(transfer["id"])["items"]
-            verified = sum((job["result"] or {}).get("verified_bytes") or 0 for job in jobs
-                           if job["state"] == "done")
-            runs = sum(route["runs"] for route in done["routes"])
-            seconds = done["duration_s"] or float("nan")
-            sends = [job["result"]["duration_s"] for job in jobs
-                     if job["kind"] == "send" and job["state"] == "done"]
-            wire = max(sends, default=float("nan"))
-            rows.append((mode, done["status"], done["bytes"], seconds, wire,
-                         done["bytes"] / wire / 1e9, done["fragments"], runs, verified))
+            parts = client.list_parts(transfer["id"])["items"]
+            verified = sum((p["result"] or {}).get("verified_bytes") or 0 for p in parts)
+            sends = [p["result"]["duration_s"] for p in parts
+                     if p["kind"] == "send" and p["state"] == "done"]
+            rows.append((mode, done["status"], done["bytes"], done["duration_s"],
+                         max(sends, default=float("nan")), done["fragments"],
+                         sum(route["runs"] for route in done["routes"]), verified))
             if done["status"] != "done":
                 ok = False
                 print(f"{mode}: {done['status']}: {done['error']}")
         header = (f"| {'mode':<9} | {'status':<6} | {'bytes':>11} | {'end-to-end s':>12} | "
-                  f"{'send jobs s':>11} | {'GB/s':>6} | {'fragments':>9} | {'runs':>5} | "
+                  f"{'slowest sender s':>16} | {'fragments':>9} | {'runs':>5} | "
                   f"{'verified bytes':>14} |")
         print()
         print(header)
         print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
-        for mode, status, nbytes, seconds, wire, rate, fragments, runs, verified in rows:
-            print(f"| {mode:<9} | {status:<6} | {nbytes:>11,} | {seconds:>12.3f} | "
-                  f"{wire:>11.3f} | {rate:>6.2f} | {fragments:>9,} | {runs:>5} | "
-                  f"{verified:>14,} |")
+        for mode, status, nbytes, seconds, wire, fragments, runs, verified in rows:
+            print(f"| {mode:<9} | {status:<6} | {nbytes:>11,} | {seconds or float('nan'):>12.3f} "
+                  f"| {wire:>16.3f} | {fragments:>9,} | {runs:>5} | {verified:>14,} |")
         print()
-        print("end-to-end: first claim to done (claims, NIXL connection set-up, the receivers' "
-              "full-pool verification); send jobs: the slowest sender's gather + NIXL writes; "
-              "GB/s = bytes / send jobs s (with verify, both include the sender's crc32). "
-              "Per-fragment mode moves no bytes on the receivers; its receive jobs only wait "
-              "for the writes and check them.")
+        print("end-to-end: dispatch to done, including the first NIXL connection set-up and the "
+              "receivers' checks; slowest sender: gather, WRITEs and crc32 of one context rank.")
+
+        # --- a burst of small requests, three ways ---------------------------------------------
         print()
-        print("verified: every byte of both generation ranks' pools (written bytes carry the "
-              "sending rank's pattern, all others are untouched), and sender/receiver crc32 of "
-              "every route" if ok else "FAILED: see above and the logs")
+        print(f"burst: {BURST_REQUESTS} requests of {BURST_BLOCKS} blocks, {BURST_IN_FLIGHT} in "
+              "flight, on the same six processes")
+        raw = fleet.run_raw(requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
+                            in_flight=BURST_IN_FLIGHT, seed=7)
+        engine = fleet.run_engine(requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
+                                  in_flight=BURST_IN_FLIGHT, seed=8, verify=True)
+        rest = run_rest(fleet.server.url, requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
+                        in_flight=BURST_IN_FLIGHT, num_slots=num_slots, seed=9,
+                        tag=f"demo-rest-{time.time_ns() % 10**9}", verify=True)
+        header = (f"| {'path':<11} | {'done':>4} | {'failed':>6} | {'p50 ms':>8} | "
+                  f"{'p99 ms':>8} | {'transfers/s':>12} |")
+        print()
+        print(header)
+        print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
+        print(_row("raw NIXL", raw.latencies_s(), raw.throughput(), len(raw.errors)))
+        print(_row("engine path", engine.latencies_s(), engine.throughput(),
+                   len(engine.failures)))
+        print(_row("REST", rest["latencies"], rest["throughput"], len(rest["errors"])))
+        print()
+        print("raw: the same routes as plain NIXL WRITEs with one notification each (no "
+              "gather, scatter or checks); engine: send/expect in process, the request's last "
+              "call to its last arrival; REST: POST /v1/transfers + GET ?wait= from a client.")
+        problems = [*raw.errors, *engine.failures.values(), *rest["errors"]]
+        if engine.leaked or not engine.complete or problems:
+            ok = False
+            print(f"FAILED burst: leaked blocks {engine.leaked}, stalled {engine.stalled}, "
+                  f"problems {problems[:3]}")
+
+        # --- every byte nobody targeted, and the record ---------------------------------------
+        stats = fleet.call_all("stats", sweep=True)
+        swept = sum(s["swept_bytes"] for s in stats)
+        leaked = sum(s["leaked"] for s in stats)
+        print()
+        print(f"swept {swept:,} untouched pool bytes (all still their own pattern); "
+              f"{leaked} blocks leaked")
+        time.sleep(1.5)  # the record follows within about a second
+        listed = client.list_transfers(limit=1000)
+        done_count = sum(t["status"] == "done" for t in listed["items"])
+        print(f"record: {listed['total']} transfers in the control plane, {done_count} done "
+              f"(engine-path ones included, recorded in batches)")
+        ok = ok and leaked == 0
+        print()
+        print("verified: every byte these transfers wrote (the sender's pattern at the planned "
+              "offsets), every untouched pool byte, and sender/receiver crc32 of every route"
+              if ok else "FAILED: see above and the logs")
         if keep_running:
-            print(f"left running: {url} (dashboard at /, API docs at /docs); Ctrl-C stops")
+            print(f"left running: {fleet.server.url} (dashboard at /, API docs at /docs); "
+                  "Ctrl-C stops")
             try:
                 while True:
                     time.sleep(1)
             except KeyboardInterrupt:
                 pass
         return 0 if ok else 1
+    except Exception as error:
+        print(f"FAILED: {type(error).__name__}: {error}")
+        return 1
     finally:
-        # Workers first (they deregister through the server), then the server.
-        _stop(processes[1:])
-        _stop(processes[:1])
+        fleet.stop()
+
+
+__all__ = ["run_demo"]

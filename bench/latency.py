@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/latency.py [--quick] [--device cuda] [--json out.json]
 
-One control plane (``kvplane serve``, SQLite) and six rank processes (``bench/engine_loop.py``:
+One control plane (``kvplane serve``, SQLite) and six rank processes (``workers/engine_loop.py``:
 TP4 context with an 8-head target and a 2-head draft view → TP2 generation, each rank a fake
 engine embedding a Worker). For 1, 4, 16 and 64 blocks per request and 1, 4 and 16 requests in
 flight (closed loop), three paths between the same six processes:
@@ -32,24 +32,22 @@ import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
-from api.demo_run import demo_bodies  # noqa: E402
 from api.geometry import compile_plan, expand, parse_instance  # noqa: E402
-from bench.engine_loop import (  # noqa: E402
+from workers.engine_loop import (  # noqa: E402
     CONTEXT,
     GENERATION,
     Fleet,
     cpu_seconds,
+    demo_bodies,
     percentile,
     request_blocks,
+    run_rest,
 )
 
 BLOCKS = (1, 4, 16, 64)
@@ -82,64 +80,6 @@ def requests_for(blocks: int, in_flight: int, quick: bool, path: str = "engine")
     if blocks >= 64:
         return max(16, 3 * in_flight)
     return max(30, 6 * in_flight)
-
-
-def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots: int,
-             seed: int, tag: str) -> dict[str, Any]:
-    """``in_flight`` client threads, each POST + GET ?wait= in turn over its own block lane."""
-    latencies: list[float] = []
-    errors: list[str] = []
-    retries: list[str] = []
-    starts: list[float] = []
-    ends: list[float] = []
-    lock = threading.Lock()
-    counter = iter(range(requests))
-
-    def client(lane: int) -> None:
-        pairs = request_blocks(seed, lane, blocks, num_slots)
-        body_blocks = {str(g): {"context": c, "generation": r} for g, (c, r) in pairs.items()}
-        with httpx.Client(base_url=url, timeout=60) as http:
-            while True:
-                with lock:
-                    k = next(counter, None)
-                if k is None:
-                    return
-                t0 = time.time()
-                try:
-                    for attempt in range(REST_RETRIES + 1):
-                        created = http.post("/v1/transfers", json={
-                            "context": CONTEXT, "generation": GENERATION,
-                            "request_id": f"{tag}-{k}", "blocks": body_blocks,
-                            "execute": True})
-                        if created.status_code != 503 or attempt == REST_RETRIES:
-                            break
-                        # As a client should: 503 (SQLite busy) says when to come back.
-                        with lock:
-                            retries.append(created.json().get("code", "503"))
-                        time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
-                    created.raise_for_status()
-                    done = http.get(f"/v1/transfers/{created.json()['id']}",
-                                    params={"wait": 30})
-                    done.raise_for_status()
-                    status = done.json()["status"]
-                except httpx.HTTPError as error:
-                    status = f"{type(error).__name__}: {error}"
-                t1 = time.time()
-                with lock:
-                    starts.append(t0)
-                    ends.append(t1)
-                    if status == "done":
-                        latencies.append(t1 - t0)
-                    else:
-                        errors.append(str(status)[:200])
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(in_flight)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return {"latencies": latencies, "errors": errors, "retries": retries,
-            "throughput": requests / max(max(ends) - min(starts), 1e-9)}
 
 
 class CpuMeter:

@@ -468,32 +468,59 @@ class Worker:
 
     def verify_transfer(self, handle: Handle) -> int:
         """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned
-        source offsets) and every byte no transfer has targeted (still this rank's pattern)."""
-        from workers.pools import pattern_tensor
+        source offsets) and, in the slots it wrote, every byte no transfer has targeted (still
+        this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools."""
+        import torch
+
+        from workers.pools import expected_bytes
 
         checked = 0
-        images = {pid: pool.tensor.detach().cpu().numpy() for pid, pool in self.pools.items()}
+        images = {pid: pool.tensor.detach().cpu().numpy().reshape(-1)
+                  for pid, pool in self.pools.items()}
+        slots: dict[int, set[int]] = {}
         for source, dst_pool, sources, starts in self._planned_writes(handle):
             sender, src_pool = divmod(source, 1_000_000)
-            expected = pattern_tensor(sender, src_pool, int(sources.max()) + 1).numpy()
-            wrong = np.flatnonzero(images[dst_pool][starts] != expected[sources])
+            expected = expected_bytes(sender, src_pool, torch.from_numpy(sources)).numpy()
+            wrong = np.flatnonzero(images[dst_pool].view(np.uint8)[starts] != expected)
             if wrong.size:
                 raise VerificationError(
                     f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes among "
                     f"those written from rank {sender} (first at offset "
                     f"{int(starts[wrong[0]])})")
             checked += starts.size
-        for pid, image in images.items():
-            own = pattern_tensor(self.rank, pid, image.size).numpy()
-            untouched = ~self._touched[pid]
-            wrong = np.flatnonzero((image != own) & untouched)
-            if wrong.size:
-                raise VerificationError(
-                    f"verification failed: pool {pid} has {wrong.size} bytes that no transfer "
-                    f"targeted but that changed (first at offset {int(wrong[0])})")
-            checked += int(untouched.sum())
+            stride = self.pools[dst_pool].spec.slot_stride_bytes
+            slots.setdefault(dst_pool, set()).update(np.unique(starts // stride).tolist())
+        for pid, touched in slots.items():
+            spec = self.pools[pid].spec
+            for slot in sorted(touched):
+                lo = slot * spec.slot_stride_bytes
+                checked += self._check_untouched(pid, lo, lo + spec.slot_bytes)
         self.stats.verified_bytes += checked
         return checked
+
+    def verify_untouched(self) -> int:
+        """Fill mode: every byte of every pool that no transfer targeted still holds this
+        rank's pattern (a stray write anywhere shows up). Returns the bytes checked."""
+        checked = sum(self._check_untouched(pid, 0, pool.tensor.numel())
+                      for pid, pool in self.pools.items())
+        self.stats.verified_bytes += checked
+        return checked
+
+    def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
+        import torch
+
+        from workers.pools import expected_bytes
+
+        image = self.pools[pid].tensor.detach().cpu().reshape(-1).view(-1).numpy().view(
+            np.uint8)[lo:hi]
+        own = expected_bytes(self.rank, pid, torch.arange(lo, hi, dtype=torch.int64)).numpy()
+        untouched = ~self._touched[pid][lo:hi]
+        wrong = np.flatnonzero((image != own) & untouched)
+        if wrong.size:
+            raise VerificationError(
+                f"verification failed: pool {pid} has {wrong.size} bytes that no transfer "
+                f"targeted but that changed (first at offset {lo + int(wrong[0])})")
+        return int(untouched.sum())
 
 
 class VerificationError(RuntimeError):

@@ -1,4 +1,4 @@
-"""The reference engine loop (``bench/engine_loop.py``) on the demo fleet, end to end.
+"""The reference engine loop (``workers/engine_loop.py``) on the demo fleet, end to end.
 
 Six rank processes (TP4 context with an 8-head target and a 2-head draft view → TP2 generation),
 each a fake engine that owns its pools, allocates and frees block ids like a paged cache and
@@ -10,10 +10,8 @@ also for requests that ran while the control plane was down.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,11 +21,7 @@ from api.client import Client
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
-# bench/ is scripts, not an installed package: import it from the checkout (the rank processes
-# it spawns inherit this path).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.engine_loop import (  # noqa: E402 (after the importorskips)
+from workers.engine_loop import (  # noqa: E402 (after the importorskips)
     CONTEXT,
     GENERATION,
     BlockCache,

@@ -196,13 +196,13 @@ def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> No
     worker.rank = 0
     worker.pools = {0: Pool(spec, pattern_tensor(0, 0, spec.nbytes).clone())}
     worker._touched = {0: np.zeros(spec.nbytes, dtype=bool)}
-    handle = resolved("receive", ARRIVED)
-    assert worker.verify_transfer(handle) == spec.nbytes  # nothing targeted, nothing changed
+    assert worker.verify_untouched() == spec.nbytes  # nothing targeted, nothing changed
     worker.pools[0].tensor[70] ^= 0xFF  # an earlier transfer's byte in slot 1 ...
     with pytest.raises(VerificationError, match="no transfer targeted"):
-        worker.verify_transfer(handle)
+        worker.verify_untouched()
     worker._touched[0][64:128] = True  # ... is fine once that transfer had targeted slot 1
-    assert worker.verify_transfer(handle) == spec.nbytes - 64
+    assert worker.verify_untouched() == spec.nbytes - 64
+    assert worker.verify_transfer(resolved("receive", ARRIVED)) == 0  # it wrote nothing
     assert torch.equal(worker.pools[0].tensor[:64], pattern_tensor(0, 0, 64))
 
 

@@ -38,7 +38,8 @@ one result list back. The rank processes also serve REST ``execute=true`` comman
 command stream), and :meth:`EngineRank.raw` measures plain NIXL WRITEs between the same processes
 (see ``bench/latency.py``).
 
-No pytest in here: ``tests/workers/test_engine_loop.py`` and ``bench/latency.py`` both import it.
+No pytest in here: ``tests/workers/test_engine_loop.py``, ``bench/latency.py`` and ``kvplane demo``
+import it.
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ import httpx
 import numpy as np
 
 from api.client import Client
-from api.demo_run import demo_bodies
+from api.geometry.builders import ViewSpec, instance_body
 
-CONTEXT = "engine-ctx-tp4"
-GENERATION = "engine-gen-tp2"
+CONTEXT = "demo-ctx-tp4"
+GENERATION = "demo-gen-tp2"
 WORLD = {CONTEXT: 4, GENERATION: 2}
 START_TIMEOUT_S = 180.0
 # Between empty polls the raw loops sleep as long as the handover's busy progress loop does
@@ -79,6 +80,18 @@ RAW_POLL_SLEEP_S = 0.00005
 REPO = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("kvplane.engine_loop")
+REST_RETRIES = 20
+
+
+def demo_bodies(num_slots: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The demo fleet: Llama-like 8-head target (4 layers) + 2-head one-layer draft, bf16, HND,
+    TP4 context → TP2 generation."""
+    views = [ViewSpec("target", 4, 8, 128), ViewSpec("draft", 1, 2, 128)]
+    context = instance_body(role="context", views=views, tp=4, num_slots=num_slots,
+                            model="demo-llama")
+    generation = instance_body(role="generation", views=views, tp=2, num_slots=num_slots,
+                               model="demo-llama")
+    return context, generation
 
 
 # --- the paged cache -------------------------------------------------------------------------
@@ -464,10 +477,13 @@ class EngineRank:
             if time.monotonic() > give_up:
                 raise TimeoutError(f"raw: {len(out['arrived'])} of {requests} requests arrived")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, sweep: bool = False) -> dict[str, Any]:
+        """Counters; with ``sweep`` (fill mode) first check every untouched pool byte."""
         w = self.worker
-        return {"rank": self.spec.rank, "sent": w.stats.sent, "received": w.stats.received,
-                "failed": w.stats.failed, "verified_bytes": w.stats.verified_bytes,
+        swept = w.verify_untouched() if sweep and w.fill else 0
+        return {"swept_bytes": swept, "rank": self.spec.rank, "sent": w.stats.sent,
+                "received": w.stats.received, "failed": w.stats.failed,
+                "verified_bytes": w.stats.verified_bytes,
                 "errors": list(w.stats.errors[-5:]),
                 "leaked": sum(c.leaked for c in self.caches.values()),
                 "records_pending": w.recorder.pending if w.recorder else None,
@@ -522,12 +538,14 @@ class ControlPlane:
     """``kvplane serve`` on a SQLite file, as its own process; can be stopped and restarted."""
 
     def __init__(self, workdir: Path, port: int | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, *, database: Path | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.workdir = workdir
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.database = workdir / "kvplane.db"
-        self.env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{self.database}",
+        self.host = host
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+        self.database = database or workdir / "kvplane.db"
+        self.env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{self.database.resolve()}",
                     "KVPLANE_AUTH": "false", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -536,7 +554,8 @@ class ControlPlane:
         self.starts += 1
         with (self.workdir / f"server-{self.starts}.log").open("wb") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port)],
+                [sys.executable, "-m", "api.cli", "serve", "--host", self.host,
+                 "--port", str(self.port)],
                 stdout=log_file, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
                 start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -570,15 +589,16 @@ class Fleet:
 
     def __init__(self, workdir: Path, *, num_slots: int = 64, device: str = "cpu",
                  fill: bool = False, staging_bytes: int = 64 << 20,
-                 chunk_blocks: int | None = None, server_env: Mapping[str, str] | None = None
-                 ) -> None:
+                 chunk_blocks: int | None = None, server_env: Mapping[str, str] | None = None,
+                 database: Path | None = None, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.workdir = workdir
         self.num_slots = num_slots
         self.device = device
         self.fill = fill
         self.staging_bytes = staging_bytes
         self.chunk_blocks = chunk_blocks
-        self.server = ControlPlane(workdir, env=server_env)
+        self.server = ControlPlane(workdir, port, env=server_env, database=database, host=host)
         self.client: Client | None = None
         self.pairing: dict[str, Any] = {}
         self.ranks: list[tuple[RankSpec, Any, Connection]] = []
@@ -691,6 +711,67 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
+def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots: int,
+             seed: int, tag: str, verify: bool = False) -> dict[str, Any]:
+    """The REST path as a router drives it: ``in_flight`` client threads, each ``POST
+    /v1/transfers`` (``execute``) and then ``GET ?wait=`` in turn, over its own block lane."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    retries: list[str] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def client(lane: int) -> None:
+        pairs = request_blocks(seed, lane, blocks, num_slots)
+        body_blocks = {str(g): {"context": c, "generation": r} for g, (c, r) in pairs.items()}
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while True:
+                with lock:
+                    k = next(counter, None)
+                if k is None:
+                    return
+                t0 = time.time()
+                try:
+                    for attempt in range(REST_RETRIES + 1):
+                        created = http.post("/v1/transfers", json={
+                            "context": CONTEXT, "generation": GENERATION,
+                            "request_id": f"{tag}-{k}", "blocks": body_blocks,
+                            "execute": True, "verify": verify})
+                        if created.status_code != 503 or attempt == REST_RETRIES:
+                            break
+                        # As a client should: 503 (SQLite busy) says when to come back.
+                        with lock:
+                            retries.append(created.json().get("code", "503"))
+                        time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
+                    created.raise_for_status()
+                    done = http.get(f"/v1/transfers/{created.json()['id']}",
+                                    params={"wait": 30})
+                    done.raise_for_status()
+                    status = done.json()["status"]
+                    if status != "done":
+                        status = f"{status}: {done.json().get('error')}"
+                except httpx.HTTPError as error:
+                    status = f"{type(error).__name__}: {error}"
+                t1 = time.time()
+                with lock:
+                    starts.append(t0)
+                    ends.append(t1)
+                    if status == "done":
+                        latencies.append(t1 - t0)
+                    else:
+                        errors.append(str(status)[:200])
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(in_flight)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"latencies": latencies, "errors": errors, "retries": retries,
+            "throughput": requests / max(max(ends) - min(starts), 1e-9)}
+
+
 @dataclass
 class EngineRun:
     """The combined account of one engine-loop run over every rank."""
@@ -764,4 +845,4 @@ class RawRun:
 
 __all__ = ["CONTEXT", "GENERATION", "BlockCache", "CacheError", "ControlPlane", "EngineRank",
            "EngineRun", "Fleet", "RankSpec", "RawRun", "RunResult", "arrivals", "cpu_seconds",
-           "free_port", "percentile", "request_blocks"]
+           "demo_bodies", "free_port", "percentile", "request_blocks", "run_rest"]
