@@ -460,19 +460,21 @@ class Worker:
         """Before a verified receive resolves (fill mode): check its bytes; a reason fails it."""
         if not handle.context.get("verify", False):
             return None
+        started = time.perf_counter()
         try:
             handle.context["verified_bytes"] = self.verify_transfer(handle)
         except VerificationError as error:
             return str(error)
+        finally:
+            log.debug("fill check of %s: %.3f s", handle.request_id,
+                      time.perf_counter() - started)
         return None
 
     def verify_transfer(self, handle: Handle) -> int:
         """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned
         source offsets) and, in the slots it wrote, every byte no transfer has targeted (still
         this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools."""
-        import torch
-
-        from workers.pools import expected_bytes
+        from workers.pools import pattern_at
 
         checked = 0
         images = {pid: pool.tensor.detach().cpu().numpy().reshape(-1)
@@ -480,7 +482,7 @@ class Worker:
         slots: dict[int, set[int]] = {}
         for source, dst_pool, sources, starts in self._planned_writes(handle):
             sender, src_pool = divmod(source, 1_000_000)
-            expected = expected_bytes(sender, src_pool, torch.from_numpy(sources)).numpy()
+            expected = pattern_at(sender, src_pool, sources)
             wrong = np.flatnonzero(images[dst_pool].view(np.uint8)[starts] != expected)
             if wrong.size:
                 raise VerificationError(
@@ -489,7 +491,8 @@ class Worker:
                     f"{int(starts[wrong[0]])})")
             checked += starts.size
             stride = self.pools[dst_pool].spec.slot_stride_bytes
-            slots.setdefault(dst_pool, set()).update(np.unique(starts // stride).tolist())
+            heads = starts[np.flatnonzero(np.diff(starts, prepend=-2) != 1)]  # run starts
+            slots.setdefault(dst_pool, set()).update(np.unique(heads // stride).tolist())
         for pid, touched in slots.items():
             spec = self.pools[pid].spec
             for slot in sorted(touched):
@@ -507,13 +510,11 @@ class Worker:
         return checked
 
     def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
-        import torch
-
-        from workers.pools import expected_bytes
+        from workers.pools import pattern_at
 
         image = self.pools[pid].tensor.detach().cpu().reshape(-1).view(-1).numpy().view(
             np.uint8)[lo:hi]
-        own = expected_bytes(self.rank, pid, torch.arange(lo, hi, dtype=torch.int64)).numpy()
+        own = pattern_at(self.rank, pid, np.arange(lo, hi, dtype=np.int64))
         untouched = ~self._touched[pid][lo:hi]
         wrong = np.flatnonzero((image != own) & untouched)
         if wrong.size:

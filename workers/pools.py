@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -169,6 +171,15 @@ def expected_bytes(rank: int, pool_id: int, offsets: torch.Tensor) -> torch.Tens
     o = offsets.to(torch.int64)
     lo = ((o & 0xFF) + 7 * ((o & (_PAGE_BYTES - 1)) >> 8)) & 0xFF
     return ((lo.to(torch.uint8)) + _hi_term(o >> 16, rank, pool_id)).to(torch.uint8)
+
+
+def pattern_at(rank: int, pool_id: int, offsets: np.ndarray) -> np.ndarray:
+    """:func:`expected_bytes` in numpy (host-side checks: no torch kernel per call)."""
+    o = np.asarray(offsets, dtype=np.int64)
+    lo = ((o & 0xFF) + 7 * ((o & (_PAGE_BYTES - 1)) >> 8)) & 0xFF
+    h = o >> 16
+    hi = (13 * h + 31 * (h >> 8) + 59 * rank + 97 * pool_id + 1) & 0xFF
+    return ((lo + hi) & 0xFF).astype(np.uint8)
 
 
 def pattern_tensor(rank: int, pool_id: int, nbytes: int, device: str | torch.device = "cpu"):
