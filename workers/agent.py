@@ -385,8 +385,12 @@ class Worker:
             self.stats.errors.append(str(handle.reason))
             del self.stats.errors[:-100]
         if self.recorder is not None:
-            self.recorder.add(self._record(handle, verified),
-                              urgent="transfer_id" in handle.context)
+            # A REST transfer's waiter needs the receivers' parts now (and, with verify, the
+            # senders' checksums too); everything else rides the next batch.
+            urgent = "transfer_id" in handle.context and (
+                handle.side == "receive" or handle.state == FAILED
+                or bool(handle.context.get("verify")))
+            self.recorder.add(self._record(handle, verified), urgent=urgent)
         for listener in self._listeners:
             try:
                 listener(handle)
