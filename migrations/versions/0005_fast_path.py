@@ -4,8 +4,8 @@ The per-request job queue is gone (workers run transfers from cached plans and r
 parts in batches). ``jobs`` keeps one row per rank of an executed transfer, as its worker
 recorded it; its lease and staging columns stay (nullable or defaulted) but are unused.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-12-01
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
