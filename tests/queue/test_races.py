@@ -157,3 +157,42 @@ def test_a_retry_after_a_re_registration_is_refused(db: Database, change: str) -
     with pytest.raises(Conflict) as refused, db.write() as session:
         jobs.retry_transfer(session=session, transfer_id=transfer_id, now=utcnow())
     assert refused.value.code == "plan_gone"
+
+
+def test_a_pairing_validated_during_a_re_registration_is_never_left_current(db: Database) -> None:
+    """Issue 13 item 4: ``PUT /v1/instances/ctx`` (held open) racing ``POST /v1/pairings``.
+
+    The pairing must end either stale or validated against the new epoch; before the fix it was
+    stored ``compatible`` with the old epoch on PostgreSQL (it read the instance, then waited on
+    the pairing row the re-registration had marked stale, then overwrote the mark).
+    """
+    from api import schemas
+    from api.models import InstanceRow, PairingRow
+    from api.services import instances, pairings
+
+    from .conftest import fleet_bodies
+
+    setup_fleet(db, ctx_tp=1, gen_tp=1)
+    ctx, _ = fleet_bodies(1, 1)
+    ctx["ranks"][0]["pools"][0]["num_slots"] *= 2
+
+    def re_register(session: Any) -> str:
+        row, _, changed = instances.register_instance(
+            session=session, name="ctx", body=schemas.InstanceCreate.model_validate(ctx)
+        )
+        assert changed
+        return row.epoch
+
+    def pair(session: Any) -> str:
+        row, _ = pairings.create_pairing(session=session, context="ctx", generation="gen")
+        return row.status
+
+    outcomes = _first_then_second(db, re_register, pair)
+    assert not any(isinstance(outcome, Exception) for outcome in outcomes), outcomes
+    with db.read() as session:
+        pairing = session.query(PairingRow).one()
+        epoch = session.query(InstanceRow).filter(InstanceRow.name == "ctx").one().epoch
+        assert epoch == outcomes[0]
+        assert pairing.status == "stale" or pairing.context_epoch == epoch, (
+            pairing.status, pairing.context_epoch, epoch
+        )
