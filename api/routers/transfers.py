@@ -37,6 +37,7 @@ TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Trans
 )
 def create_transfer(
     body: schemas.TransferCreate,
+    request: Request,
     response: Response,
     db: DbDep,
     metrics: MetricsDep,
@@ -46,14 +47,19 @@ def create_transfer(
             alias="Idempotency-Key",
             min_length=1,
             max_length=256,
-            description="Same key + same body: the same transfer; + another body: 409",
+            description="Same key + same body: the same transfer; + another body: 409. "
+            "Keys are scoped to the calling token (auth on).",
         ),
     ] = None,
 ) -> schemas.TransferRead:
     """Plan one request's KV transfer from the pairing's templates and both block lists."""
+    principal = getattr(request.state, "principal", None)
     with db.write() as session:
         row, created = service.create_transfer(
-            session=session, body=body, idempotency_key=idempotency_key
+            session=session,
+            body=body,
+            idempotency_key=idempotency_key,
+            idempotency_scope=None if principal is None else principal.token_id,
         )
         result = service.transfer_read(row)
     if created:

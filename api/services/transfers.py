@@ -1,7 +1,9 @@
 """Transfers: plan one request's KV transfer from a pairing's cached plan and its block lists.
 
 ``Idempotency-Key``: the same key with the same body returns the stored transfer; the same key
-with another body is a 409. ``execute=true`` enqueues the transfer's jobs in the same transaction
+with another body is a 409. Keys are scoped to the caller: with auth on, each token has its own
+key space (stored as ``<token id>/sha256(key)``), so one principal can neither replay, block nor
+learn the transfer of another's key; with auth off every caller is the same anonymous principal. ``execute=true`` enqueues the transfer's jobs in the same transaction
 (see :mod:`api.services.jobs`); workers then claim and run them.
 """
 
@@ -32,6 +34,13 @@ def request_hash(body: schemas.TransferCreate) -> str:
 
 def _blocks(raw: dict[str, dict[str, list[int]]]) -> dict[int, tuple[list[int], list[int]]]:
     return {int(group): (lists["context"], lists["generation"]) for group, lists in raw.items()}
+
+
+def scoped_key(key: str, scope: str | None) -> str:
+    """The stored form of an ``Idempotency-Key`` in the key space of principal ``scope``."""
+    if not scope:
+        return key
+    return f"{scope}/{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 def _by_key(session: Session, key: str) -> TransferRow | None:
@@ -134,8 +143,11 @@ def create_transfer(
     session: Session,
     body: schemas.TransferCreate,
     idempotency_key: str | None = None,
+    idempotency_scope: str | None = None,
 ) -> tuple[TransferRow, bool]:
     """Plan a transfer and store it; returns ``(row, created)`` (``created`` false on replay).
+
+    ``idempotency_scope`` names the caller's key space (its token id; None when auth is off).
 
     The row is inserted with one Core INSERT (the ORM unit of work costs more than the insert on
     this hot path). Without ``execute`` the returned row is a detached copy of what was inserted;
@@ -143,10 +155,11 @@ def create_transfer(
     """
     # The digest only serves Idempotency-Key replays; without a key nothing ever compares it.
     digest = "" if idempotency_key is None else request_hash(body)
-    if idempotency_key is not None:
-        existing = _by_key(session, idempotency_key)
+    stored_key = None if idempotency_key is None else scoped_key(idempotency_key, idempotency_scope)
+    if stored_key is not None:
+        existing = _by_key(session, stored_key)
         if existing is not None:
-            return _replay(existing, digest, idempotency_key), False
+            return _replay(existing, digest, str(idempotency_key)), False
     cached = _cached_plan(session, body)
     if cached is not None:
         pairing_id, plan_id, plan = cached
@@ -188,7 +201,7 @@ def create_transfer(
         "summary": summary,
         "bytes": int(summary["bytes"]),
         "fragments": int(summary["fragments"]),
-        "idempotency_key": idempotency_key,
+        "idempotency_key": stored_key,
         "request_hash": digest,
         "created_at": now,
         "updated_at": now,
@@ -198,7 +211,7 @@ def create_transfer(
         "max_attempts": 3,
     }
     statement = insert(TransferRow)
-    if idempotency_key is None:
+    if stored_key is None:
         session.connection().execute(statement, values)
     else:
         try:
@@ -206,10 +219,10 @@ def create_transfer(
                 session.connection().execute(statement, values)
         except IntegrityError:
             # A concurrent request with the same key won the insert.
-            existing = _by_key(session, idempotency_key)
+            existing = _by_key(session, stored_key)
             if existing is None:
                 raise
-            return _replay(existing, digest, idempotency_key), False
+            return _replay(existing, digest, str(idempotency_key)), False
     if not body.execute:
         return TransferRow(**values), True
     row = session.get_one(TransferRow, values["id"])
