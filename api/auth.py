@@ -39,9 +39,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.db import Database, utcnow
-from api.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from api.errors import BadRequest, Forbidden, NotFound, Unauthorized, problem_response
 from api.models import NAME_LENGTH, InstanceRow, JobRow, TokenRow, TransferRow, WorkerRow
 
 SCOPES = ("instance", "worker", "operator", "admin")
@@ -161,11 +162,15 @@ class Rule:
     open: bool = False
 
 
-async def _json_field(request: Request, key: str) -> Any:
+async def _json_body(request: Request) -> Any:
     try:
-        body = json.loads(await request.body())
-    except ValueError:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):  # not JSON (or nested too deep): names no target
         return None
+
+
+async def _json_field(request: Request, key: str) -> Any:
+    body = await _json_body(request)
     value = body.get(key) if isinstance(body, dict) else None
     return value if isinstance(value, str) else None
 
@@ -212,10 +217,7 @@ async def _path_job(request: Request) -> Any:
 
 async def _body_transfer_parties(request: Request) -> Any:
     """A transfer concerns both its instances: either engine may plan it."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        return None
+    body = await _json_body(request)
     if not isinstance(body, dict):
         return None
     names = tuple(body.get(k) for k in ("context", "generation") if isinstance(body.get(k), str))
@@ -341,7 +343,49 @@ async def authorize(request: Request) -> None:
     operation = operation_of(request)
     if POLICY.get(operation, ADMIN).open:
         return
-    await check(request, await authenticate(request), operation)
+    principal = getattr(request.state, "principal", None)  # set by AuthenticateFirst
+    if not isinstance(principal, Principal):
+        principal = await authenticate(request)
+    await check(request, principal, operation)
+
+
+class AuthenticateFirst:
+    """Pure ASGI middleware: with auth on, a guarded API route's caller is authenticated (401)
+    before anything reads the body, so an anonymous client learns nothing from a 400 or 422.
+
+    FastAPI parses a request's JSON body before it solves the router dependencies; this runs
+    ahead of both. The principal is left in the request state for :func:`authorize`, which
+    then applies the scope rules (those may need the body: a worker's instance, a transfer's).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = scope.get("app")
+        if scope["type"] != "http" or app is None or not app.state.settings.auth:
+            await self.app(scope, receive, send)
+            return
+        from api.routes import matching_route
+
+        route = matching_route(app, scope["path"], scope["method"])
+        guarded = route is not None and any(
+            getattr(dep, "dependency", None) is authorize
+            for dep in getattr(route, "dependencies", None) or ()
+        )
+        operation = str(getattr(route, "operation_id", None) or getattr(route, "name", ""))
+        if not guarded or POLICY.get(operation, ADMIN).open:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await authenticate(Request(scope))
+        except Unauthorized as error:
+            response = problem_response(
+                error.status, error.code, error.detail, headers=error.headers
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 ``Idempotency-Key``: the same key with the same body returns the stored transfer; the same key
 with another body is a 409. Keys are scoped to the caller: with auth on, each token has its own
 key space (stored as ``<token id>/sha256(key)``), so one principal can neither replay, block nor
-learn the transfer of another's key; with auth off every caller is the same anonymous principal. ``execute=true`` enqueues the transfer's jobs in the same transaction
-(see :mod:`api.services.jobs`); workers then claim and run them.
+learn the transfer of another's key; with auth off every caller is the same anonymous principal.
+
+``execute=true`` enqueues the transfer's jobs in the same transaction (see
+:mod:`api.services.jobs`); workers then claim and run them.
 """
 
 from __future__ import annotations

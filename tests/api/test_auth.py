@@ -409,3 +409,58 @@ def test_session_from_another_process_key_is_refused(
     with TestClient(make_app(auth=True)) as random_key:
         random_key.cookies.set(SESSION_COOKIE, cookie)
         assert random_key.get("/ui/workers", follow_redirects=False).status_code == 303
+
+
+def test_idempotency_keys_are_scoped_to_the_caller(
+    api: TestClient, tokens: dict[str, str]
+) -> None:
+    """Issue 13 item 8: another principal's key neither collides nor reveals a transfer id."""
+    register_fleet(api, tokens)
+    key = {"Idempotency-Key": "req-1"}
+    planned = {**TRANSFER, "execute": False}
+    first = api.post("/v1/transfers", json=planned, headers={**bearer(tokens["gen"]), **key})
+    assert first.status_code == 201, first.text
+    # Another engine takes the same key for another request: its own transfer, no 409.
+    other_body = {**planned, "request_id": "r2"}
+    other = api.post("/v1/transfers", json=other_body, headers={**bearer(tokens["ctx"]), **key})
+    assert other.status_code == 201, other.text
+    assert first.json()["id"] not in other.text
+    assert other.json()["id"] != first.json()["id"]
+    # ... and taking a key first does not block the other principal's own request.
+    third_key = {"Idempotency-Key": "req-3"}
+    squat = api.post(
+        "/v1/transfers", json=other_body, headers={**bearer(tokens["ctx"]), **third_key}
+    )
+    assert squat.status_code == 201, squat.text
+    own = api.post("/v1/transfers", json=planned, headers={**bearer(tokens["gen"]), **third_key})
+    assert own.status_code == 201, own.text
+    # Within one principal the key keeps its meaning: replay → 200, another body → 409.
+    replay = api.post("/v1/transfers", json=planned, headers={**bearer(tokens["gen"]), **key})
+    assert replay.status_code == 200 and replay.json()["id"] == first.json()["id"]
+    reused = api.post("/v1/transfers", json=other_body, headers={**bearer(tokens["gen"]), **key})
+    problem(reused, 409, "idempotency_key_reused")
+    assert reused.json()["transfer_id"] == first.json()["id"]
+
+
+@pytest.mark.parametrize(
+    "content", [b"{", b"\xff\xfe", b"[" * 1000 + b"]" * 1000], ids=["truncated", "utf8", "deep"]
+)
+def test_authentication_comes_before_parsing_the_body(api: TestClient, content: bytes) -> None:
+    """Issue 13 item 10: an anonymous malformed body got 400 before 401."""
+    for method, path in (
+        ("PUT", "/v1/instances/ctx"),
+        ("POST", "/v1/transfers"),
+        ("POST", "/v1/pairings"),
+        ("POST", "/v1/jobs/claim"),
+    ):
+        response = api.request(
+            method, path, content=content, headers={"content-type": "application/json"}
+        )
+        problem(response, 401, "unauthorized")
+        response = api.request(
+            method,
+            path,
+            content=content,
+            headers={"content-type": "application/json", **bearer("kvp_unknown")},
+        )
+        problem(response, 401, "unauthorized")
