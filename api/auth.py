@@ -15,9 +15,12 @@ Scopes:
 API router at include time (``api/app.py``). A route missing from the table is admin-only (fail
 closed) and ``tests/api/test_auth.py`` fails until it gets a rule. ``/healthz`` and ``/readyz``
 stay open. The dashboard uses a signed session cookie made at ``/ui/login`` from an operator token
-(``HttpOnly``, ``SameSite=Strict``); the cookie carries the token id, an expiry and an HMAC, never
-the secret, and the token is looked up on every request, so revoking it ends the session.
-No secret or hash ever appears in a log line, an error or a page.
+(``HttpOnly``, ``SameSite=Strict``); the cookie carries a session id (a ``dashboard_sessions``
+row), an expiry and an HMAC, never the secret. The session and its token are looked up on every
+request, so logging out (which revokes the row on the server), revoking the token or the expiry
+each end it, and a copied cookie is worth nothing afterwards. Dashboard forms are guarded against
+CSRF by :mod:`api.csrf` before anything else. No secret or hash ever appears in a log line, an
+error or a page.
 """
 
 from __future__ import annotations
@@ -30,20 +33,29 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from sqlalchemy import select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api import csrf
 from api.db import Database, utcnow
 from api.errors import BadRequest, Forbidden, NotFound, Unauthorized, problem_response
-from api.models import NAME_LENGTH, InstanceRow, JobRow, TokenRow, TransferRow, WorkerRow
+from api.models import (
+    NAME_LENGTH,
+    DashboardSessionRow,
+    InstanceRow,
+    JobRow,
+    TokenRow,
+    TransferRow,
+    WorkerRow,
+)
 
 SCOPES = ("instance", "worker", "operator", "admin")
 #: Scopes bound to one instance name.
@@ -402,39 +414,79 @@ class LoginRequired(Exception):
 
 @dataclass
 class SessionKeys:
-    """The HMAC key of session cookies (from settings, else random per process)."""
+    """The HMAC key of session cookies and CSRF tokens (from settings, else random per process)."""
 
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
-    def sign(self, token_id: str, expires_at: int) -> str:
-        payload = f"{token_id}.{expires_at}"
+    def sign(self, session_id: str, expires_at: int) -> str:
+        payload = f"{session_id}.{expires_at}"
         mac = hmac.new(self.key, payload.encode(), hashlib.sha256).hexdigest()
         return f"{payload}.{mac}"
 
     def verify(self, cookie: str, now: float) -> str | None:
-        """The token id of a well-signed, unexpired cookie, or None."""
+        """The session id of a well-signed, unexpired cookie, or None."""
         parts = cookie.split(".")
         if len(parts) != 3:
             return None
-        token_id, expires, mac = parts
-        expected = hmac.new(self.key, f"{token_id}.{expires}".encode(), hashlib.sha256).hexdigest()
+        session_id, expires, mac = parts
+        expected = hmac.new(
+            self.key, f"{session_id}.{expires}".encode(), hashlib.sha256
+        ).hexdigest()
         if not hmac.compare_digest(mac, expected):
             return None
         if not expires.isdigit() or int(expires) < now:
             return None
-        return token_id
+        return session_id
 
 
-def _dashboard_principal(request: Request) -> Principal | None:
+def start_session(*, session: Session, token_id: str, ttl_s: int, now: datetime) -> str:
+    """Store a new dashboard session of ``token_id`` (and drop expired ones); its id."""
+    session.execute(
+        delete(DashboardSessionRow).where(DashboardSessionRow.expires_at < now)
+    )
+    row = DashboardSessionRow(
+        id=uuid.uuid4().hex,
+        token_id=token_id,
+        created_at=now,
+        expires_at=now + timedelta(seconds=ttl_s),
+    )
+    session.add(row)
+    session.flush()
+    return row.id
+
+
+def end_session(*, session: Session, session_id: str, now: datetime) -> bool:
+    """Revoke a dashboard session (logout); False when it was unknown or already over."""
+    result = session.execute(
+        update(DashboardSessionRow)
+        .where(DashboardSessionRow.id == session_id, DashboardSessionRow.revoked_at.is_(None))
+        .values(revoked_at=now)
+    )
+    return bool(getattr(result, "rowcount", 0))
+
+
+def principal_for_session(*, session: Session, session_id: str, now: datetime) -> Principal | None:
+    """The principal of a live dashboard session (not revoked, not expired, token live)."""
+    row = session.get(DashboardSessionRow, session_id)
+    if row is None or row.revoked_at is not None or row.expires_at <= now:
+        return None
+    return principal_for_id(session=session, token_id=row.token_id)
+
+
+def _session_id(request: Request) -> str | None:
     cookie = request.cookies.get(SESSION_COOKIE)
     if not cookie:
         return None
     keys: SessionKeys = request.app.state.session_keys
-    token_id = keys.verify(cookie, time.time())
-    if token_id is None:
+    return keys.verify(cookie, time.time())
+
+
+def _dashboard_principal(request: Request) -> Principal | None:
+    session_id = _session_id(request)
+    if session_id is None:
         return None
     with _db(request).read() as session:
-        return principal_for_id(session=session, token_id=token_id)
+        return principal_for_session(session=session, session_id=session_id, now=utcnow())
 
 
 def _safe_next(path: str | None) -> str:
@@ -472,12 +524,19 @@ login_router = APIRouter(include_in_schema=False)
 def _login_page(request: Request, next_path: str, error: str | None, status_code: int) -> Response:
     from api.routers.dashboard import templates
 
-    return templates.TemplateResponse(
+    response = templates.TemplateResponse(
         request,
         "login.html",
-        {"next": _safe_next(next_path), "error": error, "notice": None, "nav": None},
+        {
+            "next": _safe_next(next_path),
+            "error": error,
+            "notice": None,
+            "nav": None,
+            **csrf.context(request),
+        },
         status_code=status_code,
     )
+    return csrf.attach(request, response)
 
 
 @login_router.get(LOGIN_PATH, response_class=HTMLResponse)
@@ -489,9 +548,7 @@ def login_form(request: Request, next: str = "/") -> Response:
 @login_router.post(LOGIN_PATH, response_model=None)
 async def login(request: Request) -> Response:
     """Exchange an operator token for a session cookie (the token itself is never stored)."""
-    from api.routers.dashboard import form_fields
-
-    form = await form_fields(request)
+    form = await csrf.protect(request)
     next_path = _safe_next(form.get("next"))
     secret = form.get("token", "").strip()
     principal = await run_in_threadpool(_lookup_secret, request, secret) if secret else None
@@ -502,12 +559,22 @@ async def login(request: Request) -> Response:
             request, next_path, f"A {principal.scope} token cannot open the dashboard.", 403
         )
     settings = request.app.state.settings
-    expires_at = int(time.time()) + int(settings.session_ttl_s)
+    ttl_s = int(settings.session_ttl_s)
+    now = utcnow()
+
+    def store() -> str:
+        with _db(request).write() as session:
+            return start_session(
+                session=session, token_id=principal.token_id, ttl_s=ttl_s, now=now
+            )
+
+    session_id = await run_in_threadpool(store)
+    expires_at = int(now.timestamp()) + ttl_s
     keys: SessionKeys = request.app.state.session_keys
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
-        keys.sign(principal.token_id, expires_at),
+        keys.sign(session_id, expires_at),
         max_age=int(settings.session_ttl_s),
         path="/",
         httponly=True,
@@ -519,10 +586,16 @@ async def login(request: Request) -> Response:
 
 @login_router.post("/ui/logout", response_model=None)
 async def logout(request: Request) -> Response:
-    """End the dashboard session."""
-    from api.routers.dashboard import form_fields
+    """End the dashboard session: revoked on the server, then the cookie is cleared."""
+    await csrf.protect(request)
+    session_id = _session_id(request)
+    if session_id is not None:
 
-    await form_fields(request)
+        def revoke() -> None:
+            with _db(request).write() as session:
+                end_session(session=session, session_id=session_id, now=utcnow())
+
+        await run_in_threadpool(revoke)
     response = RedirectResponse(LOGIN_PATH, status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response
@@ -588,6 +661,25 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(LoginRequired)
     async def _login_required(_request: Request, exc: LoginRequired) -> Response:
         return RedirectResponse(f"{LOGIN_PATH}?next={quote(exc.next_path, safe='')}", 303)
+
+    @app.exception_handler(csrf.CsrfRefused)
+    async def _csrf_refused(request: Request, exc: csrf.CsrfRefused) -> Response:
+        from api.routers.dashboard import templates
+
+        response = templates.TemplateResponse(
+            request,
+            "not_found.html",
+            {
+                "title": "Request refused",
+                "message": exc.detail,
+                "notice": None,
+                "nav": None,
+                "code": exc.code,
+                **csrf.context(request),
+            },
+            status_code=exc.status,
+        )
+        return csrf.attach(request, response)
 
 
 def is_loopback(host: str) -> bool:

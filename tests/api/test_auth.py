@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,6 +86,28 @@ def tokens(db_url: str) -> dict[str, str]:
         "ctx-worker": make_token(db_url, "worker", "ctx")[1],
         "gen-worker": make_token(db_url, "worker", "gen")[1],
     }
+
+
+ORIGIN = "http://testserver"  # the TestClient's base URL: the dashboard's own origin
+
+
+def csrf_token(client: TestClient, page: str = "/ui/login") -> str:
+    """The CSRF token of a dashboard form (fetching the page also sets the nonce cookie)."""
+    found = re.search(r'name="csrf_token" value="([0-9a-f]{64})"', client.get(page).text)
+    assert found, f"no CSRF token on {page}"
+    return found.group(1)
+
+
+def form_post(
+    client: TestClient, path: str, data: dict[str, str] | None = None, **headers: str
+) -> Any:
+    """A dashboard form post as a browser on the dashboard's own origin sends it."""
+    return client.post(
+        path,
+        data={**(data or {}), "csrf_token": csrf_token(client)},
+        headers={"origin": ORIGIN, **headers},
+        follow_redirects=False,
+    )
 
 
 def problem(response: Any, status: int, code: str) -> None:
@@ -328,7 +351,7 @@ def test_no_secret_in_logs_or_responses(
         assert response.status_code >= 300, (method, path)
         bodies.append(response.text)
         headers_seen.append(repr(response.headers))
-    login = api.post("/ui/login", data={"token": secret, "next": "/"}, follow_redirects=False)
+    login = form_post(api, "/ui/login", {"token": secret, "next": "/"})
     assert login.status_code == 403
     bodies.append(login.text)
     headers_seen.append(repr(login.headers))
@@ -349,13 +372,11 @@ def test_dashboard_needs_an_operator_session(
     assert form.status_code == 200 and 'name="token"' in form.text
     # Wrong tokens: the form again, no cookie.
     for secret, status in (("kvp_nope", 401), (tokens["ctx"], 403)):
-        refused = api.post("/ui/login", data={"token": secret}, follow_redirects=False)
+        refused = form_post(api, "/ui/login", {"token": secret})
         assert refused.status_code == status
         assert SESSION_COOKIE not in refused.cookies
     token_id, secret = make_token(db_url, "operator")
-    login = api.post(
-        "/ui/login", data={"token": secret, "next": "//evil.example/x"}, follow_redirects=False
-    )
+    login = form_post(api, "/ui/login", {"token": secret, "next": "//evil.example/x"})
     assert login.status_code == 303
     assert login.headers["location"] == "/"  # no open redirect
     cookie_header = login.headers["set-cookie"]
@@ -367,21 +388,20 @@ def test_dashboard_needs_an_operator_session(
     # Dashboard actions need the session too (and a confirmation).
     register_fleet(api, tokens)
     anonymous = TestClient(api.app)
-    refused = anonymous.post(
-        "/ui/instances/ctx/deregister", data={"confirm": "yes"}, follow_redirects=False
-    )
+    refused = form_post(anonymous, "/ui/instances/ctx/deregister", {"confirm": "yes"})
     assert refused.status_code == 303 and refused.headers["location"].startswith("/ui/login")
     assert api.get("/v1/instances/ctx", headers=bearer(tokens["operator"])).status_code == 200
-    done = api.post("/ui/instances/ctx/deregister", data={"confirm": "yes"}, follow_redirects=False)
+    done = form_post(api, "/ui/instances/ctx/deregister", {"confirm": "yes"})
     assert done.status_code == 303
     problem(
         api.get("/v1/instances/ctx", headers=bearer(tokens["operator"])), 404, "instance_not_found"
     )
     # A tampered cookie is no session; revoking the token ends the session.
-    api.cookies.set(SESSION_COOKIE, api.cookies[SESSION_COOKIE].replace(token_id, "0" * 32))
+    session_id = api.cookies[SESSION_COOKIE].split(".")[0]
+    api.cookies.set(SESSION_COOKIE, api.cookies[SESSION_COOKIE].replace(session_id, "0" * 32))
     assert api.get("/ui/instances", follow_redirects=False).status_code == 303
     api.cookies.clear()
-    assert api.post("/ui/login", data={"token": secret}, follow_redirects=False).status_code == 303
+    assert form_post(api, "/ui/login", {"token": secret}).status_code == 303
     assert api.get("/ui/workers").status_code == 200
     db = Database(db_url)
     with db.write() as session:
@@ -389,7 +409,7 @@ def test_dashboard_needs_an_operator_session(
     db.dispose()
     assert api.get("/ui/workers", follow_redirects=False).status_code == 303
     # Logging out clears the cookie.
-    logout = api.post("/ui/logout", follow_redirects=False)
+    logout = form_post(api, "/ui/logout")
     assert logout.status_code == 303 and logout.headers["location"] == "/ui/login"
 
 
@@ -398,10 +418,7 @@ def test_session_from_another_process_key_is_refused(
 ) -> None:
     _, secret = make_token(db_url, "operator")
     with TestClient(make_app(auth=True, session_secret="one")) as first:
-        assert (
-            first.post("/ui/login", data={"token": secret}, follow_redirects=False).status_code
-            == 303
-        )
+        assert form_post(first, "/ui/login", {"token": secret}).status_code == 303
         cookie = first.cookies[SESSION_COOKIE]
     with TestClient(make_app(auth=True, session_secret="one")) as same_key:
         same_key.cookies.set(SESSION_COOKIE, cookie)
