@@ -7,7 +7,10 @@ Then every request carries ``Authorization: Bearer <secret>``; the database stor
 Scopes:
 
 - ``instance``: register, update, read and deregister **its own** instance (token bound to a name);
-- ``worker``: register workers, heartbeat, claim and report jobs of **its own** instance;
+- ``worker``: register workers, heartbeat, claim and report jobs of **its own** instance; a
+  worker token may also be bound to **one rank** (``tokens create --rank R``): then it acts only
+  for workers and jobs of that rank. An unbound worker token acts for every rank of its instance
+  (one token per node or per engine); it still reads its instance's whole registration;
 - ``operator``: pairings, transfers, compatibility, every read, ``/metrics``, the dashboard;
 - ``admin``: everything (and tokens, which are managed on the database by the CLI).
 
@@ -61,17 +64,21 @@ SCOPES = ("instance", "worker", "operator", "admin")
 #: Scopes bound to one instance name.
 BOUND_SCOPES = ("instance", "worker")
 TOKEN_PREFIX = "kvp_"
+#: Upper bound of a rank a worker token may be bound to (far above any world size).
+MAX_RANKS = 1 << 16
 SESSION_COOKIE = "kvplane_session"
 LOGIN_PATH = "/ui/login"
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: a token's id, scope and (for bound scopes) instance name."""
+    """Who is calling: a token's id, scope, (for bound scopes) instance name and (for a worker
+    token bound to one) rank."""
 
     token_id: str
     scope: str
     instance: str | None = None
+    rank: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +101,12 @@ def _article(word: str) -> str:
 
 
 def create_token(
-    *, session: Session, scope: str, instance: str | None = None, name: str = ""
+    *,
+    session: Session,
+    scope: str,
+    instance: str | None = None,
+    name: str = "",
+    rank: int | None = None,
 ) -> tuple[TokenRow, str]:
     """Store a new token; returns the row and the secret (the only time it exists in clear)."""
     if scope not in SCOPES:
@@ -111,6 +123,10 @@ def create_token(
         )
     if instance is not None and len(instance) > NAME_LENGTH:
         raise BadRequest("instance name too long", code="validation_error")
+    if rank is not None and scope != "worker":
+        raise BadRequest("only a worker token can be bound to a rank", code="validation_error")
+    if rank is not None and not 0 <= rank < MAX_RANKS:
+        raise BadRequest(f"rank must be in [0, {MAX_RANKS})", code="validation_error")
     secret = new_secret()
     row = TokenRow(
         id=uuid.uuid4().hex,
@@ -119,6 +135,7 @@ def create_token(
         instance=instance,
         secret_hash=hash_secret(secret),
         created_at=utcnow(),
+        rank=rank,
     )
     session.add(row)
     session.flush()
@@ -143,7 +160,7 @@ def revoke_token(*, session: Session, token_id: str, now: datetime | None = None
 def _principal(row: TokenRow | None) -> Principal | None:
     if row is None or row.revoked_at is not None:
         return None
-    return Principal(token_id=row.id, scope=row.scope, instance=row.instance)
+    return Principal(token_id=row.id, scope=row.scope, instance=row.instance, rank=row.rank)
 
 
 def principal_for_secret(*, session: Session, secret: str) -> Principal | None:
@@ -161,7 +178,17 @@ def principal_for_id(*, session: Session, token_id: str) -> Principal | None:
 # the policy: operationId -> who may call it
 
 _UNKNOWN = object()  # the target does not exist: let the route answer 404
-Owner = Callable[[Request], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request acts on: the instance(s) concerned and, for a worker or job, its rank."""
+
+    parties: tuple[str, ...]
+    rank: int | None = None
+
+
+Owner = Callable[[Request], Awaitable[Any]]  # -> Target | _UNKNOWN | None (names nothing)
 
 
 @dataclass(frozen=True)
@@ -193,23 +220,28 @@ def _db(request: Request) -> Database:
 
 
 async def _path_name(request: Request) -> Any:
-    return request.path_params.get("name")
+    name = request.path_params.get("name")
+    return Target((name,)) if isinstance(name, str) else None
 
 
-async def _body_instance(request: Request) -> Any:
-    return await _json_field(request, "instance")
+async def _body_worker_registration(request: Request) -> Any:
+    body = await _json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("instance"), str):
+        return None
+    rank = body.get("rank")
+    return Target((body["instance"],), rank if type(rank) is int else None)
 
 
 def _instance_of(request: Request, model: type[WorkerRow] | type[JobRow], key: str | None) -> Any:
     if key is None:
         return None
     with _db(request).read() as session:
-        name = session.scalar(
-            select(InstanceRow.name)
+        row = session.execute(
+            select(InstanceRow.name, model.rank)
             .join(model, model.instance_id == InstanceRow.id)
             .where(model.id == key)
-        )
-    return _UNKNOWN if name is None else name
+        ).first()
+    return _UNKNOWN if row is None else Target((row[0],), row[1])
 
 
 async def _path_worker(request: Request) -> Any:
@@ -232,8 +264,10 @@ async def _body_transfer_parties(request: Request) -> Any:
     body = await _json_body(request)
     if not isinstance(body, dict):
         return None
-    names = tuple(body.get(k) for k in ("context", "generation") if isinstance(body.get(k), str))
-    return names or None
+    names = tuple(
+        str(body[key]) for key in ("context", "generation") if isinstance(body.get(key), str)
+    )
+    return Target(names) if names else None
 
 
 def _transfer_parties(request: Request, transfer_id: str | None) -> Any:
@@ -245,7 +279,7 @@ def _transfer_parties(request: Request, transfer_id: str | None) -> Any:
                 TransferRow.id == transfer_id
             )
         ).first()
-    return _UNKNOWN if row is None else (row[0], row[1])
+    return _UNKNOWN if row is None else Target((row[0], row[1]))
 
 
 async def _path_transfer(request: Request) -> Any:
@@ -287,7 +321,7 @@ POLICY: dict[str, Rule] = {
     "retry_transfer": OPERATOR,
     "get_transfer_fragments": OPERATOR,
     # workers and jobs: a worker acts for its own instance; operators read
-    "register_worker": Rule(own=_WORKER, owner=_body_instance),
+    "register_worker": Rule(own=_WORKER, owner=_body_worker_registration),
     "list_workers": OPERATOR,
     "worker_heartbeat": Rule(own=_WORKER, owner=_path_worker),
     "stop_worker": Rule(own=_WORKER, owner=_path_worker),
@@ -336,9 +370,15 @@ async def check(request: Request, principal: Principal, operation: str) -> None:
         return
     if principal.scope in rule.own and rule.owner is not None:
         target = await rule.owner(request)
-        parties = target if isinstance(target, tuple) else (target,)
-        if target is _UNKNOWN or principal.instance in parties:
+        if target is _UNKNOWN:
             return
+        if isinstance(target, Target) and principal.instance in target.parties:
+            if principal.rank is None or target.rank is None or target.rank == principal.rank:
+                return
+            raise Forbidden(
+                f"this {principal.scope} token is bound to rank {principal.rank} of instance "
+                f"{principal.instance!r}; {operation} here concerns rank {target.rank}"
+            )
         raise Forbidden(
             f"this {principal.scope} token is bound to instance {principal.instance!r}; "
             f"{operation} here concerns another instance"

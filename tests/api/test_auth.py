@@ -25,12 +25,14 @@ TRANSFER = {
 }
 
 
-def make_token(db_url: str, scope: str, instance: str | None = None) -> tuple[str, str]:
+def make_token(
+    db_url: str, scope: str, instance: str | None = None, rank: int | None = None
+) -> tuple[str, str]:
     """(id, secret) of a fresh token."""
     db = Database(db_url)
     try:
         with db.write() as session:
-            row, secret = create_token(session=session, scope=scope, instance=instance)
+            row, secret = create_token(session=session, scope=scope, instance=instance, rank=rank)
             return row.id, secret
     finally:
         db.dispose()
@@ -481,3 +483,52 @@ def test_authentication_comes_before_parsing_the_body(api: TestClient, content: 
             headers={"content-type": "application/json", **bearer("kvp_unknown")},
         )
         problem(response, 401, "unauthorized")
+
+
+def test_a_rank_bound_worker_token_acts_only_for_its_rank(
+    api: TestClient, db_url: str, tokens: dict[str, str]
+) -> None:
+    """Issue 13 item 11: ``worker-ctx`` registered a worker for any rank of ctx."""
+    bodies = register_fleet(api, tokens)
+    rank0 = bearer(make_token(db_url, "worker", "ctx", rank=0)[1])
+    rank1 = bearer(make_token(db_url, "worker", "ctx", rank=1)[1])
+    problem(
+        api.post("/v1/workers", json=peer_body(bodies["ctx"], "ctx", 1), headers=rank0),
+        403,
+        "forbidden",
+    )
+    workers = {}
+    for rank, headers in ((0, rank0), (1, rank1)):
+        attached = api.post(
+            "/v1/workers", json=peer_body(bodies["ctx"], "ctx", rank), headers=headers
+        )
+        assert attached.status_code == 201, attached.text
+        workers[rank] = attached.json()["id"]
+    # It reads its instance's page table (all ranks) like any worker of the instance.
+    assert api.get("/v1/instances/ctx", headers=rank0).status_code == 200
+    # Another rank's worker: no heartbeat, claim or stop.
+    problem(api.post(f"/v1/workers/{workers[1]}/heartbeat", headers=rank0), 403, "forbidden")
+    problem(
+        api.post("/v1/jobs/claim", json={"worker_id": workers[1]}, headers=rank0), 403, "forbidden"
+    )
+    problem(api.delete(f"/v1/workers/{workers[1]}", headers=rank0), 403, "forbidden")
+    assert api.post(f"/v1/workers/{workers[0]}/heartbeat", headers=rank0).status_code == 200
+    # Nor another rank's jobs.
+    gen_worker = api.post(
+        "/v1/workers", json=peer_body(bodies["gen"], "gen", 0), headers=bearer(tokens["gen-worker"])
+    )
+    assert gen_worker.status_code == 201, gen_worker.text
+    assert (
+        api.post("/v1/transfers", json=TRANSFER, headers=bearer(tokens["operator"])).status_code
+        == 201
+    )
+    lease = api.post("/v1/jobs/claim", json={"worker_id": workers[1]}, headers=rank1)
+    assert lease.status_code == 200, lease.text
+    job = lease.json()
+    report = {"lease_token": job["lease_token"], "reason": "test", "retryable": False}
+    problem(api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=rank0), 403, "forbidden")
+    assert api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=rank1).status_code == 200
+    # An unbound worker token of the instance may still act for every rank (documented).
+    unbound = bearer(tokens["ctx-worker"])
+    for worker_id in workers.values():
+        assert api.post(f"/v1/workers/{worker_id}/heartbeat", headers=unbound).status_code == 200
