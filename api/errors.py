@@ -226,6 +226,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_blocks": (422, "A block id is out of range or a layer group is unknown."),
     "idempotency_key_reused": (409, "The Idempotency-Key was used with a different body."),
     "plan_gone": (409, "The transfer's plan was deleted with its pairing."),
+    "too_many_fragments": (
+        422,
+        "More fragments than one page holds (`KVPLANE_MAX_FRAGMENTS_PER_PAGE`, 50,000 by "
+        "default): page with `?offset=&limit=`.",
+    ),
     "not_implemented": (501, "The feature exists in the API but not in this release."),
     "database_busy": (503, "The database is locked or unreachable; honour `Retry-After`."),
     "not_ready": (503, "`/readyz`: the database is unreachable or not migrated to head."),

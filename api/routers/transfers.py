@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 
 from api import schemas
 from api.errors import problem_responses
@@ -186,7 +187,32 @@ def retry_transfer(transfer_id: TransferId, request: Request, db: DbDep) -> sche
     response_model=schemas.TransferFragments,
     responses=problem_responses(404, 409, 422, 503),
 )
-def get_transfer_fragments(transfer_id: TransferId, db: DbDep) -> schemas.TransferFragments:
-    """Every fragment `[src_pool, src_offset, dst_pool, dst_offset, length]`, per route."""
+def get_transfer_fragments(
+    transfer_id: TransferId,
+    request: Request,
+    db: DbDep,
+    offset: Annotated[
+        int, Query(ge=0, le=1 << 62, description="Number of the first fragment to return")
+    ] = 0,
+    limit: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            description="Most fragments to return, at most KVPLANE_MAX_FRAGMENTS_PER_PAGE "
+            "(50,000 by default). Without it the whole list, if it fits in one page.",
+        ),
+    ] = None,
+) -> Response:
+    """Fragments `[src_pool, src_offset, dst_pool, dst_offset, length]` per route, one page at
+    a time (`offset`, `limit`, `next_offset`); above the page limit: 422 `too_many_fragments`."""
+    max_per_page = int(request.app.state.settings.max_fragments_per_page)
     with db.read() as session:
-        return service.transfer_fragments(session=session, transfer_id=transfer_id)
+        page = service.transfer_fragments(
+            session=session,
+            transfer_id=transfer_id,
+            max_per_page=max_per_page,
+            offset=offset,
+            limit=limit,
+        )
+    # Serialized directly: validating up to a page of int lists again would double the cost.
+    return JSONResponse(page)

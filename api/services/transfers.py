@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from typing import Any
 
 from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -264,16 +265,45 @@ def list_transfers(
     return list(rows), total
 
 
-def transfer_fragments(*, session: Session, transfer_id: str) -> schemas.TransferFragments:
-    """Every fragment of a transfer (expanded now from its plan and block lists)."""
+def transfer_fragments(
+    *,
+    session: Session,
+    transfer_id: str,
+    max_per_page: int,
+    offset: int = 0,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """One page of a transfer's fragments, expanded now from its plan and block lists.
+
+    Only the page is built (memory grows with ``limit``, never with the transfer). Without a
+    ``limit`` the whole list is answered if it fits in ``max_per_page``; a request for more
+    than ``max_per_page`` fragments is a 422 ``too_many_fragments`` naming the limit.
+    """
     row = get_transfer(session=session, transfer_id=transfer_id)
     plan = None if row.plan_id is None else load_plan(session=session, plan_id=row.plan_id)
     if plan is None:
         raise Conflict(
             f"the plan of transfer {row.id} was deleted with its pairing", code="plan_gone"
         )
+    extra = {"max_fragments_per_page": max_per_page, "fragments": row.fragments}
+    if limit is not None and limit > max_per_page:
+        raise BadRequest(
+            f"limit {limit} is above the page limit of {max_per_page} fragments "
+            "(KVPLANE_MAX_FRAGMENTS_PER_PAGE)",
+            code="too_many_fragments",
+            errors=[{"loc": ["query", "limit"], "msg": f"must be at most {max_per_page}"}],
+            extra=extra,
+        )
+    if limit is None and row.fragments - offset > max_per_page:
+        raise BadRequest(
+            f"transfer {row.id} has {row.fragments} fragments, more than one page holds "
+            f"({max_per_page}, KVPLANE_MAX_FRAGMENTS_PER_PAGE); page with ?offset=&limit= "
+            f"(limit at most {max_per_page})",
+            code="too_many_fragments",
+            extra=extra,
+        )
     expansion = expand(plan, _blocks(row.blocks))
-    return schemas.TransferFragments.model_validate(expansion.to_fragments())
+    return expansion.fragment_page(offset, max_per_page if limit is None else limit)
 
 
 def transfer_read(row: TransferRow) -> schemas.TransferRead:
