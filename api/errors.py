@@ -90,6 +90,12 @@ class Problem(BaseModel):
     report: Report | None = Field(
         default=None, description="`pairing_incompatible`: the pairing's validation report"
     )
+    max_fragments_per_page: int | None = Field(
+        default=None, description="`too_many_fragments`: the most fragments one page answers"
+    )
+    fragments: int | None = Field(
+        default=None, description="`too_many_fragments`: the transfer's fragment count"
+    )
 
 
 class KvplaneError(Exception):
