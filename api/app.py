@@ -126,6 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     openapi.document(app)
     docs.install(app)
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
+    app.add_middleware(auth.AuthenticateFirst)  # innermost: 401 before the body is parsed
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(EncodedSlashMiddleware)
     app.add_middleware(TimingMiddleware, metrics=metrics)

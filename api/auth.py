@@ -8,7 +8,10 @@ Scopes:
 
 - ``instance``: register, update, read and deregister **its own** instance (token bound to a name);
 - ``worker``: register workers, heartbeat, read their directory and command stream, and record
-  transfer parts of **its own** instance;
+  transfer parts of **its own** instance; a worker token may also be bound to **one rank**
+  (``tokens create --rank R``): then it acts only for workers of that rank. An unbound worker
+  token acts for every rank of its instance (one token per node or per engine); it still reads
+  its instance's whole registration;
 - ``operator``: pairings, transfers, compatibility, every read, ``/metrics``, the dashboard;
 - ``admin``: everything (and tokens, which are managed on the database by the CLI).
 
@@ -16,9 +19,12 @@ Scopes:
 API router at include time (``api/app.py``). A route missing from the table is admin-only (fail
 closed) and ``tests/api/test_auth.py`` fails until it gets a rule. ``/healthz`` and ``/readyz``
 stay open. The dashboard uses a signed session cookie made at ``/ui/login`` from an operator token
-(``HttpOnly``, ``SameSite=Strict``); the cookie carries the token id, an expiry and an HMAC, never
-the secret, and the token is looked up on every request, so revoking it ends the session.
-No secret or hash ever appears in a log line, an error or a page.
+(``HttpOnly``, ``SameSite=Strict``); the cookie carries a session id (a ``dashboard_sessions``
+row), an expiry and an HMAC, never the secret. The session and its token are looked up on every
+request, so logging out (which revokes the row on the server), revoking the token or the expiry
+each end it, and a copied cookie is worth nothing afterwards. Dashboard forms are guarded against
+CSRF by :mod:`api.csrf` before anything else. No secret or hash ever appears in a log line, an
+error or a page.
 """
 
 from __future__ import annotations
@@ -31,35 +37,48 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from sqlalchemy import select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api import csrf
 from api.db import Database, utcnow
-from api.errors import BadRequest, Forbidden, NotFound, Unauthorized
-from api.models import NAME_LENGTH, InstanceRow, TokenRow, TransferRow, WorkerRow
+from api.errors import BadRequest, Forbidden, NotFound, Unauthorized, problem_response
+from api.models import (
+    NAME_LENGTH,
+    DashboardSessionRow,
+    InstanceRow,
+    TokenRow,
+    TransferRow,
+    WorkerRow,
+)
 
 SCOPES = ("instance", "worker", "operator", "admin")
 #: Scopes bound to one instance name.
 BOUND_SCOPES = ("instance", "worker")
 TOKEN_PREFIX = "kvp_"
+#: Upper bound of a rank a worker token may be bound to (far above any world size).
+MAX_RANKS = 1 << 16
 SESSION_COOKIE = "kvplane_session"
 LOGIN_PATH = "/ui/login"
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: a token's id, scope and (for bound scopes) instance name."""
+    """Who is calling: a token's id, scope, (for bound scopes) instance name and (for a worker
+    token bound to one) rank."""
 
     token_id: str
     scope: str
     instance: str | None = None
+    rank: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +101,12 @@ def _article(word: str) -> str:
 
 
 def create_token(
-    *, session: Session, scope: str, instance: str | None = None, name: str = ""
+    *,
+    session: Session,
+    scope: str,
+    instance: str | None = None,
+    name: str = "",
+    rank: int | None = None,
 ) -> tuple[TokenRow, str]:
     """Store a new token; returns the row and the secret (the only time it exists in clear)."""
     if scope not in SCOPES:
@@ -99,6 +123,10 @@ def create_token(
         )
     if instance is not None and len(instance) > NAME_LENGTH:
         raise BadRequest("instance name too long", code="validation_error")
+    if rank is not None and scope != "worker":
+        raise BadRequest("only a worker token can be bound to a rank", code="validation_error")
+    if rank is not None and not 0 <= rank < MAX_RANKS:
+        raise BadRequest(f"rank must be in [0, {MAX_RANKS})", code="validation_error")
     secret = new_secret()
     row = TokenRow(
         id=uuid.uuid4().hex,
@@ -107,6 +135,7 @@ def create_token(
         instance=instance,
         secret_hash=hash_secret(secret),
         created_at=utcnow(),
+        rank=rank,
     )
     session.add(row)
     session.flush()
@@ -131,7 +160,7 @@ def revoke_token(*, session: Session, token_id: str, now: datetime | None = None
 def _principal(row: TokenRow | None) -> Principal | None:
     if row is None or row.revoked_at is not None:
         return None
-    return Principal(token_id=row.id, scope=row.scope, instance=row.instance)
+    return Principal(token_id=row.id, scope=row.scope, instance=row.instance, rank=row.rank)
 
 
 def principal_for_secret(*, session: Session, secret: str) -> Principal | None:
@@ -149,7 +178,17 @@ def principal_for_id(*, session: Session, token_id: str) -> Principal | None:
 # the policy: operationId -> who may call it
 
 _UNKNOWN = object()  # the target does not exist: let the route answer 404
-Owner = Callable[[Request], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request acts on: the instance(s) concerned and, for a worker or job, its rank."""
+
+    parties: tuple[str, ...]
+    rank: int | None = None
+
+
+Owner = Callable[[Request], Awaitable[Any]]  # -> Target | _UNKNOWN | None (names nothing)
 
 
 @dataclass(frozen=True)
@@ -162,11 +201,15 @@ class Rule:
     open: bool = False
 
 
-async def _json_field(request: Request, key: str) -> Any:
+async def _json_body(request: Request) -> Any:
     try:
-        body = json.loads(await request.body())
-    except ValueError:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):  # not JSON (or nested too deep): names no target
         return None
+
+
+async def _json_field(request: Request, key: str) -> Any:
+    body = await _json_body(request)
     value = body.get(key) if isinstance(body, dict) else None
     return value if isinstance(value, str) else None
 
@@ -177,23 +220,28 @@ def _db(request: Request) -> Database:
 
 
 async def _path_name(request: Request) -> Any:
-    return request.path_params.get("name")
+    name = request.path_params.get("name")
+    return Target((name,)) if isinstance(name, str) else None
 
 
-async def _body_instance(request: Request) -> Any:
-    return await _json_field(request, "instance")
+async def _body_worker_registration(request: Request) -> Any:
+    body = await _json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("instance"), str):
+        return None
+    rank = body.get("rank")
+    return Target((body["instance"],), rank if type(rank) is int else None)
 
 
 def _instance_of(request: Request, model: type[WorkerRow], key: str | None) -> Any:
     if key is None:
         return None
     with _db(request).read() as session:
-        name = session.scalar(
-            select(InstanceRow.name)
+        row = session.execute(
+            select(InstanceRow.name, model.rank)
             .join(model, model.instance_id == InstanceRow.id)
             .where(model.id == key)
-        )
-    return _UNKNOWN if name is None else name
+        ).first()
+    return _UNKNOWN if row is None else Target((row[0],), row[1])
 
 
 async def _path_worker(request: Request) -> Any:
@@ -209,14 +257,13 @@ async def _body_worker(request: Request) -> Any:
 
 async def _body_transfer_parties(request: Request) -> Any:
     """A transfer concerns both its instances: either engine may plan it."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        return None
+    body = await _json_body(request)
     if not isinstance(body, dict):
         return None
-    names = tuple(body.get(k) for k in ("context", "generation") if isinstance(body.get(k), str))
-    return names or None
+    names = tuple(
+        str(body[key]) for key in ("context", "generation") if isinstance(body.get(key), str)
+    )
+    return Target(names) if names else None
 
 
 def _transfer_parties(request: Request, transfer_id: str | None) -> Any:
@@ -228,7 +275,7 @@ def _transfer_parties(request: Request, transfer_id: str | None) -> Any:
                 TransferRow.id == transfer_id
             )
         ).first()
-    return _UNKNOWN if row is None else (row[0], row[1])
+    return _UNKNOWN if row is None else Target((row[0], row[1]))
 
 
 async def _path_transfer(request: Request) -> Any:
@@ -269,8 +316,8 @@ POLICY: dict[str, Rule] = {
     "get_transfer": Rule(scopes=frozenset({"operator"}), own=_INSTANCE, owner=_path_transfer),
     "retry_transfer": OPERATOR,
     "get_transfer_fragments": OPERATOR,
-    # workers: a worker acts for its own instance; operators read
-    "register_worker": Rule(own=_WORKER, owner=_body_instance),
+    # workers: a worker acts for its own instance (and rank, when bound); operators read
+    "register_worker": Rule(own=_WORKER, owner=_body_worker_registration),
     "list_workers": OPERATOR,
     "worker_heartbeat": Rule(own=_WORKER, owner=_path_worker),
     "stop_worker": Rule(own=_WORKER, owner=_path_worker),
@@ -320,9 +367,15 @@ async def check(request: Request, principal: Principal, operation: str) -> None:
         return
     if principal.scope in rule.own and rule.owner is not None:
         target = await rule.owner(request)
-        parties = target if isinstance(target, tuple) else (target,)
-        if target is _UNKNOWN or principal.instance in parties:
+        if target is _UNKNOWN:
             return
+        if isinstance(target, Target) and principal.instance in target.parties:
+            if principal.rank is None or target.rank is None or target.rank == principal.rank:
+                return
+            raise Forbidden(
+                f"this {principal.scope} token is bound to rank {principal.rank} of instance "
+                f"{principal.instance!r}; {operation} here concerns rank {target.rank}"
+            )
         raise Forbidden(
             f"this {principal.scope} token is bound to instance {principal.instance!r}; "
             f"{operation} here concerns another instance"
@@ -339,7 +392,49 @@ async def authorize(request: Request) -> None:
     operation = operation_of(request)
     if POLICY.get(operation, ADMIN).open:
         return
-    await check(request, await authenticate(request), operation)
+    principal = getattr(request.state, "principal", None)  # set by AuthenticateFirst
+    if not isinstance(principal, Principal):
+        principal = await authenticate(request)
+    await check(request, principal, operation)
+
+
+class AuthenticateFirst:
+    """Pure ASGI middleware: with auth on, a guarded API route's caller is authenticated (401)
+    before anything reads the body, so an anonymous client learns nothing from a 400 or 422.
+
+    FastAPI parses a request's JSON body before it solves the router dependencies; this runs
+    ahead of both. The principal is left in the request state for :func:`authorize`, which
+    then applies the scope rules (those may need the body: a worker's instance, a transfer's).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = scope.get("app")
+        if scope["type"] != "http" or app is None or not app.state.settings.auth:
+            await self.app(scope, receive, send)
+            return
+        from api.routes import matching_route
+
+        route = matching_route(app, scope["path"], scope["method"])
+        guarded = route is not None and any(
+            getattr(dep, "dependency", None) is authorize
+            for dep in getattr(route, "dependencies", None) or ()
+        )
+        operation = str(getattr(route, "operation_id", None) or getattr(route, "name", ""))
+        if not guarded or POLICY.get(operation, ADMIN).open:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await authenticate(Request(scope))
+        except Unauthorized as error:
+            response = problem_response(
+                error.status, error.code, error.detail, headers=error.headers
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,39 +451,79 @@ class LoginRequired(Exception):
 
 @dataclass
 class SessionKeys:
-    """The HMAC key of session cookies (from settings, else random per process)."""
+    """The HMAC key of session cookies and CSRF tokens (from settings, else random per process)."""
 
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
-    def sign(self, token_id: str, expires_at: int) -> str:
-        payload = f"{token_id}.{expires_at}"
+    def sign(self, session_id: str, expires_at: int) -> str:
+        payload = f"{session_id}.{expires_at}"
         mac = hmac.new(self.key, payload.encode(), hashlib.sha256).hexdigest()
         return f"{payload}.{mac}"
 
     def verify(self, cookie: str, now: float) -> str | None:
-        """The token id of a well-signed, unexpired cookie, or None."""
+        """The session id of a well-signed, unexpired cookie, or None."""
         parts = cookie.split(".")
         if len(parts) != 3:
             return None
-        token_id, expires, mac = parts
-        expected = hmac.new(self.key, f"{token_id}.{expires}".encode(), hashlib.sha256).hexdigest()
+        session_id, expires, mac = parts
+        expected = hmac.new(
+            self.key, f"{session_id}.{expires}".encode(), hashlib.sha256
+        ).hexdigest()
         if not hmac.compare_digest(mac, expected):
             return None
         if not expires.isdigit() or int(expires) < now:
             return None
-        return token_id
+        return session_id
 
 
-def _dashboard_principal(request: Request) -> Principal | None:
+def start_session(*, session: Session, token_id: str, ttl_s: int, now: datetime) -> str:
+    """Store a new dashboard session of ``token_id`` (and drop expired ones); its id."""
+    session.execute(
+        delete(DashboardSessionRow).where(DashboardSessionRow.expires_at < now)
+    )
+    row = DashboardSessionRow(
+        id=uuid.uuid4().hex,
+        token_id=token_id,
+        created_at=now,
+        expires_at=now + timedelta(seconds=ttl_s),
+    )
+    session.add(row)
+    session.flush()
+    return row.id
+
+
+def end_session(*, session: Session, session_id: str, now: datetime) -> bool:
+    """Revoke a dashboard session (logout); False when it was unknown or already over."""
+    result = session.execute(
+        update(DashboardSessionRow)
+        .where(DashboardSessionRow.id == session_id, DashboardSessionRow.revoked_at.is_(None))
+        .values(revoked_at=now)
+    )
+    return bool(getattr(result, "rowcount", 0))
+
+
+def principal_for_session(*, session: Session, session_id: str, now: datetime) -> Principal | None:
+    """The principal of a live dashboard session (not revoked, not expired, token live)."""
+    row = session.get(DashboardSessionRow, session_id)
+    if row is None or row.revoked_at is not None or row.expires_at <= now:
+        return None
+    return principal_for_id(session=session, token_id=row.token_id)
+
+
+def _session_id(request: Request) -> str | None:
     cookie = request.cookies.get(SESSION_COOKIE)
     if not cookie:
         return None
     keys: SessionKeys = request.app.state.session_keys
-    token_id = keys.verify(cookie, time.time())
-    if token_id is None:
+    return keys.verify(cookie, time.time())
+
+
+def _dashboard_principal(request: Request) -> Principal | None:
+    session_id = _session_id(request)
+    if session_id is None:
         return None
     with _db(request).read() as session:
-        return principal_for_id(session=session, token_id=token_id)
+        return principal_for_session(session=session, session_id=session_id, now=utcnow())
 
 
 def _safe_next(path: str | None) -> str:
@@ -426,12 +561,19 @@ login_router = APIRouter(include_in_schema=False)
 def _login_page(request: Request, next_path: str, error: str | None, status_code: int) -> Response:
     from api.routers.dashboard import templates
 
-    return templates.TemplateResponse(
+    response = templates.TemplateResponse(
         request,
         "login.html",
-        {"next": _safe_next(next_path), "error": error, "notice": None, "nav": None},
+        {
+            "next": _safe_next(next_path),
+            "error": error,
+            "notice": None,
+            "nav": None,
+            **csrf.context(request),
+        },
         status_code=status_code,
     )
+    return csrf.attach(request, response)
 
 
 @login_router.get(LOGIN_PATH, response_class=HTMLResponse)
@@ -443,9 +585,7 @@ def login_form(request: Request, next: str = "/") -> Response:
 @login_router.post(LOGIN_PATH, response_model=None)
 async def login(request: Request) -> Response:
     """Exchange an operator token for a session cookie (the token itself is never stored)."""
-    from api.routers.dashboard import form_fields
-
-    form = await form_fields(request)
+    form = await csrf.protect(request)
     next_path = _safe_next(form.get("next"))
     secret = form.get("token", "").strip()
     principal = await run_in_threadpool(_lookup_secret, request, secret) if secret else None
@@ -456,12 +596,22 @@ async def login(request: Request) -> Response:
             request, next_path, f"A {principal.scope} token cannot open the dashboard.", 403
         )
     settings = request.app.state.settings
-    expires_at = int(time.time()) + int(settings.session_ttl_s)
+    ttl_s = int(settings.session_ttl_s)
+    now = utcnow()
+
+    def store() -> str:
+        with _db(request).write() as session:
+            return start_session(
+                session=session, token_id=principal.token_id, ttl_s=ttl_s, now=now
+            )
+
+    session_id = await run_in_threadpool(store)
+    expires_at = int(now.timestamp()) + ttl_s
     keys: SessionKeys = request.app.state.session_keys
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
-        keys.sign(principal.token_id, expires_at),
+        keys.sign(session_id, expires_at),
         max_age=int(settings.session_ttl_s),
         path="/",
         httponly=True,
@@ -473,10 +623,16 @@ async def login(request: Request) -> Response:
 
 @login_router.post("/ui/logout", response_model=None)
 async def logout(request: Request) -> Response:
-    """End the dashboard session."""
-    from api.routers.dashboard import form_fields
+    """End the dashboard session: revoked on the server, then the cookie is cleared."""
+    await csrf.protect(request)
+    session_id = _session_id(request)
+    if session_id is not None:
 
-    await form_fields(request)
+        def revoke() -> None:
+            with _db(request).write() as session:
+                end_session(session=session, session_id=session_id, now=utcnow())
+
+        await run_in_threadpool(revoke)
     response = RedirectResponse(LOGIN_PATH, status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response
@@ -542,6 +698,25 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(LoginRequired)
     async def _login_required(_request: Request, exc: LoginRequired) -> Response:
         return RedirectResponse(f"{LOGIN_PATH}?next={quote(exc.next_path, safe='')}", 303)
+
+    @app.exception_handler(csrf.CsrfRefused)
+    async def _csrf_refused(request: Request, exc: csrf.CsrfRefused) -> Response:
+        from api.routers.dashboard import templates
+
+        response = templates.TemplateResponse(
+            request,
+            "not_found.html",
+            {
+                "title": "Request refused",
+                "message": exc.detail,
+                "notice": None,
+                "nav": None,
+                "code": exc.code,
+                **csrf.context(request),
+            },
+            status_code=exc.status,
+        )
+        return csrf.attach(request, response)
 
 
 def is_loopback(host: str) -> bool:

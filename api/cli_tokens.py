@@ -43,6 +43,11 @@ def create(
         None, help=f"Instance the token is bound to (required for {' and '.join(BOUND_SCOPES)})."
     ),
     name: str = typer.Option("", help="A label for humans (who or what holds the token)."),
+    rank: int | None = typer.Option(
+        None,
+        help="Bind a worker token to one rank of its instance (then it acts only for that "
+        "rank's workers and jobs). Without it a worker token acts for every rank.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print id, scope and secret as JSON."),
 ) -> None:
     """Create a token and print its secret (shown once: store it now)."""
@@ -51,7 +56,9 @@ def create(
     db = _database()
     try:
         with database_errors(_url()), db.write() as session:
-            row, secret = create_token(session=session, scope=scope, instance=instance, name=name)
+            row, secret = create_token(
+                session=session, scope=scope, instance=instance, name=name, rank=rank
+            )
             token_id = row.id
     except KvplaneError as error:
         raise _fail(error.detail) from None
@@ -64,6 +71,7 @@ def create(
                     "id": token_id,
                     "scope": scope,
                     "instance": instance,
+                    "rank": rank,
                     "name": name,
                     "token": secret,
                 }
@@ -71,6 +79,8 @@ def create(
         )
         return
     bound = f" for instance {instance}" if instance else ""
+    if rank is not None:
+        bound = f" for rank {rank} of instance {instance}"
     typer.echo(f"token {token_id}: scope {scope}{bound}")
     typer.echo(secret)
     typer.echo("(the secret is shown only now; kvplane stores its hash)", err=True)
@@ -87,6 +97,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON lines."
                     "id": row.id,
                     "scope": row.scope,
                     "instance": row.instance,
+                    "rank": row.rank,
                     "name": row.name,
                     "created_at": row.created_at.isoformat(timespec="seconds"),
                     "revoked_at": row.revoked_at.isoformat(timespec="seconds")
@@ -101,11 +112,15 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON lines."
         for item in rows:
             typer.echo(json.dumps(item))
         return
-    typer.echo(f"{'id':<32}  {'scope':<8}  {'instance':<20}  {'name':<20}  created / revoked")
+    header = f"{'id':<32}  {'scope':<8}  {'instance[/rank]':<20}  {'name':<20}"
+    typer.echo(f"{header}  created / revoked")
     for item in rows:
         state = f"revoked {item['revoked_at']}" if item["revoked_at"] else "active"
+        bound = item["instance"] or "-"
+        if item["rank"] is not None:
+            bound = f"{bound}/{item['rank']}"
         typer.echo(
-            f"{item['id']:<32}  {item['scope']:<8}  {item['instance'] or '-':<20}  "
+            f"{item['id']:<32}  {item['scope']:<8}  {bound:<20}  "
             f"{item['name'] or '-':<20}  {item['created_at']}  {state}"
         )
 

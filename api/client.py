@@ -155,8 +155,14 @@ class _Calls:
         return self._request("GET", f"/v1/transfers/{transfer_id}", params=params,
                              timeout=DEFAULT_TIMEOUT_S + wait_s)
 
-    def get_fragments(self, transfer_id: str) -> Any:
-        return self._request("GET", f"/v1/transfers/{transfer_id}/fragments")
+    def get_fragments(
+        self, transfer_id: str, offset: int = 0, limit: int | None = None
+    ) -> Any:
+        """One page of a transfer's fragments (``next_offset`` says where the next starts)."""
+        params: dict[str, int] = {"offset": offset} if offset else {}
+        if limit is not None:
+            params["limit"] = limit
+        return self._request("GET", f"/v1/transfers/{transfer_id}/fragments", params=params)
 
     def retry_transfer(self, transfer_id: str) -> Any:
         return self._request("POST", f"/v1/transfers/{transfer_id}/retry")

@@ -8,6 +8,7 @@ documents with a stable ``code``. Routes never build error JSON by hand; a 500 i
 from __future__ import annotations
 
 import logging
+import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -23,6 +24,8 @@ from api.schemas import Report
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_PREFIX = "https://kvplane.dev/problems/"
 RETRY_AFTER_S = 1
+# What FastAPI says when json.loads fails with something other than a JSONDecodeError.
+_UNPARSABLE = "There was an error parsing the body"
 
 #: The one ``title`` of each status. The ``code`` (and ``type``) names the problem; the title
 #: only words the status, the same for every code that shares it.
@@ -86,6 +89,12 @@ class Problem(BaseModel):
     )
     report: Report | None = Field(
         default=None, description="`pairing_incompatible`: the pairing's validation report"
+    )
+    max_fragments_per_page: int | None = Field(
+        default=None, description="`too_many_fragments`: the most fragments one page answers"
+    )
+    fragments: int | None = Field(
+        default=None, description="`too_many_fragments`: the transfer's fragment count"
     )
 
 
@@ -198,7 +207,11 @@ class NotImplementedYet(KvplaneError):
 #: Stable codes and where they come from; the README's error table is generated from this.
 ERROR_CODES: dict[str, tuple[int, str]] = {
     "validation_error": (422, "A field has the wrong type, range or format; see `errors[].loc`."),
-    "malformed_json": (400, "The body is not valid JSON."),
+    "malformed_json": (
+        400,
+        "The body is not valid JSON (or not UTF-8, nested too deeply, an integer too long); "
+        "`detail` says which.",
+    ),
     "invalid_geometry": (422, "The registration breaks a page-table rule; see `errors[].loc`."),
     "payload_too_large": (413, "The body exceeds `KVPLANE_MAX_BODY_BYTES`."),
     "unauthorized": (401, "Auth is on and the bearer token is missing, unknown or revoked."),
@@ -219,6 +232,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_blocks": (422, "A block id is out of range or a layer group is unknown."),
     "idempotency_key_reused": (409, "The Idempotency-Key was used with a different body."),
     "plan_gone": (409, "The transfer's plan was deleted with its pairing."),
+    "too_many_fragments": (
+        422,
+        "More fragments than one page holds (`KVPLANE_MAX_FRAGMENTS_PER_PAGE`, 50,000 by "
+        "default): page with `?offset=&limit=`.",
+    ),
     "not_implemented": (501, "The feature exists in the API but not in this release."),
     "database_busy": (503, "The database is locked or unreachable; honour `Retry-After`."),
     "not_ready": (503, "`/readyz`: the database is unreachable or not migrated to head."),
@@ -293,6 +311,20 @@ def validation_problem(exc: RequestValidationError) -> JSONResponse:
     )
 
 
+def undecodable_body_detail(cause: BaseException) -> str:
+    """Why a request body could not be decoded as JSON, in words a client can act on."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"The request body is not valid UTF-8 (byte {cause.start})."
+    if isinstance(cause, RecursionError):
+        return "The request body's JSON is nested too deeply."
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return (
+            "The request body holds an integer with more digits than the parser accepts "
+            f"({sys.get_int_max_str_digits()})."
+        )
+    return f"The request body is not valid JSON ({type(cause).__name__})."
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the problem+json handlers on ``app``."""
 
@@ -312,14 +344,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_problem(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _UNPARSABLE and exc.__cause__ is not None:
+            # FastAPI could not decode the body at all (json.loads raised something other than
+            # a JSONDecodeError): still the documented malformed_json, with the reason.
+            detail = undecodable_body_detail(exc.__cause__)
+            return problem_response(
+                400, "malformed_json", detail, errors=[{"loc": ["body"], "msg": detail}]
+            )
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return problem_response(
-            exc.status_code,
-            code,
-            str(exc.detail),
-            headers=dict(exc.headers or {}),
-        )
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            from api.routes import allowed_methods
+
+            headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope["path"]))
+        return problem_response(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(OperationalError)
     async def _database_error(_request: Request, exc: OperationalError) -> JSONResponse:

@@ -236,7 +236,8 @@ class TokenRow(Base):
     """An API bearer token: only the sha256 of its secret is stored (the secret is shown once).
 
     ``scope`` is ``instance``, ``worker``, ``operator`` or ``admin``; ``instance`` binds an
-    instance or worker token to one instance name. A revoked token keeps its row (audit).
+    instance or worker token to one instance name, and ``rank`` (migration 0004, optional) a
+    worker token to one rank of it. A revoked token keeps its row (audit).
     """
 
     __tablename__ = "tokens"
@@ -247,4 +248,21 @@ class TokenRow(Base):
     instance: Mapped[str | None] = mapped_column(String(NAME_LENGTH), nullable=True)
     secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class DashboardSessionRow(Base):
+    """A dashboard sign-in (migration 0004): the cookie names this row, signed.
+
+    The session ends at ``expires_at``, at logout (``revoked_at``) or when its token is revoked,
+    whichever comes first; a copied cookie is worth nothing after any of them.
+    """
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    token_id: Mapped[str] = mapped_column(ForeignKey("tokens.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

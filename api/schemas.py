@@ -482,9 +482,16 @@ class RouteFragments(_Response):
 
 
 class TransferFragments(_Response):
-    """Every fragment of a transfer, offsets relative to each pool's base."""
+    """One page of a transfer's fragments (all of them when they fit in one), offsets relative
+    to each pool's base. Fragments are numbered across routes in plan order."""
 
     routes: list[RouteFragments]
+    total: int = Field(description="Fragments of the whole transfer")
+    offset: int = Field(description="Number of this page's first fragment")
+    limit: int = Field(description="Most fragments this page could hold")
+    next_offset: int | None = Field(
+        description="`offset` of the next page, or null when this page ends the list"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SQLITE_PATH = Path("var") / "kvplane.db"
@@ -36,3 +36,6 @@ class Settings(BaseSettings):
     session_secret: SecretStr | None = None
     #: Lifetime of a dashboard session.
     session_ttl_s: int = 8 * 3600
+    #: Most fragments one ``GET /v1/transfers/{id}/fragments`` answers (page with
+    #: ``?offset=&limit=``); about 0.4 KB of server memory each while the page is built.
+    max_fragments_per_page: int = Field(default=50_000, ge=1, le=1_000_000)

@@ -10,7 +10,10 @@ fragments are, for ``c in [0, count)``::
 
 Counting bytes and fragments needs no expansion (``n × Σ len·count`` and ``n × Σ count``); the
 fragment arrays are built only on request, with numpy broadcasting (no Python loop per block or
-token).
+token). A request may ask for a window ``[start, stop)`` of the transfer's fragment list (routes
+in plan order, then segments, then block-major, then run order): fragment ``i`` of a segment is
+block ``i // F`` and fragment ``i mod F`` of the block's template (``F`` fragments per block),
+so a window costs memory by its own length, never by the transfer's.
 """
 
 from __future__ import annotations
@@ -44,6 +47,30 @@ class RouteBlocks:
     @property
     def fragments(self) -> int:
         return int(self.src_blocks.size) * self.segment.fragments_per_block
+
+    def fragment_window(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of this part's fragment table (``fragment_rows`` order), as
+        ``int64 [n, 5]``, computed from the indices alone (nothing outside the window)."""
+        runs = self.segment.runs
+        per_block = self.segment.fragments_per_block
+        stop = min(stop, self.fragments)
+        if per_block == 0 or start >= stop:
+            return np.empty((0, 5), dtype=np.int64)
+        index = np.arange(start, stop, dtype=np.int64)
+        block, within = np.divmod(index, per_block)
+        counts = runs[:, 3]
+        ends = np.cumsum(counts)
+        run_of = np.searchsorted(ends, within, side="right")
+        rep = within - (ends - counts)[run_of]
+        table = np.empty((index.size, 5), dtype=np.int64)
+        table[:, 0] = self.segment.src_pool
+        table[:, 1] = self.src_blocks[block] * self.src_stride + runs[run_of, 0]
+        table[:, 1] += rep * runs[run_of, 4]
+        table[:, 2] = self.segment.dst_pool
+        table[:, 3] = self.dst_blocks[block] * self.dst_stride + runs[run_of, 1]
+        table[:, 3] += rep * runs[run_of, 5]
+        table[:, 4] = runs[run_of, 2]
+        return table
 
     def fragment_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(src_offsets, dst_offsets, lengths)``, block-major, then run order."""
@@ -117,6 +144,35 @@ class Expansion:
             "routes": [route.summary() for route in self.routes],
             "bytes": self.bytes,
             "fragments": self.fragments,
+        }
+
+    def fragment_page(self, offset: int, limit: int) -> dict[str, Any]:
+        """Fragments ``[offset, offset + limit)`` of the whole list, per route (every route is
+        listed, possibly with none), and where the next page starts (None at the end)."""
+        stop = offset + limit
+        routes = []
+        start = 0  # global index of the current part's first fragment
+        for route in self.routes:
+            tables = []
+            for part in route.parts:
+                end = start + part.fragments
+                if start < stop and offset < end:
+                    tables.append(part.fragment_window(max(offset, start) - start, stop - start))
+                start = end
+            rows = np.concatenate(tables) if tables else np.empty((0, 5), dtype=np.int64)
+            routes.append(
+                {
+                    "sender_rank": route.route.sender_rank,
+                    "receiver_rank": route.route.receiver_rank,
+                    "fragments": rows.tolist(),
+                }
+            )
+        return {
+            "routes": routes,
+            "total": start,
+            "offset": offset,
+            "limit": limit,
+            "next_offset": stop if stop < start else None,
         }
 
     def to_fragments(self) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Pages read through the same services and database sessions as the REST API. Actions are POST
 forms behind a confirmation page (no JavaScript needed); htmx only refreshes the overview.
-A POST must carry ``confirm=yes`` and, when the browser sends an ``Origin``, come from this
-host, so a cross-site form cannot deregister an instance.
+A POST must carry ``confirm=yes``, come from this dashboard's own origin and carry its CSRF
+token (:mod:`api.csrf`, checked before the session and anything else), so neither a cross-site
+form, a sandboxed frame nor a redirect can deregister an instance.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import urlencode
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from api import csrf
 from api.db import utcnow
 from api.errors import KvplaneError, NotFound
 from api.geometry import GeometryError, Instance, active_ranks, view_geometry
@@ -58,19 +60,21 @@ DpRank = Annotated[int | None, Query(ge=0, lt=4096)]
 
 
 def install(app: FastAPI, dependencies: Sequence[Any] = ()) -> None:
-    """Serve the dashboard pages (behind ``dependencies``) and their static files from ``app``."""
-    app.include_router(router, dependencies=list(dependencies))
+    """Serve the dashboard pages (behind the CSRF check, then ``dependencies``) and their
+    static files from ``app``."""
+    app.include_router(router, dependencies=[Depends(csrf.protect), *dependencies])
     app.mount(STATIC_URL, StaticFiles(directory=str(WEB_DIR / "static")), name="dashboard-static")
 
 
 def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     notice = NOTICES.get(request.query_params.get("notice", ""))
-    return templates.TemplateResponse(
+    response = templates.TemplateResponse(
         request,
         name,
-        {"notice": notice, "query": partial(_query, request), **context},
+        {"notice": notice, "query": partial(_query, request), **csrf.context(request), **context},
         status_code=status_code,
     )
+    return csrf.attach(request, response)
 
 
 def _not_found(request: Request, error: KvplaneError) -> HTMLResponse:
@@ -95,12 +99,8 @@ def _query(request: Request, **changes: Any) -> str:
 
 
 async def form_fields(request: Request) -> dict[str, str]:
-    """An urlencoded form body (no multipart parser needed) after a same-origin check."""
-    origin = request.headers.get("origin")
-    if origin and origin != "null" and urlsplit(origin).netloc != request.headers.get("host"):
-        raise HTTPException(status_code=403, detail="cross-origin form post refused")
-    body = (await request.body()).decode("utf-8", "replace")
-    return {key: values[-1] for key, values in parse_qs(body).items()}
+    """The urlencoded form body, once :func:`api.csrf.protect` has passed it."""
+    return await csrf.protect(request)
 
 
 FormDep = Annotated[dict[str, str], Depends(form_fields)]

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 
 from api import schemas
 from api.dispatch import CommandHub, Completions
@@ -50,16 +51,22 @@ def create_transfer(
             alias="Idempotency-Key",
             min_length=1,
             max_length=256,
-            description="Same key + same body: the same transfer; + another body: 409",
+            description="Same key + same body: the same transfer; + another body: 409. "
+            "Keys are scoped to the calling token (auth on).",
         ),
     ] = None,
 ) -> schemas.TransferRead:
     """Plan one request's KV transfer from the pairing's templates and both block lists; with
     `execute`, push it to the workers of every rank taking part (503 when one has none)."""
+    principal = getattr(request.state, "principal", None)
     commands: list[tuple[str, dict[str, Any]]] = []
     with db.write() as session:
         row, created = service.create_transfer(
-            session=session, body=body, idempotency_key=idempotency_key, commands=commands
+            session=session,
+            body=body,
+            idempotency_key=idempotency_key,
+            idempotency_scope=None if principal is None else principal.token_id,
+            commands=commands,
         )
         result = service.transfer_read(row)
     _push(request, commands)
@@ -209,7 +216,32 @@ def retry_transfer(transfer_id: TransferId, request: Request, db: DbDep) -> sche
     response_model=schemas.TransferFragments,
     responses=problem_responses(404, 409, 422, 503),
 )
-def get_transfer_fragments(transfer_id: TransferId, db: DbDep) -> schemas.TransferFragments:
-    """Every fragment `[src_pool, src_offset, dst_pool, dst_offset, length]`, per route."""
+def get_transfer_fragments(
+    transfer_id: TransferId,
+    request: Request,
+    db: DbDep,
+    offset: Annotated[
+        int, Query(ge=0, le=1 << 62, description="Number of the first fragment to return")
+    ] = 0,
+    limit: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            description="Most fragments to return, at most KVPLANE_MAX_FRAGMENTS_PER_PAGE "
+            "(50,000 by default). Without it the whole list, if it fits in one page.",
+        ),
+    ] = None,
+) -> Response:
+    """Fragments `[src_pool, src_offset, dst_pool, dst_offset, length]` per route, one page at
+    a time (`offset`, `limit`, `next_offset`); above the page limit: 422 `too_many_fragments`."""
+    max_per_page = int(request.app.state.settings.max_fragments_per_page)
     with db.read() as session:
-        return service.transfer_fragments(session=session, transfer_id=transfer_id)
+        page = service.transfer_fragments(
+            session=session,
+            transfer_id=transfer_id,
+            max_per_page=max_per_page,
+            offset=offset,
+            limit=limit,
+        )
+    # Serialized directly: validating up to a page of int lists again would double the cost.
+    return JSONResponse(page)

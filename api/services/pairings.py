@@ -108,8 +108,13 @@ def mark_stale_for_instance(*, session: Session, instance_id: int) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-def _instance_by_name(session: Session, name: str) -> InstanceRow:
-    row = session.scalars(select(InstanceRow).where(InstanceRow.name == name)).one_or_none()
+def _instance_by_name(session: Session, name: str, *, lock: bool = False) -> InstanceRow:
+    query = select(InstanceRow).where(InstanceRow.name == name)
+    if lock:
+        # FOR SHARE: a re-registration (which holds FOR UPDATE on the row) finishes first and we
+        # read its new epoch, or waits for our commit and then marks what we stored stale.
+        query = query.with_for_update(read=True).execution_options(populate_existing=True)
+    row = session.scalars(query).one_or_none()
     if row is None:
         raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
     return row
@@ -145,8 +150,12 @@ def create_pairing(*, session: Session, context: str, generation: str) -> tuple[
     An incompatible pairing is stored with its report (not an error). Posting an existing pair
     re-validates it.
     """
-    ctx = _instance_by_name(session, context)
-    gen = _instance_by_name(session, generation)
+    # The instances are read under a shared row lock before anything else. Reading them
+    # unlocked and then waiting on the pairing row (which a concurrent re-registration has
+    # just marked stale) would store a validation of the old epoch as current (PostgreSQL,
+    # READ COMMITTED; SQLite serializes writers anyway).
+    ctx = _instance_by_name(session, context, lock=True)
+    gen = _instance_by_name(session, generation, lock=True)
     _check_roles(ctx, gen)
     row = session.scalars(
         select(PairingRow)

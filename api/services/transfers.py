@@ -1,9 +1,13 @@
 """Transfers: plan one request's KV transfer from a pairing's cached plan and its block lists.
 
 ``Idempotency-Key``: the same key with the same body returns the stored transfer; the same key
-with another body is a 409. ``execute=true`` also starts the transfer's first attempt in the same
-transaction (:func:`api.services.execution.prepare_dispatch`); the router then pushes one command
-per rank to the workers' open command streams.
+with another body is a 409. Keys are scoped to the caller: with auth on, each token has its own
+key space (stored as ``<token id>/sha256(key)``), so one principal can neither replay, block nor
+learn the transfer of another's key; with auth off every caller is the same anonymous principal.
+
+``execute=true`` also starts the transfer's first attempt in the same transaction
+(:func:`api.services.execution.prepare_dispatch`); the router then pushes one command per rank
+to the workers' open command streams.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ def request_hash(body: schemas.TransferCreate) -> str:
 
 def _blocks(raw: dict[str, dict[str, list[int]]]) -> dict[int, tuple[list[int], list[int]]]:
     return {int(group): (lists["context"], lists["generation"]) for group, lists in raw.items()}
+
+
+def scoped_key(key: str, scope: str | None) -> str:
+    """The stored form of an ``Idempotency-Key`` in the key space of principal ``scope``."""
+    if not scope:
+        return key
+    return f"{scope}/{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 def _by_key(session: Session, key: str) -> TransferRow | None:
@@ -136,10 +147,12 @@ def create_transfer(
     session: Session,
     body: schemas.TransferCreate,
     idempotency_key: str | None = None,
+    idempotency_scope: str | None = None,
     commands: list[tuple[str, dict[str, Any]]] | None = None,
 ) -> tuple[TransferRow, bool]:
     """Plan a transfer and store it; returns ``(row, created)`` (``created`` false on replay).
 
+    ``idempotency_scope`` names the caller's key space (its token id; None when auth is off).
     With ``execute``, the commands to push to the workers are appended to ``commands``.
 
     The row is inserted with one Core INSERT (the ORM unit of work costs more than the insert on
@@ -148,10 +161,11 @@ def create_transfer(
     """
     # The digest only serves Idempotency-Key replays; without a key nothing ever compares it.
     digest = "" if idempotency_key is None else request_hash(body)
-    if idempotency_key is not None:
-        existing = _by_key(session, idempotency_key)
+    stored_key = None if idempotency_key is None else scoped_key(idempotency_key, idempotency_scope)
+    if stored_key is not None:
+        existing = _by_key(session, stored_key)
         if existing is not None:
-            return _replay(existing, digest, idempotency_key), False
+            return _replay(existing, digest, str(idempotency_key)), False
     cached = _cached_plan(session, body)
     if cached is not None:
         pairing_id, plan_id, plan = cached
@@ -193,7 +207,7 @@ def create_transfer(
         "summary": summary,
         "bytes": int(summary["bytes"]),
         "fragments": int(summary["fragments"]),
-        "idempotency_key": idempotency_key,
+        "idempotency_key": stored_key,
         "request_hash": digest,
         "created_at": now,
         "updated_at": now,
@@ -203,7 +217,7 @@ def create_transfer(
         "max_attempts": 3,
     }
     statement = insert(TransferRow)
-    if idempotency_key is None:
+    if stored_key is None:
         session.connection().execute(statement, values)
     else:
         try:
@@ -211,10 +225,10 @@ def create_transfer(
                 session.connection().execute(statement, values)
         except IntegrityError:
             # A concurrent request with the same key won the insert.
-            existing = _by_key(session, idempotency_key)
+            existing = _by_key(session, stored_key)
             if existing is None:
                 raise
-            return _replay(existing, digest, idempotency_key), False
+            return _replay(existing, digest, str(idempotency_key)), False
     if not body.execute:
         return TransferRow(**values), True
     row = session.get_one(TransferRow, values["id"])
@@ -257,16 +271,45 @@ def list_transfers(
     return list(rows), total
 
 
-def transfer_fragments(*, session: Session, transfer_id: str) -> schemas.TransferFragments:
-    """Every fragment of a transfer (expanded now from its plan and block lists)."""
+def transfer_fragments(
+    *,
+    session: Session,
+    transfer_id: str,
+    max_per_page: int,
+    offset: int = 0,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """One page of a transfer's fragments, expanded now from its plan and block lists.
+
+    Only the page is built (memory grows with ``limit``, never with the transfer). Without a
+    ``limit`` the whole list is answered if it fits in ``max_per_page``; a request for more
+    than ``max_per_page`` fragments is a 422 ``too_many_fragments`` naming the limit.
+    """
     row = get_transfer(session=session, transfer_id=transfer_id)
     plan = None if row.plan_id is None else load_plan(session=session, plan_id=row.plan_id)
     if plan is None:
         raise Conflict(
             f"the plan of transfer {row.id} was deleted with its pairing", code="plan_gone"
         )
+    extra = {"max_fragments_per_page": max_per_page, "fragments": row.fragments}
+    if limit is not None and limit > max_per_page:
+        raise BadRequest(
+            f"limit {limit} is above the page limit of {max_per_page} fragments "
+            "(KVPLANE_MAX_FRAGMENTS_PER_PAGE)",
+            code="too_many_fragments",
+            errors=[{"loc": ["query", "limit"], "msg": f"must be at most {max_per_page}"}],
+            extra=extra,
+        )
+    if limit is None and row.fragments - offset > max_per_page:
+        raise BadRequest(
+            f"transfer {row.id} has {row.fragments} fragments, more than one page holds "
+            f"({max_per_page}, KVPLANE_MAX_FRAGMENTS_PER_PAGE); page with ?offset=&limit= "
+            f"(limit at most {max_per_page})",
+            code="too_many_fragments",
+            extra=extra,
+        )
     expansion = expand(plan, _blocks(row.blocks))
-    return schemas.TransferFragments.model_validate(expansion.to_fragments())
+    return expansion.fragment_page(offset, max_per_page if limit is None else limit)
 
 
 def transfer_read(row: TransferRow) -> schemas.TransferRead:

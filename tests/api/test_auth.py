@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,12 +25,14 @@ TRANSFER = {
 }
 
 
-def make_token(db_url: str, scope: str, instance: str | None = None) -> tuple[str, str]:
+def make_token(
+    db_url: str, scope: str, instance: str | None = None, rank: int | None = None
+) -> tuple[str, str]:
     """(id, secret) of a fresh token."""
     db = Database(db_url)
     try:
         with db.write() as session:
-            row, secret = create_token(session=session, scope=scope, instance=instance)
+            row, secret = create_token(session=session, scope=scope, instance=instance, rank=rank)
             return row.id, secret
     finally:
         db.dispose()
@@ -85,6 +88,28 @@ def tokens(db_url: str) -> dict[str, str]:
         "ctx-worker": make_token(db_url, "worker", "ctx")[1],
         "gen-worker": make_token(db_url, "worker", "gen")[1],
     }
+
+
+ORIGIN = "http://testserver"  # the TestClient's base URL: the dashboard's own origin
+
+
+def csrf_token(client: TestClient, page: str = "/ui/login") -> str:
+    """The CSRF token of a dashboard form (fetching the page also sets the nonce cookie)."""
+    found = re.search(r'name="csrf_token" value="([0-9a-f]{64})"', client.get(page).text)
+    assert found, f"no CSRF token on {page}"
+    return found.group(1)
+
+
+def form_post(
+    client: TestClient, path: str, data: dict[str, str] | None = None, **headers: str
+) -> Any:
+    """A dashboard form post as a browser on the dashboard's own origin sends it."""
+    return client.post(
+        path,
+        data={**(data or {}), "csrf_token": csrf_token(client)},
+        headers={"origin": ORIGIN, **headers},
+        follow_redirects=False,
+    )
 
 
 def problem(response: Any, status: int, code: str) -> None:
@@ -343,7 +368,7 @@ def test_no_secret_in_logs_or_responses(
         assert response.status_code >= 300, (method, path)
         bodies.append(response.text)
         headers_seen.append(repr(response.headers))
-    login = api.post("/ui/login", data={"token": secret, "next": "/"}, follow_redirects=False)
+    login = form_post(api, "/ui/login", {"token": secret, "next": "/"})
     assert login.status_code == 403
     bodies.append(login.text)
     headers_seen.append(repr(login.headers))
@@ -364,13 +389,11 @@ def test_dashboard_needs_an_operator_session(
     assert form.status_code == 200 and 'name="token"' in form.text
     # Wrong tokens: the form again, no cookie.
     for secret, status in (("kvp_nope", 401), (tokens["ctx"], 403)):
-        refused = api.post("/ui/login", data={"token": secret}, follow_redirects=False)
+        refused = form_post(api, "/ui/login", {"token": secret})
         assert refused.status_code == status
         assert SESSION_COOKIE not in refused.cookies
     token_id, secret = make_token(db_url, "operator")
-    login = api.post(
-        "/ui/login", data={"token": secret, "next": "//evil.example/x"}, follow_redirects=False
-    )
+    login = form_post(api, "/ui/login", {"token": secret, "next": "//evil.example/x"})
     assert login.status_code == 303
     assert login.headers["location"] == "/"  # no open redirect
     cookie_header = login.headers["set-cookie"]
@@ -382,21 +405,20 @@ def test_dashboard_needs_an_operator_session(
     # Dashboard actions need the session too (and a confirmation).
     register_fleet(api, tokens)
     anonymous = TestClient(api.app)
-    refused = anonymous.post(
-        "/ui/instances/ctx/deregister", data={"confirm": "yes"}, follow_redirects=False
-    )
+    refused = form_post(anonymous, "/ui/instances/ctx/deregister", {"confirm": "yes"})
     assert refused.status_code == 303 and refused.headers["location"].startswith("/ui/login")
     assert api.get("/v1/instances/ctx", headers=bearer(tokens["operator"])).status_code == 200
-    done = api.post("/ui/instances/ctx/deregister", data={"confirm": "yes"}, follow_redirects=False)
+    done = form_post(api, "/ui/instances/ctx/deregister", {"confirm": "yes"})
     assert done.status_code == 303
     problem(
         api.get("/v1/instances/ctx", headers=bearer(tokens["operator"])), 404, "instance_not_found"
     )
     # A tampered cookie is no session; revoking the token ends the session.
-    api.cookies.set(SESSION_COOKIE, api.cookies[SESSION_COOKIE].replace(token_id, "0" * 32))
+    session_id = api.cookies[SESSION_COOKIE].split(".")[0]
+    api.cookies.set(SESSION_COOKIE, api.cookies[SESSION_COOKIE].replace(session_id, "0" * 32))
     assert api.get("/ui/instances", follow_redirects=False).status_code == 303
     api.cookies.clear()
-    assert api.post("/ui/login", data={"token": secret}, follow_redirects=False).status_code == 303
+    assert form_post(api, "/ui/login", {"token": secret}).status_code == 303
     assert api.get("/ui/workers").status_code == 200
     db = Database(db_url)
     with db.write() as session:
@@ -404,7 +426,7 @@ def test_dashboard_needs_an_operator_session(
     db.dispose()
     assert api.get("/ui/workers", follow_redirects=False).status_code == 303
     # Logging out clears the cookie.
-    logout = api.post("/ui/logout", follow_redirects=False)
+    logout = form_post(api, "/ui/logout")
     assert logout.status_code == 303 and logout.headers["location"] == "/ui/login"
 
 
@@ -413,10 +435,7 @@ def test_session_from_another_process_key_is_refused(
 ) -> None:
     _, secret = make_token(db_url, "operator")
     with TestClient(make_app(auth=True, session_secret="one")) as first:
-        assert (
-            first.post("/ui/login", data={"token": secret}, follow_redirects=False).status_code
-            == 303
-        )
+        assert form_post(first, "/ui/login", {"token": secret}).status_code == 303
         cookie = first.cookies[SESSION_COOKIE]
     with TestClient(make_app(auth=True, session_secret="one")) as same_key:
         same_key.cookies.set(SESSION_COOKIE, cookie)
@@ -424,3 +443,107 @@ def test_session_from_another_process_key_is_refused(
     with TestClient(make_app(auth=True)) as random_key:
         random_key.cookies.set(SESSION_COOKIE, cookie)
         assert random_key.get("/ui/workers", follow_redirects=False).status_code == 303
+
+
+def test_idempotency_keys_are_scoped_to_the_caller(
+    api: TestClient, tokens: dict[str, str]
+) -> None:
+    """Issue 13 item 8: another principal's key neither collides nor reveals a transfer id."""
+    register_fleet(api, tokens)
+    key = {"Idempotency-Key": "req-1"}
+    planned = {**TRANSFER, "execute": False}
+    first = api.post("/v1/transfers", json=planned, headers={**bearer(tokens["gen"]), **key})
+    assert first.status_code == 201, first.text
+    # Another engine takes the same key for another request: its own transfer, no 409.
+    other_body = {**planned, "request_id": "r2"}
+    other = api.post("/v1/transfers", json=other_body, headers={**bearer(tokens["ctx"]), **key})
+    assert other.status_code == 201, other.text
+    assert first.json()["id"] not in other.text
+    assert other.json()["id"] != first.json()["id"]
+    # ... and taking a key first does not block the other principal's own request.
+    third_key = {"Idempotency-Key": "req-3"}
+    squat = api.post(
+        "/v1/transfers", json=other_body, headers={**bearer(tokens["ctx"]), **third_key}
+    )
+    assert squat.status_code == 201, squat.text
+    own = api.post("/v1/transfers", json=planned, headers={**bearer(tokens["gen"]), **third_key})
+    assert own.status_code == 201, own.text
+    # Within one principal the key keeps its meaning: replay → 200, another body → 409.
+    replay = api.post("/v1/transfers", json=planned, headers={**bearer(tokens["gen"]), **key})
+    assert replay.status_code == 200 and replay.json()["id"] == first.json()["id"]
+    reused = api.post("/v1/transfers", json=other_body, headers={**bearer(tokens["gen"]), **key})
+    problem(reused, 409, "idempotency_key_reused")
+    assert reused.json()["transfer_id"] == first.json()["id"]
+
+
+@pytest.mark.parametrize(
+    "content", [b"{", b"\xff\xfe", b"[" * 1000 + b"]" * 1000], ids=["truncated", "utf8", "deep"]
+)
+def test_authentication_comes_before_parsing_the_body(api: TestClient, content: bytes) -> None:
+    """Issue 13 item 10: an anonymous malformed body got 400 before 401."""
+    for method, path in (
+        ("PUT", "/v1/instances/ctx"),
+        ("POST", "/v1/transfers"),
+        ("POST", "/v1/pairings"),
+        ("POST", "/v1/jobs/claim"),
+    ):
+        response = api.request(
+            method, path, content=content, headers={"content-type": "application/json"}
+        )
+        problem(response, 401, "unauthorized")
+        response = api.request(
+            method,
+            path,
+            content=content,
+            headers={"content-type": "application/json", **bearer("kvp_unknown")},
+        )
+        problem(response, 401, "unauthorized")
+
+
+def test_a_rank_bound_worker_token_acts_only_for_its_rank(
+    api: TestClient, db_url: str, tokens: dict[str, str]
+) -> None:
+    """Issue 13 item 11: ``worker-ctx`` registered a worker for any rank of ctx."""
+    bodies = register_fleet(api, tokens)
+    rank0 = bearer(make_token(db_url, "worker", "ctx", rank=0)[1])
+    rank1 = bearer(make_token(db_url, "worker", "ctx", rank=1)[1])
+    problem(
+        api.post("/v1/workers", json=peer_body(bodies["ctx"], "ctx", 1), headers=rank0),
+        403,
+        "forbidden",
+    )
+    workers = {}
+    for rank, headers in ((0, rank0), (1, rank1)):
+        attached = api.post(
+            "/v1/workers", json=peer_body(bodies["ctx"], "ctx", rank), headers=headers
+        )
+        assert attached.status_code == 201, attached.text
+        workers[rank] = attached.json()["id"]
+    # It reads its instance's page table (all ranks) like any worker of the instance.
+    assert api.get("/v1/instances/ctx", headers=rank0).status_code == 200
+    # Another rank's worker: no heartbeat, claim or stop.
+    problem(api.post(f"/v1/workers/{workers[1]}/heartbeat", headers=rank0), 403, "forbidden")
+    problem(
+        api.post("/v1/jobs/claim", json={"worker_id": workers[1]}, headers=rank0), 403, "forbidden"
+    )
+    problem(api.delete(f"/v1/workers/{workers[1]}", headers=rank0), 403, "forbidden")
+    assert api.post(f"/v1/workers/{workers[0]}/heartbeat", headers=rank0).status_code == 200
+    # Nor another rank's jobs.
+    gen_worker = api.post(
+        "/v1/workers", json=peer_body(bodies["gen"], "gen", 0), headers=bearer(tokens["gen-worker"])
+    )
+    assert gen_worker.status_code == 201, gen_worker.text
+    assert (
+        api.post("/v1/transfers", json=TRANSFER, headers=bearer(tokens["operator"])).status_code
+        == 201
+    )
+    lease = api.post("/v1/jobs/claim", json={"worker_id": workers[1]}, headers=rank1)
+    assert lease.status_code == 200, lease.text
+    job = lease.json()
+    report = {"lease_token": job["lease_token"], "reason": "test", "retryable": False}
+    problem(api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=rank0), 403, "forbidden")
+    assert api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=rank1).status_code == 200
+    # An unbound worker token of the instance may still act for every rank (documented).
+    unbound = bearer(tokens["ctx-worker"])
+    for worker_id in workers.values():
+        assert api.post(f"/v1/workers/{worker_id}/heartbeat", headers=unbound).status_code == 200

@@ -205,3 +205,38 @@ def test_unknown_route_is_problem(client: TestClient) -> None:
     problem = _assert_problem(client.get("/v1/nothing-here"), 404)
     assert problem["code"] == "not_found"
     assert _assert_problem(client.post("/healthz"), 405)["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b'{"role": "context", "model": "\xff\xfe"}', "UTF-8"),
+        (b"[" * 1000 + b"]" * 1000, "nested"),
+        (b'{"tp": ' + b"9" * 5000 + b"}", "digits"),
+    ],
+    ids=["invalid-utf8", "nested-1000-deep", "5000-digit-integer"],
+)
+def test_undecodable_bodies_are_malformed_json_with_a_detail(
+    client: TestClient, content: bytes, says: str
+) -> None:
+    """Issue 13 item 10: these were ``400 http_error`` without a detail."""
+    for method, path in (("PUT", "/v1/instances/ctx-a"), ("POST", "/v1/transfers")):
+        response = client.request(
+            method, path, content=content, headers={"content-type": "application/json"}
+        )
+        problem = _assert_problem(response, 400)
+        assert problem["code"] == "malformed_json", problem
+        assert says in problem["detail"], problem
+    _nothing_stored(client)
+
+
+def test_405_lists_every_method_of_the_path(client: TestClient) -> None:
+    """Issue 13 item 10: the Allow header named one method where several exist."""
+    response = client.post("/v1/instances/ctx-a")
+    problem = _assert_problem(response, 405)
+    assert problem["code"] == "method_not_allowed"
+    allowed = {method.strip() for method in response.headers["allow"].split(",")}
+    assert {"GET", "PUT", "DELETE"} <= allowed, allowed
+    assert "POST" not in allowed
+    response = client.delete("/v1/transfers")
+    assert {m.strip() for m in response.headers["allow"].split(",")} >= {"GET", "POST"}

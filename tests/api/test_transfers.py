@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi.testclient import TestClient
 
 from api.demo import instance_body
@@ -155,3 +157,84 @@ def test_transfers_survive_instance_deletion(client: TestClient) -> None:
     gone = client.get(f"/v1/transfers/{transfer['id']}/fragments")
     assert gone.status_code == 409
     assert gone.json()["code"] == "plan_gone"
+
+
+def _rows(page: dict) -> list[tuple[int, int, list[int]]]:
+    return [
+        (route["sender_rank"], route["receiver_rank"], row)
+        for route in page["routes"]
+        for row in route["fragments"]
+    ]
+
+
+def test_fragments_page_through_the_whole_transfer(client: TestClient) -> None:
+    """Issue 13 item 3: ``?offset=&limit=`` pages, in the order of the full list."""
+    _setup(client)
+    transfer = client.post("/v1/transfers", json=_transfer(blocks=4)).json()
+    path = f"/v1/transfers/{transfer['id']}/fragments"
+    full = client.get(path).json()
+    assert full["total"] == transfer["fragments"] and full["next_offset"] is None
+    rows: list[tuple[int, int, list[int]]] = []
+    offset: int | None = 0
+    pages = 0
+    while offset is not None:
+        page = client.get(path, params={"offset": offset, "limit": 7}).json()
+        assert page["offset"] == offset and page["limit"] == 7
+        assert len(_rows(page)) == min(7, transfer["fragments"] - offset)
+        rows += _rows(page)
+        offset = page["next_offset"]
+        pages += 1
+    assert pages == -(-transfer["fragments"] // 7)
+    assert rows == _rows(full)
+    beyond = client.get(path, params={"offset": transfer["fragments"] + 5}).json()
+    assert _rows(beyond) == [] and beyond["next_offset"] is None
+
+
+def test_fragments_above_the_page_limit_are_a_4xx_naming_it(make_app: Any) -> None:
+    """Issue 13 item 3: the whole list of a big transfer is refused, never built."""
+    with TestClient(make_app(max_fragments_per_page=10)) as client:
+        _setup(client)
+        transfer = client.post("/v1/transfers", json=_transfer(blocks=4)).json()
+        assert transfer["fragments"] > 10
+        path = f"/v1/transfers/{transfer['id']}/fragments"
+        for params in ({}, {"limit": 11}, {"offset": 3}):
+            refused = client.get(path, params=params)
+            assert refused.status_code == 422, refused.text
+            problem = refused.json()
+            assert problem["code"] == "too_many_fragments"
+            assert problem["max_fragments_per_page"] == 10
+            assert "10" in problem["detail"] and "limit" in problem["detail"]
+        assert len(_rows(client.get(path, params={"limit": 10}).json())) == 10
+
+
+def test_fragment_pages_stay_small_whatever_the_transfer(client: TestClient) -> None:
+    """The probe's case: NHD, TP4 → TP2, 16,384 tokens per block, here 64 blocks (8.4 M
+    fragments, gigabytes if expanded at once). A page costs memory by its own size only."""
+    import tracemalloc
+
+    from api.geometry.builders import ViewSpec
+    from api.geometry.builders import instance_body as build
+
+    nhd = [ViewSpec("target", layers=1, kv_heads=8, head_dim=128, layout="NHD")]
+    for name, role, tp in (("ctx-a", "context", 4), ("gen-b", "generation", 2)):
+        body = build(role=role, views=nhd, tp=tp, tokens_per_block=16384, num_slots=64)
+        assert client.put(f"/v1/instances/{name}", json=body).status_code == 201
+    assert client.post("/v1/pairings", json={"context": "ctx-a", "generation": "gen-b"}).json()[
+        "compatible"
+    ]
+    transfer = client.post("/v1/transfers", json=_transfer(blocks=64)).json()
+    assert transfer["fragments"] == 64 * 4 * 2 * 16384
+    path = f"/v1/transfers/{transfer['id']}/fragments"
+    assert client.get(path).json()["code"] == "too_many_fragments"
+    tracemalloc.start()
+    try:
+        last = transfer["fragments"] - 50_000  # the last full page: the far end of the arrays
+        page = client.get(path, params={"offset": last, "limit": 50_000})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert page.status_code == 200, page.text
+    assert len(_rows(page.json())) == 50_000 and page.json()["next_offset"] is None
+    first = client.get(path, params={"limit": 50_000}).json()
+    assert len(_rows(first)) == 50_000
+    assert peak < 64 << 20, f"one page of fragments peaked at {peak >> 20} MiB"

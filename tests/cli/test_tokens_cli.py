@@ -64,6 +64,15 @@ def test_create_list_revoke(db_url: str) -> None:
             "an operator token is not bound to an instance",
         ),
         (("--scope", "admin", "--instance", "ctx"), "an admin token is not bound to an instance"),
+        (
+            ("--scope", "instance", "--instance", "ctx", "--rank", "0"),
+            "only a worker token can be bound to a rank",
+        ),
+        (("--scope", "worker", "--rank", "0"), "a worker token must be bound to an instance"),
+        (
+            ("--scope", "worker", "--instance", "ctx", "--rank", "-1"),
+            f"rank must be in [0, {1 << 16})",
+        ),
     ],
 )
 def test_create_refuses_bad_scopes(sqlite_url: str, args: tuple[str, ...], message: str) -> None:
@@ -143,3 +152,22 @@ def test_serve_insecure_warns_at_every_start(
     warnings = [r for r in caplog.records if r.name == "kvplane.serve"]
     assert len(warnings) == 2
     assert all("INSECURE" in r.getMessage() and "10.1.2.3" in r.getMessage() for r in warnings)
+
+
+def test_a_worker_token_bound_to_a_rank(db_url: str) -> None:
+    """Issue 13 item 11: ``--rank`` binds a worker token to one rank of its instance."""
+    created = invoke(
+        db_url, "tokens", "create", "--scope", "worker", "--instance", "ctx", "--rank", "1",
+        "--json",
+    )
+    assert created.exit_code == 0, created.output
+    token = json.loads(created.stdout)
+    assert token["rank"] == 1 and token["instance"] == "ctx"
+    plain = invoke(db_url, "tokens", "create", "--scope", "worker", "--instance", "ctx", "--rank",
+                   "1")
+    assert plain.exit_code == 0 and "rank 1 of instance ctx" in plain.stdout
+    rows = [
+        json.loads(line) for line in invoke(db_url, "tokens", "list", "--json").stdout.splitlines()
+    ]
+    assert {row["id"]: row["rank"] for row in rows}[token["id"]] == 1
+    assert "ctx/1" in invoke(db_url, "tokens", "list").stdout

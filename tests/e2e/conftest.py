@@ -12,7 +12,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,18 @@ class LiveServer:
 @pytest.fixture
 def live_server(sqlite_url: str) -> Iterator[LiveServer]:
     """The app on a fresh migrated SQLite database, served by uvicorn in a thread."""
+    with serve(Settings(database_url=sqlite_url)) as server:
+        yield server
+
+
+@contextmanager
+def serve(settings: Settings, wrap: Callable[[Any], Any] | None = None) -> Iterator[LiveServer]:
+    """The app built from ``settings`` (inside ``wrap``, an ASGI middleware, if given), served
+    by uvicorn in a thread on a free port."""
     port = _free_port()
-    app = create_app(Settings(database_url=sqlite_url))
+    app: Any = create_app(settings)
+    if wrap is not None:
+        app = wrap(app)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", ws="none", lifespan="on"
     )

@@ -97,3 +97,40 @@ def test_context_parallel_filter_uses_logical_block_index_under_prefix_caching()
     rows = by_route(expand(plan, {0: ([0, 1, 2, 3], [1, 2, 3])}))
     sent = {rank: sorted(row[1] // 64 for row in got) for (rank, _), got in rows.items()}
     assert sent == {0: [2], 1: [1, 3]}  # logical block j on cp_rank j % 2
+
+
+@pytest.mark.parametrize(
+    ("ctx_layout", "gen_layout"), [("HND", "HND"), ("NHD", "NHD")]
+)
+@pytest.mark.parametrize("limit", [1, 5, 64, 10_000])
+def test_fragment_pages_concatenate_to_the_full_list(
+    ctx_layout: str, gen_layout: str, limit: int
+) -> None:
+    """Windows of the fragment list (``GET .../fragments?offset=&limit=``) are computed from
+    the indices alone; one after the other they are exactly the full expansion."""
+
+    def side(role: str, layout: str, tp: int):
+        views = [ViewSpec("target", 2, 4, 4, layout=layout)]
+        body = instance_body(role=role, views=views, tp=tp, tokens_per_block=4, num_slots=16)
+        return parse_instance(body, role[:3])
+
+    plan = compile_plan(side("context", ctx_layout, 4), side("generation", gen_layout, 2))
+    expansion = expand(plan, {0: ([3, 9, 1, 7, 2], [4, 0, 11, 5])})
+    full = [
+        (route["sender_rank"], route["receiver_rank"], row)
+        for route in expansion.to_fragments()["routes"]
+        for row in route["fragments"]
+    ]
+    assert len(full) == expansion.fragments > 0
+    paged: list[tuple[int, int, list[int]]] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = expansion.fragment_page(offset, limit)
+        assert page["total"] == expansion.fragments
+        paged += [
+            (route["sender_rank"], route["receiver_rank"], row)
+            for route in page["routes"]
+            for row in route["fragments"]
+        ]
+        offset = page["next_offset"]
+    assert paged == full
