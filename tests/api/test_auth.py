@@ -485,7 +485,7 @@ def test_authentication_comes_before_parsing_the_body(api: TestClient, content: 
         ("PUT", "/v1/instances/ctx"),
         ("POST", "/v1/transfers"),
         ("POST", "/v1/pairings"),
-        ("POST", "/v1/jobs/claim"),
+        ("POST", "/v1/transfers/records"),
     ):
         response = api.request(
             method, path, content=content, headers={"content-type": "application/json"}
@@ -521,28 +521,32 @@ def test_a_rank_bound_worker_token_acts_only_for_its_rank(
         workers[rank] = attached.json()["id"]
     # It reads its instance's page table (all ranks) like any worker of the instance.
     assert api.get("/v1/instances/ctx", headers=rank0).status_code == 200
-    # Another rank's worker: no heartbeat, claim or stop.
+    # Another rank's worker: no heartbeat, directory, command stream, records or stop.
     problem(api.post(f"/v1/workers/{workers[1]}/heartbeat", headers=rank0), 403, "forbidden")
-    problem(
-        api.post("/v1/jobs/claim", json={"worker_id": workers[1]}, headers=rank0), 403, "forbidden"
-    )
+    problem(api.get(f"/v1/workers/{workers[1]}/directory", headers=rank0), 403, "forbidden")
+    problem(api.get(f"/v1/workers/{workers[1]}/commands", headers=rank0), 403, "forbidden")
     problem(api.delete(f"/v1/workers/{workers[1]}", headers=rank0), 403, "forbidden")
     assert api.post(f"/v1/workers/{workers[0]}/heartbeat", headers=rank0).status_code == 200
-    # Nor another rank's jobs.
+    # Nor another rank's records.
     gen_worker = api.post(
         "/v1/workers", json=peer_body(bodies["gen"], "gen", 0), headers=bearer(tokens["gen-worker"])
     )
     assert gen_worker.status_code == 201, gen_worker.text
-    assert (
-        api.post("/v1/transfers", json=TRANSFER, headers=bearer(tokens["operator"])).status_code
-        == 201
-    )
-    lease = api.post("/v1/jobs/claim", json={"worker_id": workers[1]}, headers=rank1)
-    assert lease.status_code == 200, lease.text
-    job = lease.json()
-    report = {"lease_token": job["lease_token"], "reason": "test", "retryable": False}
-    problem(api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=rank0), 403, "forbidden")
-    assert api.post(f"/v1/jobs/{job['id']}/fail", json=report, headers=rank1).status_code == 200
+    executed = api.post("/v1/transfers", json={**TRANSFER, "execute": True},
+                        headers=bearer(tokens["operator"]))
+    assert executed.status_code == 201, executed.text
+    (pairing,) = api.get(f"/v1/workers/{workers[1]}/directory",
+                         headers=rank1).json()["pairings"]
+    record = {
+        "transfer_id": executed.json()["id"], "request_id": TRANSFER["request_id"],
+        "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
+        "context_epoch": pairing["context_epoch"], "generation_epoch": pairing["generation_epoch"],
+        "side": "send", "rank": 1, "status": "failed", "error": "test", "bytes": 0,
+        "started_at": 1.0e9, "finished_at": 1.0e9,
+    }
+    batch = {"worker_id": workers[1], "records": [record]}
+    problem(api.post("/v1/transfers/records", json=batch, headers=rank0), 403, "forbidden")
+    assert api.post("/v1/transfers/records", json=batch, headers=rank1).status_code == 200
     # An unbound worker token of the instance may still act for every rank (documented).
     unbound = bearer(tokens["ctx-worker"])
     for worker_id in workers.values():
