@@ -82,7 +82,9 @@ def run_scenario(client: Client, server: Server, workers: dict[tuple[str, int], 
 
     wait_until(all_settled, "every transfer to settle after the restart")
     recorders = [worker.recorder for worker in fleet]
-    assert all(r.pending == 0 and r.dropped == 0 for r in recorders)
+    # A sender's record does not decide a transfer: it may still be backing off. It lands too.
+    wait_until(lambda: all(r.pending == 0 for r in recorders), "every record to be posted")
+    assert sum(r.dropped for r in recorders) == 0
     assert sum(r.failures for r in recorders) > 0  # the records really met the outage
     last_s = max(settled_at.values()) - restarted["at"]
     print(
@@ -121,3 +123,5 @@ def run_scenario(client: Client, server: Server, workers: dict[tuple[str, int], 
     done = client.get_transfer(fresh["id"], wait_s=30)
     assert done["status"] == "done", done
     assert all(len(worker.commands) == TRANSFERS + 1 for worker in fleet)
+    # Concurrent record batches of several workers never deadlock on the database.
+    assert "deadlock detected" not in server.log.read_text()
