@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.client import ApiError, Client
+from api.client import ApiError, Client, TransportError
 from api.demo import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from workers.records import Recorder
@@ -171,16 +171,22 @@ def wait_until(predicate: Callable[[], bool], what: str,
         time.sleep(0.02)
 
 
-class _Hangup(httpx.HTTPTransport):
-    """An HTTP transport that can hang up its open streams from another thread (closing a
-    client does not wake a thread blocked reading a stream; shutting the socket down does)."""
+class _Transport(httpx.HTTPTransport):
+    """An HTTP transport that counts refused connections (``unreachable``) and can hang up its
+    open streams from another thread (closing a client does not wake a thread blocked reading
+    a stream; shutting the socket down does)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.unreachable = 0
         self._sockets: list[socket.socket] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = super().handle_request(request)
+        try:
+            response = super().handle_request(request)
+        except httpx.ConnectError:
+            self.unreachable += 1
+            raise
         stream = response.extensions.get("network_stream")
         sock = None if stream is None else stream.get_extra_info("socket")
         if sock is not None:
@@ -213,9 +219,11 @@ class FakeWorker:
         self._pairings: dict[tuple[str, str], str] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._hangup = _Hangup()
+        self._hangup = _Transport()
         self._stream = Client(url, token=token, retries=0, transport=self._hangup)
-        self._client = Client(url, token=token, retries=5, backoff_s=0.2, max_backoff_s=1.0)
+        self.transport = _Transport()  # the records' (and directory's) connection
+        self._client = Client(url, token=token, retries=5, backoff_s=0.2, max_backoff_s=1.0,
+                              transport=self.transport)
         self.recorder = Recorder(self._client, lambda: worker_id)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"fake-worker-{worker_id[:8]}")
@@ -369,8 +377,8 @@ class FakeFleet:
 
 
 class Heartbeats:
-    """What real workers do: heartbeat every second, riding over outages with the client's retry.
-    Refusals (a worker that must attach again) are kept in ``refused``."""
+    """What real workers do: heartbeat every second, riding over outages with the client's retry
+    (and beating again when an outage outlasts it). Refusals are kept in ``refused``."""
 
     def __init__(self, url: str, worker_ids: list[str]) -> None:
         self.client = Client(url, retries=40, backoff_s=0.25, max_backoff_s=1.0)
@@ -384,6 +392,8 @@ class Heartbeats:
             for worker_id in self.worker_ids:
                 try:
                     self.client.heartbeat(worker_id)
+                except TransportError:
+                    pass  # the control plane is down for longer than the retries: next beat
                 except ApiError as error:
                     self.refused.append(f"{worker_id}: {error}")
 

@@ -51,6 +51,9 @@ def test_eight_processes_mixed_load(
             for i in range(PROCESSES)
         ]
         assert [proc.wait(timeout=280) for proc in procs] == [0] * PROCESSES
+        # A sender's part does not decide its transfer: the senders may still be reading.
+        for worker in fleet:
+            worker.wait_commands(PROCESSES * INSTANCES)
         recorders = [worker.recorder for worker in fleet]
         assert all(worker.recorder.flush(30) for worker in fleet)
         commands = {key: len(fleet[key].commands) for key in workers}
