@@ -90,7 +90,8 @@ def test_workers_run_a_verified_transfer_with_tokens(
         with Client(server.url, token=token(sqlite_url, "operator")) as op:
             assert op.create_pairing("ctx", "gen")["compatible"]
             deadline = time.monotonic() + 120
-            while sum(w["status"] == "alive" for w in op.list_workers()["items"]) < 2:
+            while sum(w["status"] == "alive" and w["connected"]
+                      for w in op.list_workers()["items"]) < 2:
                 assert time.monotonic() < deadline, [
                     (tmp_path / f"worker-{n}.log").read_text()[-2000:] for n in ("ctx", "gen")
                 ]
