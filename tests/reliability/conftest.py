@@ -15,6 +15,7 @@ registered over HTTP, and fake workers that speak the real worker protocol witho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -161,8 +162,7 @@ def setup_fleet(client: Any, ctx_tp: int = 2, gen_tp: int = 1) -> dict[tuple[str
     return workers
 
 
-def wait_until(predicate: Callable[[], bool], what: str,
-               timeout_s: float = WAIT_TIMEOUT_S) -> None:
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> None:
     """Poll ``predicate`` until it holds (a test helper, not a timed assertion)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -195,10 +195,8 @@ class _Transport(httpx.HTTPTransport):
 
     def hang_up(self) -> None:
         for sock in self._sockets:
-            try:
+            with contextlib.suppress(OSError):  # already closed
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed
 
 
 class FakeWorker:
@@ -208,8 +206,16 @@ class FakeWorker:
     ``outcome``): the record a real worker's handle produces, without moving bytes.
     """
 
-    def __init__(self, url: str, worker_id: str, *, token: str | None = None,
-                 hold: bool = False, resend: bool = False, outcome: str = "done") -> None:
+    def __init__(
+        self,
+        url: str,
+        worker_id: str,
+        *,
+        token: str | None = None,
+        hold: bool = False,
+        resend: bool = False,
+        outcome: str = "done",
+    ) -> None:
         self.url, self.worker_id = url, worker_id
         self.hold, self.resend, self.outcome = hold, resend, outcome
         self.commands: list[dict[str, Any]] = []  # every transfer command received, in order
@@ -222,11 +228,13 @@ class FakeWorker:
         self._hangup = _Transport()
         self._stream = Client(url, token=token, retries=0, transport=self._hangup)
         self.transport = _Transport()  # the records' (and directory's) connection
-        self._client = Client(url, token=token, retries=5, backoff_s=0.2, max_backoff_s=1.0,
-                              transport=self.transport)
+        self._client = Client(
+            url, token=token, retries=5, backoff_s=0.2, max_backoff_s=1.0, transport=self.transport
+        )
         self.recorder = Recorder(self._client, lambda: worker_id)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"fake-worker-{worker_id[:8]}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"fake-worker-{worker_id[:8]}"
+        )
         self._thread.start()
 
     # --- the command stream --------------------------------------------------------------
@@ -303,8 +311,9 @@ class FakeWorker:
         if (context, generation) not in self._pairings:
             try:
                 directory = self._client.get_directory(self.worker_id)
-                self._pairings = {(p["context"], p["generation"]): p["id"]
-                                  for p in directory["pairings"]}
+                self._pairings = {
+                    (p["context"], p["generation"]): p["id"] for p in directory["pairings"]
+                }
             except ApiError as error:
                 with self._cond:
                     self.errors.append(f"directory: {error}")
@@ -323,14 +332,18 @@ class FakeWorker:
         """Until ``count`` streams were opened (the first, or a reconnect after a restart)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.hellos >= count, timeout_s):
-                raise AssertionError(f"worker {self.worker_id}: {self.hellos} stream(s) opened, "
-                                     f"not {count}: {self.errors[-3:]}")
+                raise AssertionError(
+                    f"worker {self.worker_id}: {self.hellos} stream(s) opened, "
+                    f"not {count}: {self.errors[-3:]}"
+                )
 
     def wait_commands(self, count: int, timeout_s: float = WAIT_TIMEOUT_S) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: len(self.commands) >= count, timeout_s):
-                raise AssertionError(f"worker {self.worker_id}: {len(self.commands)} "
-                                     f"command(s), not {count}: {self.errors[-3:]}")
+                raise AssertionError(
+                    f"worker {self.worker_id}: {len(self.commands)} "
+                    f"command(s), not {count}: {self.errors[-3:]}"
+                )
 
     def close(self) -> None:
         """Stop streaming; flush the record (bounded)."""
@@ -352,8 +365,9 @@ class FakeFleet:
     """One :class:`FakeWorker` per worker id; a context manager that closes them all."""
 
     def __init__(self, url: str, workers: dict[tuple[str, int], str], **options: Any) -> None:
-        self.workers = {key: FakeWorker(url, worker_id, **options)
-                        for key, worker_id in workers.items()}
+        self.workers = {
+            key: FakeWorker(url, worker_id, **options) for key, worker_id in workers.items()
+        }
 
     def __getitem__(self, key: tuple[str, int]) -> FakeWorker:
         return self.workers[key]

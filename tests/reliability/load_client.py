@@ -117,8 +117,7 @@ def main(url: str, index: int, out: Path) -> None:
             requests += 1
         for transfer_id in executed:
             started = time.perf_counter()
-            read = expect(call("GET", f"/v1/transfers/{transfer_id}", params={"wait": WAIT_S}),
-                          200)
+            read = expect(call("GET", f"/v1/transfers/{transfer_id}", params={"wait": WAIT_S}), 200)
             waits.append(time.perf_counter() - started)
             settled[read["status"] if read else "?"] += 1
             requests += 1

@@ -39,14 +39,20 @@ def test_eight_processes_mixed_load(
     server = start_server(db_url)
     with Client(server.url) as client:
         workers = setup_fleet(client)
-    with Heartbeats(server.url, list(workers.values())) as beats, FakeFleet(
-        server.url, workers, resend=True
-    ) as fleet:
+    with (
+        Heartbeats(server.url, list(workers.values())) as beats,
+        FakeFleet(server.url, workers, resend=True) as fleet,
+    ):
         fleet.wait_streams()
         procs = [
             subprocess.Popen(
-                [sys.executable, str(LOAD_CLIENT), server.url, str(i),
-                 str(tmp_path / f"load-{i}.json")]
+                [
+                    sys.executable,
+                    str(LOAD_CLIENT),
+                    server.url,
+                    str(i),
+                    str(tmp_path / f"load-{i}.json"),
+                ]
             )
             for i in range(PROCESSES)
         ]
@@ -95,8 +101,9 @@ def test_eight_processes_mixed_load(
             assert count(TransferRow) == planned + len(executed)
             distinct = conn.scalar(select(func.count(func.distinct(TransferRow.request_id))))
             assert distinct == planned + len(executed)
-            assert count(TransferRow, TransferRow.execute.is_(True),
-                         TransferRow.status != "done") == 0
+            assert (
+                count(TransferRow, TransferRow.execute.is_(True), TransferRow.status != "done") == 0
+            )
             # One part per rank taking part (ctx r0, ctx r1 send; gen r0 receives), never two.
             assert count(JobRow) == 3 * len(executed)
             parts = conn.execute(

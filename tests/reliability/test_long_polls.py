@@ -35,16 +35,23 @@ def test_a_plain_request_is_answered_while_sixty_long_polls_wait(
         client.register_instance("ctx", ctx)
         client.register_instance("gen", gen)
         assert client.create_pairing("ctx", "gen")["compatible"]
-        idle = {("ctx", 100 + i): client.register_worker(
-            worker_body("ctx", ctx["ranks"][0], f"ctx.idle{i}"))["id"]
-            for i in range(EXTRA_STREAMS)}
+        idle = {
+            ("ctx", 100 + i): client.register_worker(
+                worker_body("ctx", ctx["ranks"][0], f"ctx.idle{i}")
+            )["id"]
+            for i in range(EXTRA_STREAMS)
+        }
         # Registered last: the newest worker of a rank is the one dispatch picks.
-        workers = {(name, 0): client.register_worker(
-            worker_body(name, body["ranks"][0], f"{name}.r0"))["id"]
-            for name, body in (("ctx", ctx), ("gen", gen))}
-        with Heartbeats(server.url, list(workers.values())), FakeFleet(
-            server.url, idle | workers, hold=True
-        ) as fleet:
+        workers = {
+            (name, 0): client.register_worker(worker_body(name, body["ranks"][0], f"{name}.r0"))[
+                "id"
+            ]
+            for name, body in (("ctx", ctx), ("gen", gen))
+        }
+        with (
+            Heartbeats(server.url, list(workers.values())),
+            FakeFleet(server.url, idle | workers, hold=True) as fleet,
+        ):
             fleet.wait_streams()
             transfer_ids = [
                 client.create_transfer(transfer_body(f"r{i}", execute=True))["id"]
@@ -91,4 +98,3 @@ def wait_and_list(
         for thread in threads:
             thread.join(WAIT_S + 30)
     return listed, finished_before, answers
-

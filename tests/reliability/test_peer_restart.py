@@ -74,7 +74,8 @@ def test_reregistration_fails_running_transfers_and_fences_the_old_worker(
         assert c["op"].get_transfer(transfer["id"])["status"] == "running"
         waited: dict[str, Any] = {}
         waiter = threading.Thread(
-            target=lambda: waited.update(c["op"].get_transfer(transfer["id"], wait_s=30)))
+            target=lambda: waited.update(c["op"].get_transfer(transfer["id"], wait_s=30))
+        )
         waiter.start()
 
         # The context engine restarts with another layout: new epoch.
@@ -98,14 +99,15 @@ def test_reregistration_fails_running_transfers_and_fences_the_old_worker(
             assert caught.value.code == "worker_stale"
         # What both workers record about the dead attempt is kept, and changes nothing.
         assert old_sender.release() == 1 and fake_receiver.release() == 1
-        wait_until(lambda: len(c["op"].list_parts(transfer["id"])["items"]) == 2,
-                   "the late parts to be recorded")
+        wait_until(
+            lambda: len(c["op"].list_parts(transfer["id"])["items"]) == 2,
+            "the late parts to be recorded",
+        )
         final = c["op"].get_transfer(transfer["id"])
         assert (final["status"], final["error"]) == (waited["status"], waited["error"])
 
         # Attaching again (a new worker id) and validating the pairing again: back in service.
-        again = c["ctx-worker"].register_worker(
-            worker_body("ctx", restarted["ranks"][0], "ctx.b"))
+        again = c["ctx-worker"].register_worker(worker_body("ctx", restarted["ranks"][0], "ctx.b"))
         assert again["epoch"] != sender["epoch"]
         workers.append(FakeWorker(server.url, again["id"], token=tokens["ctx-worker"]))
         workers[-1].wait_streams()
@@ -115,7 +117,8 @@ def test_reregistration_fails_running_transfers_and_fences_the_old_worker(
         directory = c["gen-worker"].get_directory(receiver["id"])
         assert directory["peers"]["ctx"]["epoch"] == again["epoch"]
         assert {w["worker_id"] for w in directory["peers"]["ctx"]["ranks"].values()} == {
-            again["id"]}
+            again["id"]
+        }
         assert directory["pairings"][0]["context_epoch"] == again["epoch"]
 
         fresh = c["op"].create_transfer(transfer_body("r2", execute=True))
@@ -184,12 +187,18 @@ def test_worker_drops_a_restarted_peers_agent(
 
         pools = allocate_pools([PoolSpec.from_dict(p) for p in gen["ranks"][0]["pools"]], "cpu")
         transport = FakeTransport(pools, torch.empty(1 << 20, dtype=torch.uint8))
-        handover = Handover(transport, instance="gen", rank=0,  # type: ignore[arg-type]
-                            directory=Directory.from_json(before))
+        handover = Handover(
+            transport,  # type: ignore[arg-type]
+            instance="gen",
+            rank=0,
+            directory=Directory.from_json(before),
+        )
         try:
             handle = handover.expect("r1", "ctx", {0: ([0, 1], [2, 3])}, timeout_s=60)
-            wait_until(lambda: ("notif", "ctx.r0.aaaa:G") in transport.log,
-                       "the grant to the sender's agent")
+            wait_until(
+                lambda: ("notif", "ctx.r0.aaaa:G") in transport.log,
+                "the grant to the sender's agent",
+            )
             assert transport.peers == {"ctx.r0.aaaa"}
 
             # The sender's worker process restarts: same epoch, a new NIXL agent.
@@ -200,13 +209,16 @@ def test_worker_drops_a_restarted_peers_agent(
 
             assert handle.wait(30) == FAILED
             assert handle.reason is not None and handle.reason.startswith("peer_restarted"), (
-                handle.reason)
+                handle.reason
+            )
             assert ("remove", "ctx.r0.aaaa") in transport.log
             assert "ctx.r0.aaaa" not in transport.peers
             # The next request goes to the new agent.
             again = handover.expect("r2", "ctx", {0: ([0, 1], [4, 5])}, timeout_s=60)
-            wait_until(lambda: ("notif", "ctx.r0.bbbb:G") in transport.log,
-                       "the grant to the restarted agent")
+            wait_until(
+                lambda: ("notif", "ctx.r0.bbbb:G") in transport.log,
+                "the grant to the restarted agent",
+            )
             assert transport.peers == {"ctx.r0.bbbb"} and not again.done
         finally:
             handover.close()

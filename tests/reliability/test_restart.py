@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -35,19 +34,20 @@ def test_sigkill_mid_transfer_loses_nothing(
     # Retry window: 20 retries, backoff 0.25 s doubling, capped at 2 s (tens of seconds in all).
     with Client(server.url, retries=20, backoff_s=0.25, max_backoff_s=2.0) as client:
         workers = setup_fleet(client)
-        with Heartbeats(server.url, list(workers.values())) as beats, FakeFleet(
-            server.url, workers, hold=True
-        ) as fleet:
+        with (
+            Heartbeats(server.url, list(workers.values())) as beats,
+            FakeFleet(server.url, workers, hold=True) as fleet,
+        ):
             fleet.wait_streams()
             run_scenario(client, server, workers, fleet)
         assert beats.refused == []
 
 
-def run_scenario(client: Client, server: Server, workers: dict[tuple[str, int], str],
-                 fleet: FakeFleet) -> None:
+def run_scenario(
+    client: Client, server: Server, workers: dict[tuple[str, int], str], fleet: FakeFleet
+) -> None:
     transfer_ids = [
-        client.create_transfer(transfer_body(f"r{i}", execute=True))["id"]
-        for i in range(TRANSFERS)
+        client.create_transfer(transfer_body(f"r{i}", execute=True))["id"] for i in range(TRANSFERS)
     ]
     for worker in fleet:  # ctx r0, ctx r1 send; gen r0 receives: every rank takes part
         worker.wait_commands(TRANSFERS)
@@ -76,7 +76,9 @@ def run_scenario(client: Client, server: Server, workers: dict[tuple[str, int], 
     def all_settled() -> bool:
         for transfer_id in transfer_ids:
             if transfer_id not in settled_at and client.get_transfer(transfer_id)["status"] in (
-                    "done", "failed"):
+                "done",
+                "failed",
+            ):
                 settled_at[transfer_id] = time.monotonic()
         return len(settled_at) == len(transfer_ids)
 
@@ -103,13 +105,13 @@ def run_scenario(client: Client, server: Server, workers: dict[tuple[str, int], 
     for transfer_id in transfer_ids:
         parts = client.list_parts(transfer_id)["items"]
         assert sorted((p["kind"], p["instance"], p["rank"], p["state"]) for p in parts) == [
-            ("receive", "gen", 0, "done"), ("send", "ctx", 0, "done"),
+            ("receive", "gen", 0, "done"),
+            ("send", "ctx", 0, "done"),
             ("send", "ctx", 1, "done"),
         ]
     # A record batch whose answer was lost is sent again: accepted, counted zero times.
     replay = fleet[("gen", 0)].record(fleet[("gen", 0)].commands[0])
-    assert client.record_transfers(workers[("gen", 0)], [replay]) == {
-        "accepted": 0, "settled": []}
+    assert client.record_transfers(workers[("gen", 0)], [replay]) == {"accepted": 0, "settled": []}
 
     # Nothing was lost: instances, pairing and workers are all there.
     assert {i["name"] for i in client.list_instances()["items"]} == {"ctx", "gen"}
@@ -118,8 +120,10 @@ def run_scenario(client: Client, server: Server, workers: dict[tuple[str, int], 
 
     # The command streams reconnected on their own: a transfer dispatched now runs.
     fleet.wait_streams(2)
-    wait_until(lambda: all(w["connected"] for w in client.list_workers()["items"]),
-               "every worker's stream to be back")
+    wait_until(
+        lambda: all(w["connected"] for w in client.list_workers()["items"]),
+        "every worker's stream to be back",
+    )
     fresh = client.create_transfer(transfer_body("after-restart", execute=True))
     done = client.get_transfer(fresh["id"], wait_s=30)
     assert done["status"] == "done", done

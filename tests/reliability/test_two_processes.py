@@ -50,10 +50,15 @@ def test_commands_cross_processes_through_the_relay(
             assert {len(worker.commands) for worker in fleet} == {TRANSFERS}
             parts = on_b.list_parts(transfer["id"])["items"]
             assert sorted((p["kind"], p["rank"]) for p in parts) == [
-                ("receive", 0), ("send", 0), ("send", 1)]
-    print(f"relay: {TRANSFERS} transfers posted on B, streams and records on A: POST + "
-          f"?wait on B p50 {statistics.median(waits) * 1000:.0f} ms, "
-          f"max {max(waits) * 1000:.0f} ms")
+                ("receive", 0),
+                ("send", 0),
+                ("send", 1),
+            ]
+    print(
+        f"relay: {TRANSFERS} transfers posted on B, streams and records on A: POST + "
+        f"?wait on B p50 {statistics.median(waits) * 1000:.0f} ms, "
+        f"max {max(waits) * 1000:.0f} ms"
+    )
 
 
 def test_a_transfer_split_over_two_processes_settles(
@@ -66,19 +71,25 @@ def test_a_transfer_split_over_two_processes_settles(
         # The senders stream from A, the receiver from B; each records where it streams.
         senders = {k: v for k, v in workers.items() if k[0] == "ctx"}
         receivers = {k: v for k, v in workers.items() if k[0] == "gen"}
-        with Heartbeats(a.url, list(workers.values())), FakeFleet(
-            a.url, senders
-        ) as on_a_fleet, FakeFleet(b.url, receivers) as on_b_fleet:
+        with (
+            Heartbeats(a.url, list(workers.values())),
+            FakeFleet(a.url, senders) as on_a_fleet,
+            FakeFleet(b.url, receivers) as on_b_fleet,
+        ):
             on_a_fleet.wait_streams()
             on_b_fleet.wait_streams()
             results: dict[str, Any] = {}
             for name, client in (("a", on_a), ("b", on_b)):
                 transfer = client.create_transfer(transfer_body(f"via-{name}", execute=True))
+
                 # A waiter on each process.
-                waiters = [threading.Thread(target=lambda c=c, t=transfer["id"], n=n:
-                                            results.__setitem__(f"{name}-{n}",
-                                                                c.get_transfer(t, wait_s=30)))
-                           for n, c in (("a", on_a), ("b", on_b))]
+                def wait(client: Client, key: str, transfer_id: str = transfer["id"]) -> None:
+                    results[key] = client.get_transfer(transfer_id, wait_s=30)
+
+                waiters = [
+                    threading.Thread(target=wait, args=(c, f"{name}-{n}"))
+                    for n, c in (("a", on_a), ("b", on_b))
+                ]
                 for waiter in waiters:
                     waiter.start()
                 for waiter in waiters:

@@ -90,8 +90,10 @@ def test_workers_run_a_verified_transfer_with_tokens(
         with Client(server.url, token=token(sqlite_url, "operator")) as op:
             assert op.create_pairing("ctx", "gen")["compatible"]
             deadline = time.monotonic() + 120
-            while sum(w["status"] == "alive" and w["connected"]
-                      for w in op.list_workers()["items"]) < 2:
+            while (
+                sum(w["status"] == "alive" and w["connected"] for w in op.list_workers()["items"])
+                < 2
+            ):
                 assert time.monotonic() < deadline, [
                     (tmp_path / f"worker-{n}.log").read_text()[-2000:] for n in ("ctx", "gen")
                 ]
@@ -102,21 +104,34 @@ def test_workers_run_a_verified_transfer_with_tokens(
             assert done["status"] == "done", done
             parts = op.list_parts(transfer["id"])["items"]
             assert sorted((p["kind"], p["instance"], p["state"]) for p in parts) == [
-                ("receive", "gen", "done"), ("send", "ctx", "done")]
+                ("receive", "gen", "done"),
+                ("send", "ctx", "done"),
+            ]
             receive = next(p for p in parts if p["kind"] == "receive")
             assert receive["result"]["verified_bytes"] > 0  # the fill pattern was checked
             checksums = {p["kind"]: [r["checksum"] for r in p["result"]["routes"]] for p in parts}
             assert checksums["send"] == checksums["receive"] and None not in checksums["send"]
-            gen_worker = next(w for w in op.list_workers(instance="gen")["items"]
-                              if w["status"] == "alive")
+            gen_worker = next(
+                w for w in op.list_workers(instance="gen")["items"] if w["status"] == "alive"
+            )
 
         # A worker token of ctx may not act for gen's worker.
         with Client(server.url, token=wrong, retries=0) as intruder_client:
             record = {
-                "transfer_id": transfer["id"], "request_id": "r1", "pairing_id": "p",
-                "context": "ctx", "generation": "gen", "context_epoch": "e",
-                "generation_epoch": "e", "side": "receive", "rank": 0, "status": "failed",
-                "error": "forged", "bytes": 0, "started_at": 1.0, "finished_at": 1.0,
+                "transfer_id": transfer["id"],
+                "request_id": "r1",
+                "pairing_id": "p",
+                "context": "ctx",
+                "generation": "gen",
+                "context_epoch": "e",
+                "generation_epoch": "e",
+                "side": "receive",
+                "rank": 0,
+                "status": "failed",
+                "error": "forged",
+                "bytes": 0,
+                "started_at": 1.0,
+                "finished_at": 1.0,
             }
             for call in (
                 lambda: intruder_client.get_directory(gen_worker["id"]),
