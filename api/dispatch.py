@@ -27,7 +27,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0
-RECONNECT_GRACE_S = 10.0  # commands for a worker whose stream just dropped wait this long
+RECONNECT_GRACE_S = 10.0  # commands for a worker whose stream dropped (or is not open yet) wait
 QUEUE_LIMIT = 10_000  # commands buffered for one slow stream before it is cut off
 NOTIFY_CHANNEL = "kvplane_dispatch"
 
@@ -76,7 +76,8 @@ class CommandHub:
                 self._streams.pop(gone, None)
 
     def connected(self, worker_id: str) -> bool:
-        """Whether ``worker_id`` holds a stream here (or dropped it moments ago)."""
+        """Whether ``worker_id`` holds a stream here (or dropped it moments ago, or commands
+        wait here for its first stream)."""
         dropped = self._dropped.get(worker_id)
         return worker_id in self._streams and (
             dropped is None or time.monotonic() - dropped < RECONNECT_GRACE_S)
@@ -93,7 +94,22 @@ class CommandHub:
         if remote and self.relay is not None:
             self.relay.publish(remote)
             return []
+        if remote and self._loop is not None:
+            # A worker attached moments ago may not have opened its stream yet: its commands
+            # wait for it as for a stream that just dropped.
+            self._loop.call_soon_threadsafe(self._hold, remote)
         return [worker_id for worker_id, _ in remote]
+
+    def _hold(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for worker_id, _ in messages:
+                dropped = self._dropped.get(worker_id)
+                if worker_id not in self._streams or (
+                        dropped is not None and now - dropped >= RECONNECT_GRACE_S):
+                    self._streams[worker_id] = asyncio.Queue(QUEUE_LIMIT)
+                    self._dropped[worker_id] = now
+        self._deliver(messages)
 
     def _deliver(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         for worker_id, message in messages:

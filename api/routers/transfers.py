@@ -13,7 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from api import schemas
-from api.dispatch import CommandHub, Completions
+from api.dispatch import RECONNECT_GRACE_S, CommandHub, Completions
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import execution, stats
@@ -84,13 +84,14 @@ def create_transfer(
 
 def _push(request: Request, commands: list[tuple[str, dict[str, Any]]]) -> None:
     """Hand the commands to the workers' streams (after the commit: a worker that reports at
-    once must find the transfer). A worker whose stream is not open anywhere fails its part of
-    the transfer at the deadline; say so in the log now."""
+    once must find the transfer). A worker whose stream is not open gets its commands if it
+    opens it within the reconnect grace; else its part fails at the deadline. Say so now."""
     hub: CommandHub = request.app.state.hub
     missed = hub.push(commands)
     if missed:
-        log.warning("no command stream open for worker(s) %s; their transfers will fail at "
-                    "their deadline", ", ".join(sorted(set(missed))))
+        log.warning("no command stream open for worker(s) %s; their commands wait %.0f s for "
+                    "it, then their transfers fail at their deadline",
+                    ", ".join(sorted(set(missed))), RECONNECT_GRACE_S)
 
 
 @router.get(

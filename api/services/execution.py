@@ -174,7 +174,15 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     worker = current_worker_or_gone(session, body.worker_id)
     accepted = 0
     touched: dict[str, int] = {}
-    for record in body.records:
+    records = sorted(body.records, key=_record_transfer_id)
+    # Lock the batch's transfers first, in id order. Otherwise a part's insert takes a key-share
+    # lock on its transfer and settle() then waits for FOR UPDATE: two workers' batches over the
+    # same transfers deadlock on PostgreSQL. The lock also makes a part's check-then-insert safe
+    # against the same batch arriving twice at once.
+    session.execute(select(TransferRow.id)
+                    .where(TransferRow.id.in_({_record_transfer_id(r) for r in records}))
+                    .order_by(TransferRow.id).with_for_update())
+    for record in records:
         own = record.context if record.side == "send" else record.generation
         if own != worker.instance.name or record.rank != worker.rank:
             raise Forbidden(
@@ -191,6 +199,13 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     settled = [tid for tid, attempt in sorted(touched.items())
                if settle(session=session, transfer_id=tid, attempt=attempt, now=now)]
     return accepted, settled
+
+
+def _record_transfer_id(record: wire.TransferRecord) -> str:
+    if record.transfer_id is not None:
+        return record.transfer_id
+    return engine_transfer_id(record.pairing_id, record.context_epoch, record.generation_epoch,
+                              record.request_id)
 
 
 def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:

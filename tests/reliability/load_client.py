@@ -1,9 +1,11 @@
-"""One load process: ``python load_client.py URL INDEX WORKER_IDS_JSON OUT.json``.
+"""One load process: ``python load_client.py URL INDEX OUT.json``.
 
-Sends 100 mixed requests with plain httpx (so every status is seen, retries are counted):
-registrations of its own instances, pairings of them, planned transfers (execute=false), worker
-claims (completing what it claims) and reads. A 503 must carry Retry-After and is retried after
-it; a 409 ``conflict`` (two writers raced on a unique key) is retried too. Writes what it saw.
+Sends 120 mixed requests with plain httpx (so every status is seen, retries are counted):
+registrations of its own instances, pairings of them, planned transfers (execute=false),
+executed transfers of the shared ``ctx`` → ``gen`` fleet (pushed to the test's fake workers,
+which record them), a ``GET ?wait=`` long-poll on each executed one, and reads. A 503 must carry
+Retry-After and is retried after it; a 409 ``conflict`` (two writers raced on a unique key) is
+retried too. Writes what it saw.
 """
 
 from __future__ import annotations
@@ -22,16 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from api.geometry.builders import ViewSpec, instance_body  # noqa: E402
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
-INSTANCES = 20
+INSTANCES = 20  # each: register, pair, one planned and one executed transfer
 EXTRA_TRANSFERS = 10
 READS = 9
+REQUESTS = 1 + INSTANCES * 4 + EXTRA_TRANSFERS + INSTANCES + READS
+WAIT_S = 30
 
 
-def main(url: str, index: int, worker_ids: list[str], out: Path) -> None:
+def main(url: str, index: int, out: Path) -> None:
     statuses: Counter[int] = Counter()
     bad: list[str] = []
-    claimed: list[str] = []
+    executed: list[str] = []
+    settled: Counter[str] = Counter()
     latencies: list[float] = []
+    waits: list[float] = []
     retries = Counter[str]()
 
     def call(method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -66,7 +72,7 @@ def main(url: str, index: int, worker_ids: list[str], out: Path) -> None:
     gen_name = f"load-gen-{index}"
     blocks = {"0": {"context": [0, 1, 2], "generation": [3, 4, 5]}}
 
-    def transfer(k: int, j: int) -> None:
+    def planned(k: int, j: int) -> None:
         body = {
             "context": f"load-ctx-{index}-{k}",
             "generation": gen_name,
@@ -76,21 +82,19 @@ def main(url: str, index: int, worker_ids: list[str], out: Path) -> None:
         }
         expect(call("POST", "/v1/transfers", json=body), 201)
 
-    def claim(k: int) -> None:
-        worker_id = worker_ids[(index + k) % len(worker_ids)]
-        lease = expect(call("POST", "/v1/jobs/claim", json={"worker_id": worker_id}), 200, 204)
-        if lease:
-            claimed.append(lease["id"])
-            expect(
-                call(
-                    "POST",
-                    f"/v1/jobs/{lease['id']}/complete",
-                    json={"lease_token": lease["lease_token"], "bytes": 1, "duration_s": 0.0},
-                ),
-                200,
-            )
+    def execute(k: int) -> None:
+        body = {
+            "context": "ctx",
+            "generation": "gen",
+            "request_id": f"exec-{index}-{k}",
+            "blocks": {"0": {"context": [k, k + 1], "generation": [k + 2, k + 3]}},
+            "execute": True,
+        }
+        read = expect(call("POST", "/v1/transfers", json=body), 201)
+        if read:
+            executed.append(read["id"])
 
-    with httpx.Client(base_url=url, timeout=60.0) as http:
+    with httpx.Client(base_url=url, timeout=WAIT_S + 60.0) as http:
         requests = 0
         expect(call("PUT", f"/v1/instances/{gen_name}", json=gen), 201)
         requests += 1
@@ -105,14 +109,20 @@ def main(url: str, index: int, worker_ids: list[str], out: Path) -> None:
                 201,
             )
             assert pairing is None or pairing["compatible"], pairing
-            transfer(k, 0)
-            claim(k)
+            planned(k, 0)
+            execute(k)
             requests += 4
         for j in range(EXTRA_TRANSFERS):
-            transfer(j, 1)
+            planned(j, 1)
+            requests += 1
+        for transfer_id in executed:
+            started = time.perf_counter()
+            read = expect(call("GET", f"/v1/transfers/{transfer_id}", params={"wait": WAIT_S}), 200)
+            waits.append(time.perf_counter() - started)
+            settled[read["status"] if read else "?"] += 1
             requests += 1
         for j in range(READS):
-            path = ("/v1/instances", "/v1/pairings", "/v1/jobs")[j % 3]
+            path = ("/v1/instances", "/v1/pairings", "/v1/transfers")[j % 3]
             expect(call("GET", path), 200)
             requests += 1
     out.write_text(
@@ -121,13 +131,15 @@ def main(url: str, index: int, worker_ids: list[str], out: Path) -> None:
                 "requests": requests,
                 "statuses": {str(k): v for k, v in statuses.items()},
                 "bad": bad,
-                "claimed": claimed,
+                "executed": executed,
+                "settled": dict(settled),
                 "retries": dict(retries),
                 "latencies": latencies,
+                "waits": waits,
             }
         )
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), Path(sys.argv[4]))
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))

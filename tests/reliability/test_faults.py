@@ -1,5 +1,6 @@
-"""Faults: a held SQLite write lock (503 + Retry-After, and the client rides it), and two
-operators racing on one instance with ``If-Match`` (exactly one wins, the other gets 412)."""
+"""Faults: a held SQLite write lock (503 + Retry-After, and the client rides it), two operators
+racing on one instance with ``If-Match`` (exactly one wins, the other gets 412), and a transfer
+pushed to workers that attached but had not opened their command streams yet."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from api.client import Client
 
-from .conftest import Server, fleet_bodies
+from .conftest import FakeFleet, Server, fleet_bodies, setup_fleet, transfer_body
 
 
 class Recording(httpx.HTTPTransport):
@@ -102,3 +103,19 @@ def test_if_match_race_has_exactly_one_winner(app: FastAPI) -> None:
             stored = client.get("/v1/instances/ctx").json()
             assert stored["generation"] == generation + 1 == winner.json()["generation"]
             assert stored["model"] == winner.json()["model"]
+
+
+def test_commands_wait_for_a_stream_that_is_not_open_yet(
+    sqlite_url: str, start_server: Callable[..., Server]
+) -> None:
+    """A router may dispatch the moment workers attached (``POST /v1/workers``), before they
+    opened their command streams: the commands wait for the streams, nothing is lost."""
+    server = start_server(sqlite_url)
+    with Client(server.url) as client:
+        workers = setup_fleet(client)
+        assert not any(w["connected"] for w in client.list_workers()["items"])
+        transfer = client.create_transfer(transfer_body("early", execute=True))
+        with FakeFleet(server.url, workers) as fleet:
+            done = client.get_transfer(transfer["id"], wait_s=30)
+            assert done["status"] == "done", done
+            assert {len(worker.commands) for worker in fleet} == {1}

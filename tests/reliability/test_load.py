@@ -1,8 +1,11 @@
-"""8 processes x 100 mixed requests against one real server process, on SQLite and PostgreSQL.
+"""8 processes x 120 mixed requests against one real server process, on SQLite and PostgreSQL.
 
-Registrations of distinct instances, pairings, planned transfers (execute=false), worker claims
-(and completions) and reads, all at once. Afterwards: zero 5xx other than 503 with Retry-After,
-every row exactly once (counts checked on the database), no job claimed twice.
+Registrations of distinct instances, pairings, planned transfers (execute=false), executed
+transfers pushed over the command streams of three fake workers (``conftest.FakeWorker``), the
+workers' records (each batch sent twice at once, as after a lost answer), ``GET ?wait=``
+long-polls and reads, all at once. Afterwards: zero 5xx other than 503 with Retry-After, every
+row exactly once (counts checked on the database), every executed transfer ``done`` and no part
+recorded twice.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from sqlalchemy import create_engine, func, select
 from api.client import Client
 from api.models import InstanceRow, JobRow, PairingRow, TransferRow
 
-from .conftest import Heartbeats, Server, setup_fleet, transfer_body
+from .conftest import FakeFleet, Heartbeats, Server, setup_fleet
 
 pytestmark = pytest.mark.slow
 
 PROCESSES = 8
-EXECUTED = 20  # executed transfers queued before the load: their jobs are what claims find
+INSTANCES, EXTRA, REQUESTS = 20, 10, 120  # per process (load_client.py)
 LOAD_CLIENT = Path(__file__).with_name("load_client.py")
 
 
@@ -36,13 +39,11 @@ def test_eight_processes_mixed_load(
     server = start_server(db_url)
     with Client(server.url) as client:
         workers = setup_fleet(client)
-        executed = [
-            client.create_transfer(transfer_body(f"exec-{i}", execute=True))["id"]
-            for i in range(EXECUTED)
-        ]
-        jobs_before = {job["id"] for job in client.list_jobs(limit=1000)}
-    worker_ids = json.dumps(list(workers.values()))
-    with Heartbeats(server.url, list(workers.values())):
+    with (
+        Heartbeats(server.url, list(workers.values())) as beats,
+        FakeFleet(server.url, workers, resend=True) as fleet,
+    ):
+        fleet.wait_streams()
         procs = [
             subprocess.Popen(
                 [
@@ -50,25 +51,40 @@ def test_eight_processes_mixed_load(
                     str(LOAD_CLIENT),
                     server.url,
                     str(i),
-                    worker_ids,
                     str(tmp_path / f"load-{i}.json"),
                 ]
             )
             for i in range(PROCESSES)
         ]
-        assert [proc.wait(timeout=240) for proc in procs] == [0] * PROCESSES
+        assert [proc.wait(timeout=280) for proc in procs] == [0] * PROCESSES
+        # A sender's part does not decide its transfer: the senders may still be reading.
+        for worker in fleet:
+            worker.wait_commands(PROCESSES * INSTANCES)
+        recorders = [worker.recorder for worker in fleet]
+        assert all(worker.recorder.flush(30) for worker in fleet)
+        commands = {key: len(fleet[key].commands) for key in workers}
+        errors = [error for worker in fleet for error in worker.errors]
+    assert beats.refused == []
+    assert errors == []
+    # Concurrent record batches (three workers, each batch twice) never deadlock on the database.
+    assert "deadlock detected" not in server.log.read_text()
+    assert sum(r.dropped for r in recorders) == 0
     results = [json.loads((tmp_path / f"load-{i}.json").read_text()) for i in range(PROCESSES)]
 
-    assert [r["requests"] for r in results] == [100] * PROCESSES
+    assert [r["requests"] for r in results] == [REQUESTS] * PROCESSES
     assert [bad for r in results for bad in r["bad"]] == []
     statuses: Counter[str] = Counter()
     for r in results:
         statuses.update(r["statuses"])
     assert all(int(code) < 500 or code == "503" for code in statuses), statuses
-
-    claimed = [job_id for r in results for job_id in r["claimed"]]
-    assert len(claimed) == len(set(claimed)), "a job was claimed twice"
-    assert set(claimed) <= jobs_before
+    executed = [transfer_id for r in results for transfer_id in r["executed"]]
+    assert len(executed) == len(set(executed)) == PROCESSES * INSTANCES
+    settled: Counter[str] = Counter()
+    for r in results:
+        settled.update(r["settled"])
+    assert settled == {"done": PROCESSES * INSTANCES}
+    # Every rank's worker got exactly one command per executed transfer.
+    assert set(commands.values()) == {PROCESSES * INSTANCES}, commands
 
     engine = create_engine(db_url)
     try:
@@ -77,30 +93,37 @@ def test_eight_processes_mixed_load(
             def count(model, *where) -> int:  # type: ignore[no-untyped-def]
                 return int(conn.scalar(select(func.count()).select_from(model).where(*where)))
 
-            assert count(InstanceRow) == 2 + PROCESSES * 21
-            assert count(PairingRow) == 1 + PROCESSES * 20
-            assert count(TransferRow, TransferRow.request_id.like("load-%")) == PROCESSES * 30
-            assert count(TransferRow) == EXECUTED + PROCESSES * 30
-            distinct = conn.scalar(
-                select(func.count(func.distinct(TransferRow.request_id))).where(
-                    TransferRow.request_id.like("load-%")
-                )
+            assert count(InstanceRow) == 2 + PROCESSES * (INSTANCES + 1)
+            assert count(PairingRow) == 1 + PROCESSES * INSTANCES
+            planned = PROCESSES * (INSTANCES + EXTRA)
+            assert count(TransferRow, TransferRow.request_id.like("load-%")) == planned
+            assert count(TransferRow, TransferRow.request_id.like("exec-%")) == len(executed)
+            assert count(TransferRow) == planned + len(executed)
+            distinct = conn.scalar(select(func.count(func.distinct(TransferRow.request_id))))
+            assert distinct == planned + len(executed)
+            assert (
+                count(TransferRow, TransferRow.execute.is_(True), TransferRow.status != "done") == 0
             )
-            assert distinct == PROCESSES * 30
-            assert count(JobRow) == len(jobs_before)
-            done = set(conn.scalars(select(JobRow.id).where(JobRow.state == "done")))
-            assert set(claimed) == done
+            # One part per rank taking part (ctx r0, ctx r1 send; gen r0 receives), never two.
+            assert count(JobRow) == 3 * len(executed)
+            parts = conn.execute(
+                select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
+            ).all()
+            assert len(set(parts)) == len(parts) == 3 * len(executed)
+            assert {row[0] for row in parts} == set(executed)
     finally:
         engine.dispose()
-    assert executed
 
     latencies = sorted(x for r in results for x in r["latencies"])
+    waits = sorted(x for r in results for x in r["waits"])
     retries = Counter[str]()
     for r in results:
         retries.update(r["retries"])
     print(
         f"load {db_url.split(':')[0]}: {sum(statuses.values())} responses {dict(statuses)}, "
-        f"retries {dict(retries)}, jobs claimed {len(claimed)}/{len(jobs_before)}, "
+        f"retries {dict(retries)}, {len(executed)} executed transfers done, "
+        f"{sum(r.posted for r in recorders)} records posted (+ as many resent), "
         f"p50 {statistics.median(latencies) * 1000:.1f} ms, "
-        f"p99 {latencies[int(len(latencies) * 0.99)] * 1000:.1f} ms"
+        f"p99 {latencies[int(len(latencies) * 0.99)] * 1000:.1f} ms, "
+        f"?wait p50 {statistics.median(waits) * 1000:.1f} ms"
     )

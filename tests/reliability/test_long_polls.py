@@ -1,5 +1,6 @@
-"""Long polls do not starve the server: many waiting claims and transfer polls, and a plain
-request still gets its answer while every one of them is still waiting."""
+"""Long polls do not starve the server: sixty ``GET /v1/transfers/{id}?wait=`` waiters and a
+score of open command streams, and a plain request still gets its answer while every one of them
+is still waiting. When the workers' records then arrive, every waiter wakes with ``done``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ from collections.abc import Callable
 
 import httpx
 
-from .conftest import Server, fleet_bodies, worker_body
+from api.client import Client
+
+from .conftest import (
+    FakeFleet,
+    Heartbeats,
+    Server,
+    fleet_bodies,
+    transfer_body,
+    worker_body,
+)
 
 WAITERS = 60  # more than the server's thread pool (40 threads by default)
-WAIT_S = 10.0
+EXTRA_STREAMS = 20  # idle workers of ctx rank 0 holding their command streams open too
+WAIT_S = 30.0
 
 
 def test_a_plain_request_is_answered_while_sixty_long_polls_wait(
@@ -20,36 +31,70 @@ def test_a_plain_request_is_answered_while_sixty_long_polls_wait(
 ) -> None:
     server = start_server(sqlite_url)
     ctx, gen = fleet_bodies(ctx_tp=1, gen_tp=1)
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        client.put("/v1/instances/ctx", json=ctx).raise_for_status()
-        client.put("/v1/instances/gen", json=gen).raise_for_status()
-        worker = client.post("/v1/workers", json=worker_body("ctx", ctx["ranks"][0], "ctx.r0"))
-        worker.raise_for_status()
-        worker_id = worker.json()["id"]
+    with Client(server.url) as client:
+        client.register_instance("ctx", ctx)
+        client.register_instance("gen", gen)
+        assert client.create_pairing("ctx", "gen")["compatible"]
+        idle = {
+            ("ctx", 100 + i): client.register_worker(
+                worker_body("ctx", ctx["ranks"][0], f"ctx.idle{i}")
+            )["id"]
+            for i in range(EXTRA_STREAMS)
+        }
+        # Registered last: the newest worker of a rank is the one dispatch picks.
+        workers = {
+            (name, 0): client.register_worker(worker_body(name, body["ranks"][0], f"{name}.r0"))[
+                "id"
+            ]
+            for name, body in (("ctx", ctx), ("gen", gen))
+        }
+        with (
+            Heartbeats(server.url, list(workers.values())),
+            FakeFleet(server.url, idle | workers, hold=True) as fleet,
+        ):
+            fleet.wait_streams()
+            transfer_ids = [
+                client.create_transfer(transfer_body(f"r{i}", execute=True))["id"]
+                for i in range(WAITERS)
+            ]
+            fleet[("ctx", 0)].wait_commands(WAITERS)
+            fleet[("gen", 0)].wait_commands(WAITERS)
+            listed, finished_before, answers = wait_and_list(server, transfer_ids, fleet)
+            assert all(not fleet[key].commands for key in idle)
+    assert listed.status_code == 200 and listed.json()["total"] == 2
+    # The listing did not queue behind the waiting long-polls (none had returned yet) ...
+    assert finished_before == 0
+    # ... and every waiter woke with its transfer settled, not at the end of its wait.
+    assert sorted(answers) == sorted((t, "done") for t in transfer_ids)
 
-    answers: list[int] = []
+
+def wait_and_list(
+    server: Server, transfer_ids: list[str], fleet: FakeFleet
+) -> tuple[httpx.Response, int, list[tuple[str, str]]]:
+    answers: list[tuple[str, str]] = []
     lock = threading.Lock()
+    started = threading.Semaphore(0)
 
-    def wait_for_a_job() -> None:
-        with httpx.Client(base_url=server.url, timeout=60) as waiter:
-            response = waiter.post("/v1/jobs/claim", json={"worker_id": worker_id,
-                                                           "wait_s": WAIT_S})
+    def wait_for(transfer_id: str) -> None:
+        with httpx.Client(base_url=server.url, timeout=WAIT_S + 30) as waiter:
+            started.release()
+            response = waiter.get(f"/v1/transfers/{transfer_id}", params={"wait": WAIT_S})
         with lock:
-            answers.append(response.status_code)
+            answers.append((transfer_id, response.json()["status"]))
 
-    threads = [threading.Thread(target=wait_for_a_job) for _ in range(WAITERS)]
+    threads = [threading.Thread(target=wait_for, args=(t,)) for t in transfer_ids]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)  # let every claim reach the server and start waiting
+    for _ in threads:
+        started.acquire()
     try:
+        time.sleep(2.0)  # let every waiter's request reach the server and start waiting
         with httpx.Client(base_url=server.url, timeout=60) as client:
             listed = client.get("/v1/instances")
             with lock:
                 finished_before = len(answers)
+        fleet.release()  # the workers' records arrive: every waiter wakes
     finally:
         for thread in threads:
-            thread.join(60)
-    assert listed.status_code == 200 and listed.json()["total"] == 2
-    # The listing did not queue behind the waiting claims (they all ran out their WAIT_S).
-    assert finished_before == 0
-    assert answers == [204] * WAITERS
+            thread.join(WAIT_S + 30)
+    return listed, finished_before, answers

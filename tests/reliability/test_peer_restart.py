@@ -1,19 +1,28 @@
-"""A peer restarting (re-registering with a new epoch) over HTTP, with auth on: its pairings go
-stale, queued and leased jobs fail with ``peer_restarted``, a stale lease is fenced (409), and a
-worker drops the cached NIXL agent of a restarted peer."""
+"""A peer restarting, over HTTP with auth on.
+
+- The context instance re-registers (new epoch) while a transfer is dispatched: its pairing goes
+  stale, the running transfer fails with ``peer_restarted`` (its ``?wait=`` waiter wakes with
+  it), and the parts its workers record afterwards change nothing. The old worker is fenced: its
+  heartbeat, directory and command stream answer 409 ``worker_stale`` (for good: attaching again
+  gives a new worker id). Once it attached again and the pairing is validated again, the peer's
+  directory names the new epoch and the new endpoint, and a transfer runs.
+- A worker process that restarts (same epoch, new NIXL agent): the peer's handover drops the old
+  agent when its refreshed directory arrives, and fails the receive it had granted to it.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from api.auth import create_token
-from api.client import Client, ConflictError, LeaseLostError
+from api.client import Client, ConflictError
 from api.db import Database
 
-from .conftest import Server, fleet_bodies, transfer_body, worker_body
+from .conftest import FakeWorker, Server, fleet_bodies, transfer_body, wait_until, worker_body
 
 
 def token(db_url: str, scope: str, instance: str | None = None) -> str:
@@ -25,13 +34,11 @@ def token(db_url: str, scope: str, instance: str | None = None) -> str:
         db.dispose()
 
 
-def test_reregistration_fails_active_jobs_over_http(
-    sqlite_url: str, start_server: Callable[..., Server]
-) -> None:
-    server = start_server(sqlite_url, auth="true")
-    ctx, gen = fleet_bodies(ctx_tp=1, gen_tp=1)
-    clients = {
-        name: Client(server.url, token=token(sqlite_url, scope, instance), retries=2)
+@pytest.fixture
+def tokens(sqlite_url: str) -> dict[str, str]:
+    """Instance tokens of ctx and gen, an operator's, and worker tokens bound to ctx and gen."""
+    return {
+        name: token(sqlite_url, scope, instance)
         for name, scope, instance in (
             ("ctx", "instance", "ctx"),
             ("gen", "instance", "gen"),
@@ -40,68 +47,178 @@ def test_reregistration_fails_active_jobs_over_http(
             ("gen-worker", "worker", "gen"),
         )
     }
+
+
+def test_reregistration_fails_running_transfers_and_fences_the_old_worker(
+    sqlite_url: str, start_server: Callable[..., Server], tokens: dict[str, str]
+) -> None:
+    server = start_server(sqlite_url, auth="true")
+    ctx, gen = fleet_bodies(ctx_tp=1, gen_tp=1)
+    c = {name: Client(server.url, token=secret, retries=2) for name, secret in tokens.items()}
+    workers: list[FakeWorker] = []
     try:
-        clients["ctx"].register_instance("ctx", ctx)
-        clients["gen"].register_instance("gen", gen)
-        pairing = clients["op"].create_pairing("ctx", "gen")
-        sender = clients["ctx-worker"].register_worker(worker_body("ctx", ctx["ranks"][0], "c"))
-        clients["gen-worker"].register_worker(worker_body("gen", gen["ranks"][0], "g"))
-        leased_transfer = clients["op"].create_transfer(transfer_body("r1", execute=True))
-        lease = clients["ctx-worker"].claim_job(sender["id"])
-        assert lease is not None and lease["transfer_id"] == leased_transfer["id"]
-        queued_transfer = clients["op"].create_transfer(transfer_body("r2", execute=True))
+        c["ctx"].register_instance("ctx", ctx)
+        c["gen"].register_instance("gen", gen)
+        pairing = c["op"].create_pairing("ctx", "gen")
+        sender = c["ctx-worker"].register_worker(worker_body("ctx", ctx["ranks"][0], "ctx.a"))
+        receiver = c["gen-worker"].register_worker(worker_body("gen", gen["ranks"][0], "gen.a"))
+        for worker, secret in ((sender, tokens["ctx-worker"]), (receiver, tokens["gen-worker"])):
+            workers.append(FakeWorker(server.url, worker["id"], token=secret, hold=True))
+            workers[-1].wait_streams()
+        old_sender, fake_receiver = workers
+        revision = c["gen-worker"].heartbeat(receiver["id"])["directory_revision"]
+
+        transfer = c["op"].create_transfer(transfer_body("r1", execute=True))
+        for worker in workers:
+            worker.wait_commands(1)
+        assert c["op"].get_transfer(transfer["id"])["status"] == "running"
+        waited: dict[str, Any] = {}
+        waiter = threading.Thread(
+            target=lambda: waited.update(c["op"].get_transfer(transfer["id"], wait_s=30))
+        )
+        waiter.start()
 
         # The context engine restarts with another layout: new epoch.
         restarted = {**ctx, "ranks": [{**ctx["ranks"][0]}]}
         restarted["ranks"][0]["pools"] = [{**ctx["ranks"][0]["pools"][0], "num_slots": 32}]
-        clients["ctx"].register_instance("ctx", restarted)
+        c["ctx"].register_instance("ctx", restarted)
 
-        assert clients["op"].get_pairing(pairing["id"])["status"] == "stale"
-        for transfer in (leased_transfer, queued_transfer):
-            read = clients["op"].get_transfer(transfer["id"])
-            assert read["status"] == "failed"
-            assert read["error"].startswith("peer_restarted"), read["error"]
-        jobs: list[dict[str, Any]] = clients["op"].list_jobs(limit=100)
-        assert {job["state"] for job in jobs} == {"failed"}
-        with pytest.raises(LeaseLostError):
-            clients["ctx-worker"].complete_job(
-                lease["id"], {"lease_token": lease["lease_token"], "bytes": 1, "duration_s": 0.0}
-            )
-        # The old worker must attach again before it may claim.
+        waiter.join(40)
+        assert waited["status"] == "failed", waited
+        assert waited["error"].startswith("peer_restarted"), waited["error"]
+        assert c["op"].get_pairing(pairing["id"])["status"] == "stale"
+
+        # The old sender is fenced: heartbeat, directory and command stream all refuse.
+        for call in (
+            lambda: c["ctx-worker"].heartbeat(sender["id"]),
+            lambda: c["ctx-worker"].get_directory(sender["id"]),
+            lambda: next(iter(c["ctx-worker"].stream_commands(sender["id"]))),
+        ):
+            with pytest.raises(ConflictError) as caught:
+                call()
+            assert caught.value.code == "worker_stale"
+        # What both workers record about the dead attempt is kept, and changes nothing.
+        assert old_sender.release() == 1 and fake_receiver.release() == 1
+        wait_until(
+            lambda: len(c["op"].list_parts(transfer["id"])["items"]) == 2,
+            "the late parts to be recorded",
+        )
+        final = c["op"].get_transfer(transfer["id"])
+        assert (final["status"], final["error"]) == (waited["status"], waited["error"])
+
+        # Attaching again (a new worker id) and validating the pairing again: back in service.
+        again = c["ctx-worker"].register_worker(worker_body("ctx", restarted["ranks"][0], "ctx.b"))
+        assert again["epoch"] != sender["epoch"]
+        workers.append(FakeWorker(server.url, again["id"], token=tokens["ctx-worker"]))
+        workers[-1].wait_streams()
+        assert c["op"].validate_pairing(pairing["id"])["status"] == "compatible"
+        beat = c["gen-worker"].heartbeat(receiver["id"])
+        assert beat["directory_revision"] != revision  # the receiver refetches its directory
+        directory = c["gen-worker"].get_directory(receiver["id"])
+        assert directory["peers"]["ctx"]["epoch"] == again["epoch"]
+        assert {w["worker_id"] for w in directory["peers"]["ctx"]["ranks"].values()} == {
+            again["id"]
+        }
+        assert directory["pairings"][0]["context_epoch"] == again["epoch"]
+
+        fresh = c["op"].create_transfer(transfer_body("r2", execute=True))
+        done = c["op"].get_transfer(fresh["id"], wait_s=30)
+        assert done["status"] == "done", done
+        assert [len(w.commands) for w in workers] == [1, 2, 1]  # nothing more for the old one
+        # Still fenced after the new attach: the old id never comes back.
         with pytest.raises(ConflictError):
-            clients["ctx-worker"].claim_job(sender["id"])
+            c["ctx-worker"].heartbeat(sender["id"])
     finally:
-        for client in clients.values():
+        for worker in workers:
+            worker.close()
+        for client in c.values():
             client.close()
 
 
 class FakeTransport:
-    def __init__(self) -> None:
+    """The slice of ``NixlTransport`` a handover uses, remembering which agents it loaded."""
+
+    def __init__(self, pools: dict[int, Any], staging: Any) -> None:
+        self.pools, self.staging = pools, staging
         self.peers: set[str] = set()
         self.log: list[tuple[str, str]] = []
 
-    def add_peer(self, peer: Any) -> None:
-        self.peers.add(str(peer["agent"]))
-        self.log.append(("add", str(peer["agent"])))
+    def add_peer(self, info: Any) -> str:
+        self.peers.add(str(info["agent"]))
+        self.log.append(("add", str(info["agent"])))
+        return str(info["agent"])
 
     def remove_peer(self, agent: str) -> None:
         self.peers.discard(agent)
         self.log.append(("remove", agent))
 
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        self.log.append(("notif", f"{agent}:{msg.split(b'|')[0].decode()}"))
 
-def test_worker_drops_a_restarted_peers_agent() -> None:
+    def drain_notifications(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def release(self, pending: Any) -> None:
+        pass
+
+    def poll(self, pending: Any) -> str:
+        return "DONE"
+
+
+def test_worker_drops_a_restarted_peers_agent(
+    sqlite_url: str, start_server: Callable[..., Server]
+) -> None:
     pytest.importorskip("torch")
-    from workers.agent import Worker
+    import torch
 
-    worker = object.__new__(Worker)
-    worker.transport = FakeTransport()  # type: ignore[assignment]
-    worker._peer_of_rank = {}
-    assert worker._peer({"agent": "gen.r0.aaaa"}, "generation", 0) == "gen.r0.aaaa"
-    assert worker._peer({"agent": "gen.r0.aaaa"}, "generation", 0) == "gen.r0.aaaa"  # cached
-    assert worker._peer({"agent": "gen.r0.bbbb"}, "generation", 0) == "gen.r0.bbbb"  # restarted
-    assert worker.transport.log == [  # type: ignore[attr-defined]
-        ("add", "gen.r0.aaaa"),
-        ("remove", "gen.r0.aaaa"),
-        ("add", "gen.r0.bbbb"),
-    ]
-    assert worker.transport.peers == {"gen.r0.bbbb"}  # type: ignore[attr-defined]
+    from workers.directory import Directory
+    from workers.handover import FAILED, Handover
+    from workers.pools import PoolSpec, allocate_pools
+
+    server = start_server(sqlite_url)
+    ctx, gen = fleet_bodies(ctx_tp=1, gen_tp=1)
+    with Client(server.url) as client:
+        client.register_instance("ctx", ctx)
+        client.register_instance("gen", gen)
+        assert client.create_pairing("ctx", "gen")["compatible"]
+        client.register_worker(worker_body("ctx", ctx["ranks"][0], "ctx.r0.aaaa"))
+        receiver = client.register_worker(worker_body("gen", gen["ranks"][0], "gen.r0"))
+        before = client.get_directory(receiver["id"])
+
+        pools = allocate_pools([PoolSpec.from_dict(p) for p in gen["ranks"][0]["pools"]], "cpu")
+        transport = FakeTransport(pools, torch.empty(1 << 20, dtype=torch.uint8))
+        handover = Handover(
+            transport,  # type: ignore[arg-type]
+            instance="gen",
+            rank=0,
+            directory=Directory.from_json(before),
+        )
+        try:
+            handle = handover.expect("r1", "ctx", {0: ([0, 1], [2, 3])}, timeout_s=60)
+            wait_until(
+                lambda: ("notif", "ctx.r0.aaaa:G") in transport.log,
+                "the grant to the sender's agent",
+            )
+            assert transport.peers == {"ctx.r0.aaaa"}
+
+            # The sender's worker process restarts: same epoch, a new NIXL agent.
+            client.register_worker(worker_body("ctx", ctx["ranks"][0], "ctx.r0.bbbb"))
+            beat = client.heartbeat(receiver["id"])
+            assert beat["directory_revision"] != before["revision"]
+            handover.set_directory(Directory.from_json(client.get_directory(receiver["id"])))
+
+            assert handle.wait(30) == FAILED
+            assert handle.reason is not None and handle.reason.startswith("peer_restarted"), (
+                handle.reason
+            )
+            assert ("remove", "ctx.r0.aaaa") in transport.log
+            assert "ctx.r0.aaaa" not in transport.peers
+            # The next request goes to the new agent.
+            again = handover.expect("r2", "ctx", {0: ([0, 1], [4, 5])}, timeout_s=60)
+            wait_until(
+                lambda: ("notif", "ctx.r0.bbbb:G") in transport.log,
+                "the grant to the restarted agent",
+            )
+            assert transport.peers == {"ctx.r0.bbbb"} and not again.done
+        finally:
+            handover.close()

@@ -1,6 +1,8 @@
 """Real `kvplane worker` processes against a server with auth on: a worker token bound to the
-instance (``KVPLANE_TOKEN``) attaches, claims and runs a verified NIXL transfer; a worker holding
-another instance's token is refused (403) and exits."""
+instance (``KVPLANE_TOKEN``) attaches, holds its command stream and runs a pushed, verified NIXL
+transfer end to end (``execute=true``, ``verify=true``: crc32 on both sides and every byte of the
+fill pattern checked); a worker holding another instance's token is refused (403) and exits, and
+that token gets 403 on the other instance's worker directory, command stream and records."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from api.auth import create_token
-from api.client import Client
+from api.client import ApiError, Client
 from api.db import Database
 
 from .conftest import ROOT, Server, fleet_bodies, transfer_body
@@ -88,15 +90,60 @@ def test_workers_run_a_verified_transfer_with_tokens(
         with Client(server.url, token=token(sqlite_url, "operator")) as op:
             assert op.create_pairing("ctx", "gen")["compatible"]
             deadline = time.monotonic() + 120
-            while sum(w["status"] == "alive" for w in op.list_workers()["items"]) < 2:
+            while (
+                sum(w["status"] == "alive" and w["connected"] for w in op.list_workers()["items"])
+                < 2
+            ):
                 assert time.monotonic() < deadline, [
                     (tmp_path / f"worker-{n}.log").read_text()[-2000:] for n in ("ctx", "gen")
                 ]
                 assert all(w.poll() is None for w in workers)
                 time.sleep(0.2)
-            transfer = op.create_transfer({**transfer_body("r1", execute=True), "verify": True})
+            transfer = op.create_transfer(transfer_body("r1", execute=True, verify=True))
             done = op.get_transfer(transfer["id"], wait_s=60)
             assert done["status"] == "done", done
+            parts = op.list_parts(transfer["id"])["items"]
+            assert sorted((p["kind"], p["instance"], p["state"]) for p in parts) == [
+                ("receive", "gen", "done"),
+                ("send", "ctx", "done"),
+            ]
+            receive = next(p for p in parts if p["kind"] == "receive")
+            assert receive["result"]["verified_bytes"] > 0  # the fill pattern was checked
+            checksums = {p["kind"]: [r["checksum"] for r in p["result"]["routes"]] for p in parts}
+            assert checksums["send"] == checksums["receive"] and None not in checksums["send"]
+            gen_worker = next(
+                w for w in op.list_workers(instance="gen")["items"] if w["status"] == "alive"
+            )
+
+        # A worker token of ctx may not act for gen's worker.
+        with Client(server.url, token=wrong, retries=0) as intruder_client:
+            record = {
+                "transfer_id": transfer["id"],
+                "request_id": "r1",
+                "pairing_id": "p",
+                "context": "ctx",
+                "generation": "gen",
+                "context_epoch": "e",
+                "generation_epoch": "e",
+                "side": "receive",
+                "rank": 0,
+                "status": "failed",
+                "error": "forged",
+                "bytes": 0,
+                "started_at": 1.0,
+                "finished_at": 1.0,
+            }
+            for call in (
+                lambda: intruder_client.get_directory(gen_worker["id"]),
+                lambda: next(iter(intruder_client.stream_commands(gen_worker["id"]))),
+                lambda: intruder_client.record_transfers(gen_worker["id"], [record]),
+                lambda: intruder_client.heartbeat(gen_worker["id"]),
+            ):
+                with pytest.raises(ApiError) as caught:
+                    call()
+                assert caught.value.status == 403, caught.value
+        with Client(server.url, token=token(sqlite_url, "operator")) as op:
+            assert op.get_transfer(transfer["id"])["status"] == "done"  # nothing forged
     finally:
         for worker in workers:
             worker.terminate()
