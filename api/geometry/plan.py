@@ -32,7 +32,7 @@ bytes, and neither CP nor a pipelined sender is involved. kvplane itself never e
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -48,9 +48,12 @@ from api.geometry.validate import (
     check_draft_layers,
     check_instances,
     check_layer_counts,
+    check_coverage,
     check_match,
     geometry_of,
+    needed_range,
     report_unmatched,
+    sender_ranges,
 )
 
 RUN_FIELDS = ("src", "dst", "len", "count", "src_step", "dst_step")
@@ -127,7 +130,8 @@ def _match_all(
             found, unmatched = index.match_view(rank, view)
             report_unmatched(unmatched, findings)
             for match in found:
-                check_match(context, generation, match, findings, cache)
+                if check_match(context, generation, match, findings, cache):
+                    check_coverage(context, generation, match, findings, cache)
             matches.extend(found)
     return matches
 
@@ -368,35 +372,45 @@ def compile_plan(
         _raise_incompatible(report)
 
     builder = _RouteBuilder(context, generation, cache)
-    counters: dict[tuple[Any, ...], int] = {}
-    loads: dict[tuple[Any, ...], dict[int, int]] = {}
     overlapping: dict[int, set[int]] = {rank: set() for rank in receivers}
-    # Receivers in rank order: the election's tie-break depends on it.
+    # Phase 1: every (receiver slice, sender shard) in receiver rank order, keyed by the shard.
+    work: dict[tuple[Any, ...], list[_Work]] = {}
     for match in sorted(matches, key=lambda m: (m.receiver_rank, m.receiver_view.index)):
         receiver = match.receiver_view
-        local = geometry_of(generation, match.receiver_rank, receiver, cache)
-        by_cp: dict[int, list[tuple[int, View, ViewGeometry]]] = {}
-        for holder in match.holders:
-            peer = geometry_of(context, holder.rank, holder.view, cache)
-            by_cp.setdefault(context.coords(holder.rank)[2], []).append(
-                (holder.rank, holder.view, peer)
-            )
-        for cp_rank, holders in sorted(by_cp.items()):
-            for lo, hi, shard in _covering_shards(local, holders[0][2]):
-                replicas = [h for h in holders if h[2].shard == shard]
+        local = geometry_of("generation", generation, match.receiver_rank, receiver, cache)
+        start, stop = needed_range(local)
+        layer_group = generation.table(match.receiver_rank).pools[receiver.pool].layer_group
+        receiver_cp = generation.coords(match.receiver_rank)[2]
+        for cp_rank, ranges in sender_ranges(context, match, cache).items():
+            for a, b, replicas in ranges:
+                lo, hi = max(start, a), min(stop, b)
+                if lo >= hi:
+                    continue
                 overlapping[match.receiver_rank].update(rank for rank, _, _ in replicas)
-                key = (match.stage, cp_rank, receiver.owner, receiver.roles_key, shard)
-                turn = counters.get(key, 0)
-                counters[key] = turn + 1
-                load = loads.setdefault(key, {})
-                count = len(replicas)
-                choice = min(
-                    range(count), key=lambda i: (load.get(replicas[i][0], 0), (i - turn) % count)
+                key = (
+                    match.stage,
+                    cp_rank,
+                    receiver.owner,
+                    receiver.roles_key,
+                    a,
+                    tuple(rank for rank, _, _ in replicas),
+                    layer_group,
+                    receiver_cp,
                 )
-                rank, view, peer = replicas[choice]
-                load[rank] = load.get(rank, 0) + _slice_bytes(match, local, lo, hi,
-                                                              context.tokens_per_block)
-                builder.add(match, rank, view, peer, local, lo, hi)
+                per_layer = _slice_bytes(match, local, lo, hi, context.tokens_per_block)
+                work.setdefault(key, []).append(_Work(match, local, lo, hi, replicas, per_layer))
+    # Phase 2: each shard's layers, in order, cut into one contiguous chunk per replica.
+    rotation: dict[tuple[Any, ...], int] = {}
+    first_turn = generation_dp_rank or 0
+    for key, items in work.items():
+        base = key[:6]  # the same shard in another layer group starts at the next replica
+        turn = first_turn + rotation.get(base, 0)
+        rotation[base] = rotation.get(base, 0) + 1
+        for item, layers, choice in _elect(items, turn):
+            rank, view, peer = item.replicas[choice]
+            builder.add(
+                replace(item.match, layers=layers), rank, view, peer, item.local, item.lo, item.hi
+            )
 
     routes = builder.routes()
     receiver_plans = _receiver_plans(context, generation, routes, receivers, overlapping)
@@ -414,12 +428,55 @@ def compile_plan(
     )
 
 
+@dataclass(frozen=True)
+class _Work:
+    """One receiver slice ``[lo, hi)`` of one sender shard, and the shard's replicas."""
+
+    match: Match
+    local: ViewGeometry
+    lo: int
+    hi: int
+    replicas: list[tuple[int, View, ViewGeometry]]
+    per_layer: int  # bytes per block of one layer of this slice
+
+
+def _elect(
+    items: Sequence[_Work], turn: int
+) -> list[tuple[_Work, tuple[int, ...], int]]:
+    """Cut a shard's ``(slice, layer)`` units, in order, into one contiguous chunk per replica.
+
+    Unit ``u`` starting ``s_u`` bytes into the shard's ``total`` goes to chunk
+    ``⌊s_u × n / total⌋``; chunk ``k`` is served by replica ``(k + turn) mod n``.
+    With equal units every replica gets ``⌊m / n⌋`` or ``⌈m / n⌉`` of the ``m`` units, so no
+    replica exceeds ``⌈total / n⌉`` by a unit or more; contiguous chunks keep runs mergeable.
+    """
+    n = len(items[0].replicas)
+    total = sum(item.per_layer * len(item.match.layers) for item in items)
+    out: list[tuple[_Work, tuple[int, ...], int]] = []
+    before = 0
+    for item in items:
+        current: list[int] = []
+        current_choice = -1
+        for layer in item.match.layers:
+            chunk = before * n // total if total else 0
+            choice = (chunk + turn) % n
+            if choice != current_choice and current:
+                out.append((item, tuple(current), current_choice))
+                current = []
+            current.append(layer)
+            current_choice = choice
+            before += item.per_layer
+        if current:
+            out.append((item, tuple(current), current_choice))
+    return out
+
+
 def _slice_bytes(match: Match, local: ViewGeometry, lo: int, hi: int, tokens: int) -> int:
-    """Bytes per block one elected sender writes for this slice (the election's load unit)."""
+    """Bytes per block of one layer of a slice (the election's unit)."""
     per_buffer = local.unit_bytes
     if local.layout != "REPLICATED":
         per_buffer *= (hi - lo) * (tokens if local.layout == "NHD" else 1)
-    return len(match.layers) * match.receiver_view.buffers_per_layer * per_buffer
+    return match.receiver_view.buffers_per_layer * per_buffer
 
 
 def _raise_incompatible(report: Report) -> None:
@@ -429,18 +486,6 @@ def _raise_incompatible(report: Report) -> None:
             for issue in report.errors
         ]
     )
-
-
-def _covering_shards(local: ViewGeometry, peer: ViewGeometry) -> list[tuple[int, int, int]]:
-    """Global head sub-ranges ``[lo, hi)`` of the receiver and the sender shard holding each."""
-    if local.layout == "REPLICATED":
-        return [(0, 1, 0)]
-    start, stop = local.head_range
-    first, last = start // peer.heads, (stop - 1) // peer.heads
-    return [
-        (max(start, shard * peer.heads), min(stop, (shard + 1) * peer.heads), shard)
-        for shard in range(first, last + 1)
-    ]
 
 
 class _RouteBuilder:
@@ -488,7 +533,10 @@ class _RouteBuilder:
             dst_head = lo - local.shard * local.heads
             unit = local.unit_bytes
             full = heads == peer.heads == local.heads
-            if receiver.layout == "HND" or full:
+            tokens = self.context.tokens_per_block
+            if sender.layout != receiver.layout:
+                runs = _conversion_runs(src, dst, src_head, dst_head, heads, peer, local, tokens)
+            elif receiver.layout == "HND" or full:
                 length = size if full else heads * unit
                 runs = _stack(src + src_head * unit, dst + dst_head * unit, length, 1, 0, 0)
             else:
@@ -496,13 +544,13 @@ class _RouteBuilder:
                     src + src_head * unit,
                     dst + dst_head * unit,
                     heads * unit,
-                    self.context.tokens_per_block,
+                    tokens,
                     peer.token_bytes,
                     local.token_bytes,
                 )
             sender_heads = [src_head, src_head + heads]
             receiver_heads = [dst_head, dst_head + heads]
-        assert runs.shape[0] == n_runs
+        assert runs.shape[0] % n_runs == 0
         sender_pool = self.context.table(sender_rank).pools[sender.pool]
         route_key = (sender_rank, match.receiver_rank)
         pool_key = (sender.pool, receiver.pool, sender_pool.layer_group)
@@ -549,6 +597,38 @@ class _RouteBuilder:
         if self.generation.cp > 1:
             return self.generation.cp, self.generation.coords(receiver_rank)[2], "generation"
         return 1, 0, None
+
+
+def _conversion_runs(
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_head: int,
+    dst_head: int,
+    heads: int,
+    peer: ViewGeometry,
+    local: ViewGeometry,
+    tokens: int,
+) -> np.ndarray:
+    """HND ↔ NHD: one run per (layer, buffer, head) with ``count = tokens_per_block``.
+
+    With ``u`` the bytes of one head of one token, head ``i`` of a buffer starts at ``i × T × u``
+    (HND, ``T`` tokens) or ``i × u`` (NHD); token ``t`` adds ``t × u`` (HND) or ``t × token_bytes``
+    (NHD). Rows are (layer, buffer)-major, then head.
+    """
+    head_token = (peer if peer.layout == "NHD" else local).unit_bytes  # equal on both sides
+    offsets = np.arange(heads, dtype=np.int64)
+
+    def side(base: np.ndarray, first: int, geometry: ViewGeometry) -> tuple[np.ndarray, int]:
+        if geometry.layout == "HND":
+            per_head, step = geometry.unit_bytes, head_token
+        else:
+            per_head, step = head_token, geometry.token_bytes
+        starts = base[:, None] + (first + offsets)[None, :] * per_head
+        return starts.ravel(), step
+
+    src_starts, src_step = side(src, src_head, peer)
+    dst_starts, dst_step = side(dst, dst_head, local)
+    return _stack(src_starts, dst_starts, head_token, tokens, src_step, dst_step)
 
 
 def _stack(
@@ -606,10 +686,13 @@ def _receiver_plans(
             if sizes
             else ()
         )
+        # Block counts differ per layer group (full attention vs sliding window), so writers
+        # carry equal bytes per request only if they carry equal bytes per block in every group.
+        per_group = [_bytes_per_group(route) for route in mine]
         safe = (
             bool(writers)
             and set(writers) == overlapping[rank]
-            and len(set(sizes)) == 1
+            and all(groups == per_group[0] for groups in per_group)
             and context.cp == 1
             and generation.cp == 1
             and (context.pp == 1 or len(writers) == 1)
@@ -618,6 +701,13 @@ def _receiver_plans(
             ReceiverPlan(rank, writers, tuple(sorted(overlapping[rank])), offsets, sizes, safe)
         )
     return tuple(plans)
+
+
+def _bytes_per_group(route: Route) -> dict[int, int]:
+    groups: dict[int, int] = {}
+    for segment in route.segments:
+        groups[segment.layer_group] = groups.get(segment.layer_group, 0) + segment.bytes_per_block
+    return groups
 
 
 def _pool_refs(

@@ -143,7 +143,7 @@ def test_plan_is_deterministic_balanced_and_round_trips(sc: dict[str, Any], orac
     again = compile_plan(ctx2, gen2, sc["ctx_dp"], sc["gen_dp"])
     data = plan.to_dict()
     assert json.dumps(data, sort_keys=True) == json.dumps(again.to_dict(), sort_keys=True)
-    assert oracle.load_balance_violations(plan, ctx) == []
+    assert oracle.load_balance_violations(plan, ctx, gen) == []
     rebuilt = Plan.from_dict(json.loads(json.dumps(data)))
     assert rebuilt.to_dict() == data
     # the rebuilt plan moves exactly the same bytes
@@ -193,4 +193,4 @@ def test_context_parallel_side_moves_each_block_from_its_cp_rank(
     ctx, gen = _pair(sc)
     assert validate_pairing(ctx, gen).compatible
     result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
-    assert oracle.load_balance_violations(result.plan, ctx) == []
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
