@@ -238,3 +238,15 @@ def test_fragment_pages_stay_small_whatever_the_transfer(client: TestClient) -> 
     first = client.get(path, params={"limit": 50_000}).json()
     assert len(_rows(first)) == 50_000
     assert peak < 64 << 20, f"one page of fragments peaked at {peak >> 20} MiB"
+
+
+def test_duplicate_block_ids_are_422_invalid_blocks(client: TestClient) -> None:
+    _setup(client)
+    body = _transfer()
+    body["blocks"] = {"0": {"context": [5, 5, 5, 5], "generation": [0, 1, 2, 3]}}
+    response = client.post("/v1/transfers", json=body)
+    assert response.status_code == 422, response.json()
+    problem = response.json()
+    assert problem["code"] == "invalid_blocks"
+    assert problem["errors"][0]["loc"] == ["body", "blocks", "0", "context"]
+    assert client.get("/v1/transfers").json()["total"] == 0
