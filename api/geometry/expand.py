@@ -11,7 +11,9 @@ flat list (element ``k`` names a slot of CP rank ``j mod cp``) or, for helix gen
 list per CP rank in ``cp_rank`` order: rank ``c``'s own block table, where logical block ``j``
 sits at position ``j // cp``; each such list is a suffix of the ``⌈(N − c) / cp⌉`` blocks of that
 rank. The blocks moved are those present on both sides. Within one rank's blocks a slot id may
-appear once (``invalid_blocks`` otherwise); every layer group the plan moves must be named. For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` the
+appear once (``invalid_blocks`` otherwise); every layer group the plan moves must be named.
+
+For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` the
 fragments are, for ``c in [0, count)``::
 
     src = bs × stride_s + run.src + c × run.src_step      (offsets relative to the pool base)
@@ -324,8 +326,7 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
         raise GeometryError(
             Problem(
                 ("blocks", str(unknown[0])),
-                f"layer group {unknown[0]} has no pool on either side (groups: "
-                f"{sorted(known)})",
+                f"layer group {unknown[0]} has no pool on either side (groups: {sorted(known)})",
                 "invalid_blocks",
             )
         )

@@ -45,10 +45,10 @@ from api.geometry.model import Instance, View
 from api.geometry.validate import (
     Findings,
     Report,
+    check_coverage,
     check_draft_layers,
     check_instances,
     check_layer_counts,
-    check_coverage,
     check_match,
     geometry_of,
     needed_range,
@@ -440,9 +440,7 @@ class _Work:
     per_layer: int  # bytes per block of one layer of this slice
 
 
-def _elect(
-    items: Sequence[_Work], turn: int
-) -> list[tuple[_Work, tuple[int, ...], int]]:
+def _elect(items: Sequence[_Work], turn: int) -> list[tuple[_Work, tuple[int, ...], int]]:
     """Cut a shard's ``(slice, layer)`` units, in order, into one contiguous chunk per replica.
 
     Unit ``u`` starting ``s_u`` bytes into the shard's ``total`` goes to chunk

@@ -450,7 +450,8 @@ def check_match(
             generation.tokens_per_block
         ):
             unit = "bytes_per_head" if receiver.layout == "HND" else "head_token_bytes"
-            local_value, peer_value = local.unit_bytes, peer.unit_bytes
+            local_value: int | float = local.unit_bytes
+            peer_value: int | float = peer.unit_bytes
         else:
             unit = "head_token_bytes"
             local_value, peer_value = _number(local_unit), _number(peer_unit)
@@ -591,7 +592,8 @@ def check_coverage(
         if cursor < stop:
             gaps.append((cursor, stop))
         for lo, hi in gaps:
-            what = "the replicated region" if local.layout == "REPLICATED" else f"heads [{lo}, {hi})"
+            replicated = local.layout == "REPLICATED"
+            what = "the replicated region" if replicated else f"heads [{lo}, {hi})"
             findings.add(
                 "missing_peer_shard",
                 f"{receiver.label()}: no context rank of pipeline stage {match.stage}"

@@ -61,7 +61,8 @@ def test_qwen_two_kv_heads_tp8_duplication_to_tp2() -> None:
     plan = compile_plan(ctx, gen)
     # Context ranks 0-3 hold head 0, 4-7 head 1; generation rank 0 holds head 0, rank 1 head 1.
     # The 28 layers of a head are split over its 4 replicas: 7 contiguous layers each.
-    assert [(r.sender_rank, r.receiver_rank) for r in plan.routes] == [(r, r // 4) for r in range(8)]
+    pairs = [(r.sender_rank, r.receiver_rank) for r in plan.routes]
+    assert pairs == [(r, r // 4) for r in range(8)]
     assert [r.slices[0]["layers"][0] for r in plan.routes] == [0, 7, 14, 21] * 2
     assert len({r.bytes_per_block for r in plan.routes}) == 1
 
@@ -76,7 +77,8 @@ def test_deepseek_mla_is_a_replicated_key_only_view() -> None:
     plan = compile_plan(ctx, gen)
     # Every generation rank needs the whole latent cache (27 layers); the 8 identical context
     # replicas split the 4 × 27 layer copies into contiguous chunks of 14 or 13 layers.
-    assert [(r.sender_rank, r.receiver_rank) for r in plan.routes] == [(r, r // 2) for r in range(8)]
+    pairs = [(r.sender_rank, r.receiver_rank) for r in plan.routes]
+    assert pairs == [(r, r // 2) for r in range(8)]
     assert [len(r.slices[0]["layers"]) for r in plan.routes] == [14, 13] * 4
 
 

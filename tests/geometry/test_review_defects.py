@@ -106,9 +106,7 @@ def test_generation_cp_ownership_follows_the_logical_block_under_prefix_reuse(
 
 
 @pytest.mark.parametrize("blocks", [([0, 1, 2, 3], [5, 6, 7]), ([1, 2, 3], [4, 5, 6, 7])])
-def test_context_cp_ownership_follows_the_logical_block_under_prefix_reuse(
-    oracle, blocks
-) -> None:
+def test_context_cp_ownership_follows_the_logical_block_under_prefix_reuse(oracle, blocks) -> None:
     ctx = parse_instance(body("context", [kv()], cp=2), "ctx")
     gen = parse_instance(body("generation", [kv()]), "gen")
     oracle.check_transfer(ctx, gen, blocks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -304,5 +305,10 @@ def test_align_blocks_pairs_suffixes_and_filters_cp():
         }  # fmt: skip
     )
     src, dst = align_blocks(route, {0: ([9, 1, 2, 3, 4], [7, 8, 5, 6])})
-    # Last 4 of each side pair up: (1,7) (2,8) (3,5) (4,6); CP keeps positions 1 and 3.
-    assert src[0].tolist() == [2, 4] and dst[0].tolist() == [8, 6]
+    # Last 4 of each side pair up: (1,7) (2,8) (3,5) (4,6), logical blocks 1..4 of 5; CP keeps
+    # the odd logical blocks (never the position in the shorter list).
+    assert src[0].tolist() == [1, 3] and dst[0].tolist() == [7, 5]
+    helix = dataclasses.replace(route, cp_side="generation")
+    src, dst = align_blocks(helix, {0: ([9, 1, 2, 3, 4], [[10, 11, 12], [20, 21]])})
+    # one table per generation CP rank: rank 1 holds logical blocks 1 and 3
+    assert src[0].tolist() == [1, 3] and dst[0].tolist() == [20, 21]
