@@ -204,27 +204,49 @@ def _expand_indices(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(offsets, lengths) + within
 
 
-def aligned_tags(
-    ids_c: Sequence[int], ids_g: Sequence[int]
-) -> tuple[dict[int, int], dict[int, int]]:
-    """Suffix alignment: the last ``min`` blocks of each list, tagged ``logical index + 1``.
+def _logical_pairs(ids: Sequence[Any], total: int, cp: int) -> list[tuple[int, int]]:
+    """``(slot, logical block)`` of one side, straight from DESIGN "Transfer templates".
 
-    Both lists end at the request's last block; the longer one starts at logical block 0, so
-    element ``k`` of a list of length ``L`` is logical block ``max(len) - L + k``.
+    A flat list is a suffix of the request's blocks ``0 … total−1``; a list of lists holds one
+    block table per CP rank ``c``: a suffix of that rank's blocks ``j ≡ c (mod cp)``, logical
+    block ``j`` at position ``j // cp``.
     """
-    n = min(len(ids_c), len(ids_g))
-    total = max(len(ids_c), len(ids_g))
-    ctx = {slot: total - n + k + 1 for k, slot in enumerate(list(ids_c)[len(ids_c) - n :])}
-    gen = {slot: total - n + k + 1 for k, slot in enumerate(list(ids_g)[len(ids_g) - n :])}
-    return ctx, gen
+    if ids and all(isinstance(item, (list, tuple)) for item in ids):
+        pairs = []
+        for c, rank_ids in enumerate(ids):
+            own = [j for j in range(total) if j % cp == c]
+            pairs += list(zip(rank_ids, own[len(own) - len(rank_ids) :], strict=True))
+        return pairs
+    return list(zip(ids, range(total - len(ids), total), strict=True))
 
 
-def _cp_share(instance: Instance, rank: int, tags: Mapping[int, int]) -> dict[int, int]:
+def _count(ids: Sequence[Any]) -> int:
+    if ids and all(isinstance(item, (list, tuple)) for item in ids):
+        return sum(len(item) for item in ids)
+    return len(ids)
+
+
+def aligned_tags(
+    ids_c: Sequence[Any], ids_g: Sequence[Any], cp_g: int = 1
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(slot, tag)`` per side for the blocks present on both sides, ``tag = logical + 1``.
+
+    Both lists end at the request's last block; the longer one starts at logical block 0.
+    """
+    total = max(_count(ids_c), _count(ids_g))
+    ctx = _logical_pairs(list(ids_c), total, 1)
+    gen = _logical_pairs(list(ids_g), total, cp_g)
+    common = {j for _, j in ctx} & {j for _, j in gen}
+    return (
+        [(slot, j + 1) for slot, j in ctx if j in common],
+        [(slot, j + 1) for slot, j in gen if j in common],
+    )
+
+
+def _cp_share(instance: Instance, rank: int, tags: Sequence[tuple[int, int]]) -> dict[int, int]:
     """Under CP, logical block ``j`` (tag ``j + 1``) lives on ``cp_rank = j % cp`` only."""
-    if instance.cp == 1:
-        return dict(tags)
     cp_rank = coords(instance, rank)[2]
-    return {slot: tag for slot, tag in tags.items() if (tag - 1) % instance.cp == cp_rank}
+    return {slot: tag for slot, tag in tags if (tag - 1) % instance.cp == cp_rank}
 
 
 def check_transfer(
@@ -244,7 +266,7 @@ def check_transfer(
     if not isinstance(blocks, Mapping):
         blocks = {0: blocks}
     expansion = expand(plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()})
-    tags_by_group = {g: aligned_tags(c, r) for g, (c, r) in blocks.items()}
+    tags_by_group = {g: aligned_tags(c, r, gen.cp) for g, (c, r) in blocks.items()}
     senders = active(ctx, context_dp_rank)
     receivers = active(gen, generation_dp_rank)
 
@@ -263,7 +285,7 @@ def check_transfer(
     for rank, table in enumerate(ctx.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = tags_by_group.get(pool.layer_group, ({}, {}))[0]
+            group_tags = tags_by_group.get(pool.layer_group, ([], []))[0]
             tags = _cp_share(ctx, rank, group_tags) if rank in senders else {}
             sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags)
 
@@ -273,7 +295,7 @@ def check_transfer(
     for rank, table in enumerate(gen.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ({}, {}))[1])
+            group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ([], []))[1])
             if rank in receivers:
                 want = pool_memory(gen, rank, pool_id, group_tags, keep=needed, default_tag=None)
             else:

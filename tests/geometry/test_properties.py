@@ -249,3 +249,33 @@ def prefix_cp_scenarios(draw: st.DrawFn) -> dict[str, Any]:
 def test_context_parallel_ownership_follows_the_logical_block(sc: dict[str, Any], oracle) -> None:
     ctx, gen = _pair(sc)
     oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+
+
+@st.composite
+def helix_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Generation CP with one block table per CP rank, each a random suffix (prefix reuse)."""
+    sc = draw(scenarios())
+    cp = draw(st.integers(2, 3))
+    sc["gen"] = dict(sc["gen"], cp=cp)
+    total = draw(st.integers(1, 6))
+    # one side holds the whole request (it defines N); the other may have reused a prefix
+    context_full = draw(st.booleans())
+    context = list(range(total - (total if context_full else draw(st.integers(0, total))), total))
+    tables = []
+    for c in range(cp):
+        own = (total - c + cp - 1) // cp
+        keep = draw(st.integers(0, own)) if context_full else own
+        tables.append(list(range(10 + 10 * c, 10 + 10 * c + own))[own - keep :])
+    sc["blocks"] = (context, tables)
+    sc["n_slots"] = 40
+    return sc
+
+
+@PROPERTY
+@given(sc=helix_scenarios())
+def test_helix_block_tables_move_each_logical_block_from_its_cp_rank(
+    sc: dict[str, Any], oracle
+) -> None:
+    ctx, gen = _pair(sc)
+    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []

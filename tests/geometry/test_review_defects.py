@@ -272,3 +272,39 @@ def test_duplicate_block_ids_in_one_list_are_refused(side: str) -> None:
     problem = error.value.problems[0]
     assert (problem.code, problem.loc) == ("invalid_blocks", ("blocks", "0", side))
     assert "5" in problem.message
+
+
+# --- helix: one block table per generation CP rank ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "generation",
+    [
+        [[10, 11, 12], [20, 21]],  # 5 logical blocks, full tables
+        [[11, 12], [21]],  # generation reused logical blocks 0..1 (rank 0: 0, rank 1: 1)
+        [[12], [20, 21]],  # unequal reuse per CP rank
+        [[], [21]],
+    ],
+)
+def test_helix_per_cp_rank_block_tables_move_each_logical_block_once(oracle, generation) -> None:
+    ctx = parse_instance(body("context", [kv()], tp=2, num_slots=32), "ctx")
+    gen = parse_instance(body("generation", [kv()], tp=4, cp=2, num_slots=32), "gen")
+    result = oracle.check_transfer(ctx, gen, ([0, 1, 2, 3, 4], generation))
+    per_block = sum(r.bytes_per_block for r in result.plan.routes) // 2  # each CP rank's routes
+    assert result.expansion.bytes == sum(len(ids) for ids in generation) * per_block
+
+
+def test_helix_block_tables_must_fit_the_request() -> None:
+    ctx = parse_instance(body("context", [kv()]), "ctx")
+    gen = parse_instance(body("generation", [kv()], cp=2), "gen")
+    plan = compile_plan(ctx, gen)
+    for generation, where in (([[1, 2, 3], [4]], 0), ([[1], [2], [3]], None), ([[1, 1], [2]], 0)):
+        with pytest.raises(GeometryError) as error:
+            expand(plan, {0: ([0, 1, 2], generation)})
+        problem = error.value.problems[0]
+        assert problem.code == "invalid_blocks"
+        assert problem.loc == ("blocks", "0", "generation", *([] if where is None else [where]))
+    flat = compile_plan(ctx, parse_instance(body("generation", [kv()]), "gen"))
+    with pytest.raises(GeometryError) as error:
+        expand(flat, {0: ([0, 1], [[1], [2]])})
+    assert "CP > 1" in error.value.problems[0].message
