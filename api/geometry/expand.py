@@ -298,6 +298,12 @@ def align(
     ctx_lists, ctx_nested = _parse_side(context_ids, (*loc, "context"), context_cp)
     gen_lists, gen_nested = _parse_side(generation_ids, (*loc, "generation"), generation_cp)
     total = max(sum(ids.size for ids in ctx_lists), sum(ids.size for ids in gen_lists))
+    if not ctx_nested and not gen_nested:  # both flat: the common suffix, no set algebra
+        (src,), (dst,) = ctx_lists, gen_lists
+        _logical(ctx_lists, False, total, context_cp, (*loc, "context"))
+        _logical(gen_lists, False, total, generation_cp, (*loc, "generation"))
+        n = min(src.size, dst.size)
+        return src[src.size - n :], dst[dst.size - n :], np.arange(total - n, total)
     src, src_logical = _logical(ctx_lists, ctx_nested, total, context_cp, (*loc, "context"))
     dst, dst_logical = _logical(gen_lists, gen_nested, total, generation_cp, (*loc, "generation"))
     logical, src_at, dst_at = np.intersect1d(

@@ -449,6 +449,8 @@ def _elect(items: Sequence[_Work], turn: int) -> list[tuple[_Work, tuple[int, ..
     replica exceeds ``⌈total / n⌉`` by a unit or more; contiguous chunks keep runs mergeable.
     """
     n = len(items[0].replicas)
+    if n == 1:  # no replicas: nothing to balance
+        return [(item, item.match.layers, 0) for item in items]
     total = sum(item.per_layer * len(item.match.layers) for item in items)
     out: list[tuple[_Work, tuple[int, ...], int]] = []
     before = 0
@@ -560,6 +562,7 @@ class _RouteBuilder:
                 "owner": receiver.owner,
                 "roles": list(receiver.roles_key),
                 "layout": receiver.layout,
+                "sender_layout": sender.layout,
                 "layers": list(match.layers),
                 "global_heads": None if sender_heads is None else [lo, hi],
                 "sender_local_heads": sender_heads,

@@ -144,3 +144,29 @@ def test_check_of_two_files_with_the_same_stem_plans_each_side(tmp_path: Path) -
     apart = runner.invoke(cli, ["check", str(ctx), str(other), "--json"])
     assert same.exit_code == apart.exit_code == 0, same.output
     assert json.loads(same.output) == json.loads(apart.output)
+
+
+def test_check_explains_a_layout_conversion(tmp_path: Path) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "4", "--layout", "HND")
+    gen = write_body(
+        tmp_path, "gen", llama, "--role", "generation", "--tp", "2", "--layout", "NHD"
+    )
+    result = runner.invoke(cli, ["check", str(ctx), str(gen)])
+    assert result.exit_code == 0, result.output
+    assert "layout_conversion" in result.output
+    assert "why: the two sides store this view's heads in different orders" in result.output
+    assert "generation rank 0 <- context ranks [0, 1]" in result.output
+
+
+def test_check_explains_a_missing_peer_shard(tmp_path: Path) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "2")
+    body = json.loads(ctx.read_text())
+    view = body["ranks"][1]["views"][0]
+    view["buffers"] = [b for b in view["buffers"] if b["layer"] != 3]
+    ctx.write_text(json.dumps(body))
+    gen = write_body(tmp_path, "gen", llama, "--role", "generation", "--tp", "1")
+    result = runner.invoke(cli, ["check", str(ctx), str(gen)])
+    assert result.exit_code == 1, result.output  # was a traceback from compile_plan
+    assert "missing_peer_shard" in result.output and "why: some context ranks" in result.output
