@@ -21,7 +21,6 @@ from api.geometry import (
 )
 from api.schemas import InstanceCreate
 
-
 # What each finding means for the operator, printed under it by ``kvplane check``.
 EXPLANATIONS: dict[str, str] = {
     "layout_conversion": "the two sides store this view's heads in different orders (HND: "
