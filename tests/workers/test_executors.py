@@ -88,10 +88,12 @@ def _assert_pools_equal(got, want):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "HND>NHD", "NHD>HND"])
 def test_head_slice_copy_gather_scatter_match_oracle(layout, kind, method):
-    # TP4 -> TP2 shaped: sender 2 heads, receiver 4, sender fills receiver heads [2, 4).
-    hs = HeadSlice(layout, 3, 8, 16, 2, 2, 4, 0, 2, 2)
+    # TP4 -> TP2 shaped: sender 2 heads, receiver 4, sender fills receiver heads [2, 4);
+    # "A>B": the sender stores layout A, the receiver B (converted head by head).
+    sender, _, receiver = layout.partition(">")
+    hs = HeadSlice(sender, 3, 8, 16, 2, 2, 4, 0, 2, 2, receiver_layout=receiver or None)
     route = hs.route()
     rng = np.random.default_rng(7)
     src, dst = _pools_pair([hs.sender_spec(20, pad=48)], [hs.receiver_spec(24, pad=16)])
