@@ -4,29 +4,39 @@
 rank is its own attention group (``dp_rank = tp_rank``): only the ranks with
 ``tp_rank == context_dp_rank`` send, only those with ``tp_rank == generation_dp_rank`` receive.
 
-**Head ranges.** A receiver view on rank ``r`` needs the global heads ``[a, b)`` (see
-:mod:`api.geometry.heads`). With sender heads per rank ``h_s``, the sender shards ``i`` with
-``i × h_s < b`` and ``(i + 1) × h_s > a`` cover it: several shards when the sender is finer (each
-fills a sub-range of the receiver), one shard when it is coarser (a sub-range of it is sent).
+**Head ranges (any ratio).** A receiver view on rank ``r`` needs the global heads ``[a, b)`` (see
+:mod:`api.geometry.heads`); a sender shard holds ``[s, t)``. Every sender shard with
+``s < b`` and ``t > a`` fills ``[max(a, s), min(b, t))``: several shards when the sender is finer,
+a sub-range of one when it is coarser, and both when neither shard count divides the other
+(TP 3 → TP 2 with 12 heads: receiver 0 takes ``[0, 4)`` from sender 0 and ``[4, 6)`` from
+sender 1). Only the bytes of one head of one token must agree (:mod:`api.geometry.validate`).
+Validation requires, per sender stage and CP rank, a holder for every needed head
+(``missing_peer_shard``), so the compile never meets a range without a holder.
 
-**Election.** A sender shard may be held by several replicas (``G > H``). For every
-``(stage, cp_rank, owner, roles, shard)`` the receivers that need it are served in rank order, each
-by the holder that has been given the fewest bytes of that shard so far (ties: round-robin, the
-``k``-th request starts looking at holder ``k mod n``). Hence every receiver byte is written exactly
-once, by a rank that holds exactly that data; with equal requests no holder sends more than
-``ceil(total / n)`` of a shard's bytes (balanced, also across receiver pipeline stages that split a
-shard into several layer sets); and the result depends only on the inputs.
+**Election.** A sender shard may be held by several replicas (``G > H``). For every shard key
+``(stage, cp_rank, owner, roles, shard, replicas, layer group, receiver cp_rank)`` the
+``(receiver slice, layer)`` units that need it, in receiver rank order, are cut into one
+contiguous chunk per replica: a unit that starts ``s`` bytes into the key's ``total`` goes to chunk
+``⌊s × n / total⌋``, and chunk ``k`` is served by replica ``(k + turn) mod n`` with
+``turn = generation_dp_rank + (keys of the same shard seen before)``. Hence every receiver byte is
+written exactly once, by a rank that holds exactly that data; a replica's share exceeds
+``⌈total / n⌉`` by less than one unit (one layer of one slice: layers are never split); DP ranks
+and layer groups start at different replicas; and the result depends only on the inputs.
 
 **Templates.** Per route (sender rank → receiver rank) and pool pair, strided runs ``{src, dst,
 len, count, src_step, dst_step}`` (offsets inside one slot). HND head slices are one run per
 (layer, buffer); NHD slices one run with ``count = tokens_per_block``; full-width and REPLICATED
-copies whole regions; runs contiguous on both sides are merged. Template size depends on the layer
-count, never on the number of blocks or tokens.
+copies whole regions; runs contiguous on both sides are merged. HND ↔ NHD conversion: one run per
+(layer, buffer, head) with ``len = u`` (bytes of one head of one token), ``count =
+tokens_per_block``; head ``i`` starts at ``i × T × u`` on the HND side (token step ``u``) and at
+``i × u`` on the NHD side (token step ``token_bytes``). Template size depends on the layer and
+head count, never on the number of blocks or tokens.
 
 **Staging.** A receiver with several writers gets each writer's exact staging offset (prefix sum of
 the writers' bytes in sender-rank order). ``equal_split_safe`` says whether the legacy equal-split
 staging would have been right: only when every overlapping sender rank writes, all write the same
-bytes, and neither CP nor a pipelined sender is involved. kvplane itself never equal-splits.
+bytes per block in every layer group (block counts differ per group), and neither CP nor a
+pipelined sender is involved. kvplane itself never equal-splits.
 """
 
 from __future__ import annotations
@@ -171,8 +181,8 @@ class Route:
     """Everything sender rank ``sender_rank`` writes into receiver rank ``receiver_rank``.
 
     With CP on one side (``cp_side``), the route carries only the logical blocks ``j`` with
-    ``j % cp_modulus == cp_remainder``: block ``j`` of the CP side's list (its whole sequence,
-    position ``j``) lives on ``cp_rank = j % cp``.
+    ``j % cp_modulus == cp_remainder``: logical block ``j`` of the request (counted from the
+    start of the longer list, see :mod:`api.geometry.expand`) lives on ``cp_rank = j % cp``.
     """
 
     sender_rank: int

@@ -181,7 +181,15 @@ def check_instances(context: Instance, generation: Instance, findings: Findings)
         findings.add(
             "tokens_per_block_mismatch",
             f"context pages {context.tokens_per_block} tokens per block, generation "
-            f"{generation.tokens_per_block}",
+            f"{generation.tokens_per_block}"
+            + (
+                "; block-size ratios are not supported yet (pairing blocks by tokens needs "
+                "each request's first token, which block lists alone do not give)"
+                if max(context.tokens_per_block, generation.tokens_per_block)
+                % min(context.tokens_per_block, generation.tokens_per_block)
+                == 0
+                else ""
+            ),
             field="tokens_per_block",
             local=generation.tokens_per_block,
             peer=context.tokens_per_block,
