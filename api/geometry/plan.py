@@ -418,9 +418,10 @@ def compile_plan(
         rotation[base] = rotation.get(base, 0) + 1
         for item, layers, choice in _elect(items, turn):
             rank, view, peer = item.replicas[choice]
-            builder.add(
-                replace(item.match, layers=layers), rank, view, peer, item.local, item.lo, item.hi
-            )
+            match = item.match
+            if layers != match.layers:
+                match = replace(match, layers=layers)
+            builder.add(match, rank, view, peer, item.local, item.lo, item.hi)
 
     routes = builder.routes()
     receiver_plans = _receiver_plans(context, generation, routes, receivers, overlapping)
