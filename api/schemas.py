@@ -254,6 +254,11 @@ class RouteSlice(_Response):
     owner: Owner
     roles: list[str]
     layout: Layout = Field(description="The receiver view's layout")
+    sender_layout: Layout | None = Field(
+        default=None,
+        description="The sender view's layout: differs from `layout` for an HND <-> NHD "
+        "conversion (null in plans cached before it was recorded)",
+    )
     layers: list[int]
     global_heads: list[int] | None = Field(
         description="`[start, stop)` of the model-wide heads; null for REPLICATED views"
@@ -274,8 +279,9 @@ class Route(_Response):
     receiver_rank: int
     bytes_per_block: int
     cp_modulus: int = Field(
-        description="With CP on one side, the route carries the logical blocks `j` with "
-        "`j % cp_modulus == cp_remainder` (1 without CP)"
+        description="With CP on one side, the route carries the logical blocks `j` (counted "
+        "from the start of the longer block list) with `j % cp_modulus == cp_remainder` "
+        "(1 without CP)"
     )
     cp_remainder: int
     cp_side: Role | None = Field(
