@@ -109,7 +109,7 @@ def check(
 ) -> None:
     """Validate a planned pairing offline (no server): exit 0 compatible, 1 not, 2 bad input."""
     from api.geometry import GeometryError
-    from api.offline import check_bodies
+    from api.offline import check_bodies, explain
 
     context_body = _load_json(context_file)
     generation_body = _load_json(generation_file)
@@ -138,12 +138,22 @@ def check(
         for kind in ("errors", "warnings"):
             for issue in result[kind]:
                 typer.echo(f"  {kind[:-1]:<7} {issue['code']:<28} {issue['message']}")
+                why = explain(issue["code"])
+                if why:
+                    typer.echo(f"  {'':<7} {'':<28} why: {why}")
         for plan in result["plans"]:
             typer.echo(
                 f"  plan dp=({plan['context_dp_rank']},{plan['generation_dp_rank']}): "
                 f"{plan['routes']} routes, {plan['runs']} runs, "
                 f"{plan['bytes_per_block']:,} bytes per block"
             )
+            for receiver in plan["receivers"]:
+                if len(receiver["writers"]) > 1:
+                    typer.echo(
+                        f"    generation rank {receiver['rank']} <- context ranks "
+                        f"{receiver['writers']}"
+                        + ("" if receiver["equal_split_safe"] else " (writers carry unequal bytes)")
+                    )
     raise typer.Exit(0 if result["compatible"] else 1)
 
 

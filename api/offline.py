@@ -21,6 +21,34 @@ from api.geometry import (
 )
 from api.schemas import InstanceCreate
 
+# What each finding means for the operator, printed under it by ``kvplane check``.
+EXPLANATIONS: dict[str, str] = {
+    "layout_conversion": "the two sides store this view's heads in different orders (HND: "
+    "head-major, NHD: token-major); kvplane converts while copying, one strided run per layer, "
+    "buffer and head (a fragment per head and token with the fragments transport; the staged "
+    "transport gathers them in one vectorized pass). Use one layout on both sides to avoid it.",
+    "nhd_head_slicing": "NHD stores all heads of a token together, so handing a subset of heads "
+    "to another rank cuts every token row: one fragment per token and sender slice. HND keeps "
+    "a head contiguous over the block and needs one fragment per buffer.",
+    "missing_peer_view": "the generation side has layers (owner and roles as named) that no "
+    "context view holds; draft layers are then simply not transferred, target layers make the "
+    "pairing unusable.",
+    "missing_peer_shard": "some context ranks of this pipeline stage hold the layer, but none "
+    "of the listed CP rank (or TP shard) does: those heads or blocks would never be sent. Every "
+    "TP and CP rank of a stage must register the same layers.",
+    "layer_count_mismatch": "the sides hold different target layers; only the layers both hold "
+    "move (e.g. an MTP layer present on one side only).",
+    "tokens_per_block_mismatch": "the sides page tokens differently; kvplane pairs blocks one to "
+    "one and needs equal tokens_per_block.",
+    "head_geometry_mismatch": "the bytes of one head of one token differ (or the replicated "
+    "region size): the two sides do not hold the same data per head.",
+}
+
+
+def explain(code: str) -> str | None:
+    """One or two sentences on what a finding means (None for self-explanatory codes)."""
+    return EXPLANATIONS.get(code)
+
 
 def parse_body(body: Any, name: str, side: str) -> Instance:
     """Strict schema, then the page-table rules; every problem's ``loc`` starts with ``side``."""

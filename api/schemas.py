@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from typing_extensions import TypeAliasType
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -254,6 +254,11 @@ class RouteSlice(_Response):
     owner: Owner
     roles: list[str]
     layout: Layout = Field(description="The receiver view's layout")
+    sender_layout: Layout | None = Field(
+        default=None,
+        description="The sender view's layout: differs from `layout` for an HND <-> NHD "
+        "conversion (null in plans cached before it was recorded)",
+    )
     layers: list[int]
     global_heads: list[int] | None = Field(
         description="`[start, stop)` of the model-wide heads; null for REPLICATED views"
@@ -274,8 +279,9 @@ class Route(_Response):
     receiver_rank: int
     bytes_per_block: int
     cp_modulus: int = Field(
-        description="With CP on one side, the route carries the logical blocks `j` with "
-        "`j % cp_modulus == cp_remainder` (1 without CP)"
+        description="With CP on one side, the route carries the logical blocks `j` (counted "
+        "from the start of the longer block list) with `j % cp_modulus == cp_remainder` "
+        "(1 without CP)"
     )
     cp_remainder: int
     cp_side: Role | None = Field(
@@ -373,11 +379,32 @@ BlockIds = Annotated[
 ]
 
 
+PerCpRankBlockIds = Annotated[list[BlockIds], Field(min_length=2, max_length=MAX_PARALLEL)]
+
+
 class BlockLists(_Request):
-    """One layer group's block ids on both sides (suffixes of the same logical range)."""
+    """One layer group's block ids on both sides (suffixes of the same logical range).
+
+    Helix (context cp = 1, generation cp = N): ``generation`` may instead be one list per
+    generation CP rank, in ``cp_rank`` order; logical block ``j`` is at position ``j // N`` of
+    CP rank ``j % N``'s list.
+    """
 
     context: BlockIds
-    generation: BlockIds
+    generation: BlockIds | PerCpRankBlockIds = Field(
+        description="Block ids of the generation side: one list, or (helix CP) one list per "
+        "generation CP rank in cp_rank order"
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> BlockLists:
+        if self.generation and isinstance(self.generation[0], list):
+            total = sum(len(ids) for ids in self.generation)  # type: ignore[arg-type]
+            if total > MAX_BLOCKS_PER_GROUP:
+                raise ValueError(
+                    f"{total} generation block ids in all; at most {MAX_BLOCKS_PER_GROUP}"
+                )
+        return self
 
 
 LAYER_GROUP_KEY_PATTERN = r"^(0|[1-9][0-9]{0,6})$"

@@ -4,7 +4,8 @@ Model: 80 target layers with 8 KV heads (head_dim 128, bf16, 32 tokens per block
 layer with 2 KV heads in the same pool. Scenarios: TP 8→2, TP 2→8, PP 4→1 and attention-DP 8→TP 2.
 For each: time to validate the pairing, time to compile the rank map and templates, template runs,
 and for 1,000 and 10,000 blocks the time of ``expand`` (align and check block lists, per-route
-counts) and of materializing every fragment as arrays, HND and NHD.
+counts) and of materializing every fragment as arrays, HND and NHD, and HND → NHD conversion
+(one strided run per layer, buffer and head).
 
 Run: ``.venv/bin/python bench/plan.py [--repeat N]``. Timings are medians of N runs.
 """
@@ -45,23 +46,29 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
     header = (
-        f"| {'scenario':<12} | {'layout':<6} | {'validate ms':>11} | {'compile ms':>10} | "
+        f"| {'scenario':<12} | {'layout':<7} | {'validate ms':>11} | {'compile ms':>10} | "
         f"{'routes':>6} | {'runs':>5} | {'blocks':>6} | {'expand ms':>9} | "
         f"{'fragments':>10} | {'materialize ms':>14} |"
     )
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    for layout in ("HND", "NHD"):
-        views = [
-            ViewSpec("target", 80, 8, 128, layout=layout),
-            ViewSpec("draft", 1, 2, 128, layout=layout),
-        ]
+    for layout in ("HND", "NHD", "HND>NHD"):
+        ctx_layout, _, gen_layout = layout.partition(">")
+
+        def views(kind: str) -> list[ViewSpec]:
+            return [
+                ViewSpec("target", 80, 8, 128, layout=kind),
+                ViewSpec("draft", 1, 2, 128, layout=kind),
+            ]
+
         for name, (ctx_par, gen_par, ctx_dp) in SCENARIOS.items():
+            ctx_views, gen_views = views(ctx_layout), views(gen_layout or ctx_layout)
             ctx = parse_instance(
-                instance_body(role="context", views=views, num_slots=20_000, **ctx_par), "ctx"
+                instance_body(role="context", views=ctx_views, num_slots=20_000, **ctx_par), "ctx"
             )
             gen = parse_instance(
-                instance_body(role="generation", views=views, num_slots=20_000, **gen_par), "gen"
+                instance_body(role="generation", views=gen_views, num_slots=20_000, **gen_par),
+                "gen",
             )
             validate_ms = median_ms(lambda c=ctx, g=gen: validate_pairing(c, g), args.repeat)
             compile_ms = median_ms(
@@ -80,7 +87,7 @@ def main() -> None:
 
                 materialize_ms = median_ms(materialize, max(3, args.repeat // 3))
                 print(
-                    f"| {name:<12} | {layout:<6} | {validate_ms:>11.2f} | {compile_ms:>10.2f} | "
+                    f"| {name:<12} | {layout:<7} | {validate_ms:>11.2f} | {compile_ms:>10.2f} | "
                     f"{len(plan.routes):>6} | {plan.runs:>5} | {blocks:>6} | {expand_ms:>9.3f} | "
                     f"{expansion.fragments:>10,} | {materialize_ms:>14.1f} |"
                 )

@@ -3,7 +3,8 @@
 Geometry (DESIGN.md "Transfer templates"): context TP4 → generation TP2, 80 layers, K+V,
 head_dim 128, bf16, 32 tokens per block, 256 blocks. Route sender rank 0 → receiver rank 0: the
 sender holds 2 heads, the receiver 4, the sender fills receiver heads [0, 2). HND: 160 runs of
-16 KiB per block; NHD: 160 runs × 32 tokens of 512 bytes.
+16 KiB per block; NHD: 160 runs × 32 tokens of 512 bytes; HND>NHD (conversion, ``--layouts
+HND>NHD``): 320 runs (one per layer, buffer and head) × 32 tokens of 256 bytes.
 
 Local rows compare an executor with a plain ``copy_`` of the same number of bytes between two
 touched contiguous buffers. NIXL rows run two processes (sender, receiver) and time from the
@@ -38,7 +39,9 @@ TIMEOUT_S = 300.0
 
 
 def head_slice(layout: str, layers: int) -> HeadSlice:
-    return HeadSlice(layout, layers, 32, 128, 2, 2, 4, 0, 0, 2)
+    """``HND``, ``NHD`` or a conversion ``HND>NHD`` / ``NHD>HND`` (sender > receiver layout)."""
+    sender, _, receiver = layout.partition(">")
+    return HeadSlice(sender, layers, 32, 128, 2, 2, 4, 0, 0, 2, receiver_layout=receiver or None)  # type: ignore[arg-type]
 
 
 def _sync(device: str) -> None:

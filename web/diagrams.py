@@ -41,7 +41,11 @@ def layer_text(layers: Sequence[int]) -> str:
 def slice_text(item: Mapping[str, Any]) -> str:
     """One slice as a line of text: view, layers and heads."""
     layers = layer_text(item["layers"])
-    view = f"{item['owner']}[{','.join(item['roles'])}] {item['layout']}"
+    layout = item["layout"]
+    sender_layout = item.get("sender_layout", layout)
+    if sender_layout != layout:
+        layout = f"{sender_layout}→{layout} (converted head by head)"
+    view = f"{item['owner']}[{','.join(item['roles'])}] {layout}"
     heads = item.get("global_heads")
     if heads is None:
         what = "whole region"
@@ -221,6 +225,15 @@ def head_slices(plan: Mapping[str, Any], generation: Instance, receiver: int) ->
                 _scale(own[1] - own[0], total),
                 y,
             )
+            converted = sorted(
+                {
+                    f"{item['sender_layout']}→{item['layout']}"
+                    for _, item in items
+                    if item.get("sender_layout", item["layout"]) != item["layout"]
+                }
+            )
+            if converted:
+                row.note = f"layout converted {', '.join(converted)}: one run per head and token"
             for sender, item in sorted(
                 items, key=lambda pair: (pair[1].get("global_heads") or [0])[0]
             ):

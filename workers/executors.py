@@ -252,29 +252,52 @@ def _normalize_blocks(route: Route, blocks: Blocks, what: str) -> dict[int, np.n
     return out
 
 
+def _logical_ids(side: Any, total: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(slot ids, logical block indices)`` of one side (see :func:`align_blocks`)."""
+    if len(side) and all(isinstance(x, (list, tuple, np.ndarray)) for x in side):
+        ids, logical = [], []
+        for c, rank_ids in enumerate(side):
+            arr = np.asarray(rank_ids, dtype=np.int64).reshape(-1)
+            on_rank = (total - c + cp - 1) // cp
+            ids.append(arr)
+            logical.append(c + cp * (on_rank - arr.size + np.arange(arr.size, dtype=np.int64)))
+        return np.concatenate(ids), np.concatenate(logical)
+    arr = np.asarray(side, dtype=np.int64).reshape(-1)
+    return arr, total - arr.size + np.arange(arr.size, dtype=np.int64)
+
+
+def _count(side: Any) -> int:
+    if len(side) and all(isinstance(x, (list, tuple, np.ndarray)) for x in side):
+        return sum(len(x) for x in side)
+    return len(side)
+
+
 def align_blocks(
     route: Route | Mapping[str, Any],
-    blocks: Mapping[int, tuple[Sequence[int], Sequence[int]]],
+    blocks: Mapping[int, tuple[Any, Any]],
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """Per layer group ``(context_ids, generation_ids)`` → the route's aligned block lists.
 
-    Same rule as the planning core: the last ``min(len_C, len_R)`` ids of each side are paired
-    (prefix caching on either side); with CP only the blocks at position ``j`` of the CP side's
-    own list with ``j % cp_modulus == cp_remainder``.
+    Same rule as the planning core (:func:`api.geometry.expand.align`): both lists are suffixes
+    of the request's logical blocks ``0 … N−1`` (``N`` the longer side), so element ``k`` of a
+    list of length ``L`` is logical block ``N − L + k``; the blocks present on both sides pair
+    up. With CP, logical block ``j`` lives on CP rank ``j % cp_modulus``; the CP side may give
+    one list per CP rank (rank ``c``'s own table, a suffix of its blocks ``j ≡ c``).
     """
     route = as_route(route)
     src: dict[int, np.ndarray] = {}
     dst: dict[int, np.ndarray] = {}
+    cp = route.cp_modulus
     for g in route.layer_groups:
         if g not in blocks:
             raise BlockRangeError(f"no block lists for layer group {g}")
-        a = np.asarray(blocks[g][0], dtype=np.int64).reshape(-1)
-        b = np.asarray(blocks[g][1], dtype=np.int64).reshape(-1)
-        n = min(a.size, b.size)
-        first = (a.size if route.cp_side == "context" else b.size) - n
-        a, b = a[a.size - n :], b[b.size - n :]
-        if route.cp_modulus > 1:
-            keep = (first + np.arange(n)) % route.cp_modulus == route.cp_remainder
+        total = max(_count(blocks[g][0]), _count(blocks[g][1]))
+        a, la = _logical_ids(blocks[g][0], total, cp if route.cp_side == "context" else 1)
+        b, lb = _logical_ids(blocks[g][1], total, cp if route.cp_side == "generation" else 1)
+        logical, ia, ib = np.intersect1d(la, lb, assume_unique=True, return_indices=True)
+        a, b = a[ia], b[ib]
+        if cp > 1:
+            keep = logical % cp == route.cp_remainder
             a, b = a[keep], b[keep]
         src[g], dst[g] = a, b
     return src, dst

@@ -37,6 +37,7 @@ class HeadSlice:
     dst_head: int  # first receiver-local head written
     heads: int  # heads copied
     buffers_per_layer: int = 2
+    receiver_layout: Literal["HND", "NHD", None] = None  # None: same as ``layout``
 
     def slot_bytes(self, heads: int) -> int:
         return self.layers * self.buffers_per_layer * self.buffer_bytes(heads)
@@ -53,12 +54,34 @@ class HeadSlice:
         return PoolSpec(pool_id, b, b + pad, num_slots)
 
     def route(self, src_pool: int = 0, dst_pool: int = 0, layer_group: int = 0) -> Route:
-        """The template: one run per (layer, buffer); NHD runs repeat per token."""
+        """The template: one run per (layer, buffer); NHD runs repeat per token; a layout
+        conversion has one run per (layer, buffer, head) repeating per token."""
         hb = self.head_dim * self.elem_bytes
         sbuf, dbuf = self.buffer_bytes(self.sender_heads), self.buffer_bytes(self.receiver_heads)
+        tb = self.tokens_per_block * hb
         runs = []
         for i in range(self.layers * self.buffers_per_layer):
-            if self.layout == "HND":
+            if self.receiver_layout not in (None, self.layout):
+                # HND head h: h·tb, token step hb; NHD head h: h·hb, token step heads·hb
+                for h in range(self.heads):
+                    src_h, dst_h = self.src_head + h, self.dst_head + h
+                    if self.layout == "HND":
+                        src, src_step = src_h * tb, hb
+                        dst, dst_step = dst_h * hb, self.receiver_heads * hb
+                    else:
+                        src, src_step = src_h * hb, self.sender_heads * hb
+                        dst, dst_step = dst_h * tb, hb
+                    runs.append(
+                        Run(
+                            i * sbuf + src,
+                            i * dbuf + dst,
+                            hb,
+                            count=self.tokens_per_block,
+                            src_step=src_step,
+                            dst_step=dst_step,
+                        )
+                    )
+            elif self.layout == "HND":
                 tb = self.tokens_per_block * hb
                 runs.append(
                     Run(

@@ -1,8 +1,19 @@
 """Expansion of a plan's templates for one request's block lists.
 
-Block alignment: the two lists of a layer group are suffixes of the same logical range (prefix
-caching may drop a prefix on either side), so the last ``n = min(len_C, len_R)`` blocks of each are
-paired. For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` the
+Block alignment: the two lists of a layer group are suffixes of the request's logical blocks
+``0 … N−1`` (prefix caching may drop a prefix on either side; ``N`` is the longer list), so the
+last ``n = min(len_C, len_R)`` blocks of each are paired. Element ``k`` of a list of length ``L``
+is logical block ``j = N − L + k``.
+
+Context parallelism (one side only): logical block ``j`` lives on CP rank ``j mod cp``, always by
+the logical index, also when either side reused a prefix. The CP side's blocks come either as one
+flat list (element ``k`` names a slot of CP rank ``j mod cp``) or, for helix generation, as one
+list per CP rank in ``cp_rank`` order: rank ``c``'s own block table, where logical block ``j``
+sits at position ``j // cp``; each such list is a suffix of the ``⌈(N − c) / cp⌉`` blocks of that
+rank. The blocks moved are those present on both sides. Within one rank's blocks a slot id may
+appear once (``invalid_blocks`` otherwise); every layer group the plan moves must be named.
+
+For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` the
 fragments are, for ``c in [0, count)``::
 
     src = bs × stride_s + run.src + c × run.src_step      (offsets relative to the pool base)
@@ -197,40 +208,161 @@ def _block_array(ids: Sequence[int], loc: tuple[str | int, ...]) -> np.ndarray:
     return array
 
 
+def _no_duplicates(ids: np.ndarray, loc: tuple[str | int, ...]) -> None:
+    if ids.size < 2:
+        return
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size:
+        raise GeometryError(
+            Problem(
+                loc,
+                f"block id {int(repeated[0])} appears more than once: one slot cannot hold two "
+                "blocks of a request",
+                "invalid_blocks",
+            )
+        )
+
+
+def _is_nested(ids: Sequence[Any]) -> bool:
+    return bool(len(ids)) and all(isinstance(item, (list, tuple)) for item in ids)
+
+
+def _parse_side(
+    raw: Sequence[Any], loc: tuple[str | int, ...], cp: int
+) -> tuple[list[np.ndarray], bool]:
+    """``([ids])`` for a flat list, ``([ids of cp rank 0], …)`` for per-CP-rank lists."""
+    if not _is_nested(raw):
+        return [_block_array(raw, loc)], False
+    if cp < 2:
+        raise GeometryError(
+            Problem(
+                loc,
+                "a list of lists (one block table per CP rank) needs CP > 1 on this side",
+                "invalid_blocks",
+            )
+        )
+    if len(raw) != cp:
+        raise GeometryError(
+            Problem(
+                loc,
+                f"{len(raw)} block lists for {cp} CP ranks: give one list per CP rank, in "
+                "cp_rank order",
+                "invalid_blocks",
+            )
+        )
+    return [_block_array(ids, (*loc, c)) for c, ids in enumerate(raw)], True
+
+
+def _logical(
+    lists: list[np.ndarray], nested: bool, total: int, cp: int, loc: tuple[str | int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(slots, logical indices)``; duplicates are refused within each rank's blocks."""
+    if not nested:
+        (ids,) = lists
+        logical = total - ids.size + np.arange(ids.size, dtype=np.int64)
+        for c in range(cp):  # under CP, a flat list names slots of different ranks
+            _no_duplicates(ids[logical % cp == c] if cp > 1 else ids, loc)
+        return ids, logical
+    slots, logical_parts = [], []
+    for c, ids in enumerate(lists):
+        _no_duplicates(ids, (*loc, c))
+        on_rank = (total - c + cp - 1) // cp  # logical blocks j < total with j % cp == c
+        if ids.size > on_rank:
+            raise GeometryError(
+                Problem(
+                    (*loc, c),
+                    f"CP rank {c} lists {ids.size} blocks, but a request of {total} blocks has "
+                    f"only {on_rank} on that rank",
+                    "invalid_blocks",
+                )
+            )
+        slots.append(ids)
+        logical_parts.append(c + cp * (on_rank - ids.size + np.arange(ids.size, dtype=np.int64)))
+    return np.concatenate(slots), np.concatenate(logical_parts)
+
+
+def align(
+    context_ids: Sequence[Any],
+    generation_ids: Sequence[Any],
+    group: int,
+    context_cp: int = 1,
+    generation_cp: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(context slots, generation slots, logical block)`` of the blocks present on both sides.
+
+    Each side's list is a suffix of the request's logical blocks ``0 … N−1``, ``N`` the longer
+    side's count; a per-CP-rank list is a suffix of that rank's blocks ``j ≡ c (mod cp)``.
+    """
+    loc: tuple[str | int, ...] = ("blocks", str(group))
+    ctx_lists, ctx_nested = _parse_side(context_ids, (*loc, "context"), context_cp)
+    gen_lists, gen_nested = _parse_side(generation_ids, (*loc, "generation"), generation_cp)
+    total = max(sum(ids.size for ids in ctx_lists), sum(ids.size for ids in gen_lists))
+    if not ctx_nested and not gen_nested:  # both flat: the common suffix, no set algebra
+        (src,), (dst,) = ctx_lists, gen_lists
+        _logical(ctx_lists, False, total, context_cp, (*loc, "context"))
+        _logical(gen_lists, False, total, generation_cp, (*loc, "generation"))
+        n = min(src.size, dst.size)
+        return src[src.size - n :], dst[dst.size - n :], np.arange(total - n, total)
+    src, src_logical = _logical(ctx_lists, ctx_nested, total, context_cp, (*loc, "context"))
+    dst, dst_logical = _logical(gen_lists, gen_nested, total, generation_cp, (*loc, "generation"))
+    logical, src_at, dst_at = np.intersect1d(
+        src_logical, dst_logical, assume_unique=True, return_indices=True
+    )
+    return src[src_at], dst[dst_at], logical
+
+
+def _cp_sizes(plan: Plan) -> tuple[int, int]:
+    for route in plan.routes:
+        if route.cp_modulus > 1:
+            if route.cp_side == "context":
+                return route.cp_modulus, 1
+            return 1, route.cp_modulus
+    return 1, 1
+
+
 def expand(plan: Plan, blocks: BlockLists) -> Expansion:
-    """Apply ``plan`` to per-layer-group ``(context_ids, generation_ids)`` block lists."""
+    """Apply ``plan`` to per-layer-group ``(context_ids, generation_ids)`` block lists.
+
+    Every layer group the plan moves must be named (``[]`` on either side: nothing to move).
+    """
     known = {ref.layer_group for ref in plan.pools.values()}
     unknown = sorted(set(blocks) - known)
     if unknown:
         raise GeometryError(
             Problem(
                 ("blocks", str(unknown[0])),
-                f"layer group {unknown[0]} has no pool on either side (groups: "
-                f"{sorted(known)})",
+                f"layer group {unknown[0]} has no pool on either side (groups: {sorted(known)})",
                 "invalid_blocks",
             )
         )
-    aligned: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    skipped: dict[int, tuple[int, int]] = {}  # blocks cut from the front of each list
-    for group, (context_ids, generation_ids) in blocks.items():
-        src = _block_array(context_ids, ("blocks", str(group), "context"))
-        dst = _block_array(generation_ids, ("blocks", str(group), "generation"))
-        n = min(src.size, dst.size)
-        aligned[group] = (src[src.size - n :], dst[dst.size - n :])
-        skipped[group] = (src.size - n, dst.size - n)
+    moved = sorted({s.layer_group for r in plan.routes for s in r.segments} - set(blocks))
+    if moved:
+        raise GeometryError(
+            [
+                Problem(
+                    ("blocks", str(group)),
+                    f"the plan moves layer group {group} but the request has no block lists "
+                    "for it: name it (empty lists if it has nothing to move)",
+                    "invalid_blocks",
+                )
+                for group in moved
+            ]
+        )
+    context_cp, generation_cp = _cp_sizes(plan)
+    aligned = {
+        group: align(context_ids, generation_ids, group, context_cp, generation_cp)
+        for group, (context_ids, generation_ids) in blocks.items()
+    }
 
     expanded = []
     for route in plan.routes:
         parts = []
         for segment in route.segments:
-            if segment.layer_group not in aligned:
-                continue
-            src_blocks, dst_blocks = aligned[segment.layer_group]
+            src_blocks, dst_blocks, logical = aligned[segment.layer_group]
             if route.cp_modulus > 1:
-                # Block j of the CP side's own list lives on cp_rank j % cp.
-                first = skipped[segment.layer_group][0 if route.cp_side == "context" else 1]
-                positions = first + np.arange(src_blocks.size)
-                keep = positions % route.cp_modulus == route.cp_remainder
+                # Logical block j lives on cp_rank j % cp of the CP side.
+                keep = logical % route.cp_modulus == route.cp_remainder
                 src_blocks, dst_blocks = src_blocks[keep], dst_blocks[keep]
             src_ref = plan.pools[("context", route.sender_rank, segment.src_pool)]
             dst_ref = plan.pools[("generation", route.receiver_rank, segment.dst_pool)]

@@ -3,8 +3,9 @@
 Notation (per view, per rank):
 
 - ``G`` — attention TP group size (``tp``, or 1 under attention-DP); ``g`` — the rank's index in it.
-- ``H`` — the view's total KV heads: the view's ``total_kv_heads``, else the instance's, else
-  ``h_declared × G`` ("no duplication").
+- ``H`` — the view's total KV heads: the view's ``total_kv_heads``; else, for a **target** view,
+  the instance's; else ``h_declared × G`` ("no duplication"). A **draft** view never takes the
+  instance's total: it describes the target model.
 - ``shards = min(G, H)`` with ``G % shards == 0`` and ``H % shards == 0``;
   ``replicas = G / shards`` (ranks holding identical heads: duplication when ``G > H``);
   ``shard = g // replicas``, ``replica = g % replicas``, heads held ``h = H / shards``,
@@ -96,7 +97,9 @@ def view_geometry(instance: Instance, table: RankTable, view: View) -> ViewGeome
             0,
         )
     declared, source = declared_heads(instance, table, view)
-    total = view.total_kv_heads or instance.total_kv_heads
+    total = view.total_kv_heads
+    if total is None and view.owner == "target":
+        total = instance.total_kv_heads
     if total is None:
         if declared is None:
             raise GeometryError(

@@ -9,6 +9,8 @@ A view is one class of buffers (owner, roles, layout, head geometry) with rows
 Page-table rules enforced here (each violation names its field):
 
 - every buffer lies inside ``[0, slot_bytes)`` of its pool, and no two buffers of one pool overlap;
+- ``base_address + num_slots × slot_stride_bytes ≤ 2^63 − 1``: every byte offset is an int64
+  (``invalid_geometry``);
 - within a view every layer has the same number of buffers and every buffer the same ``size``;
 - one rank never holds the same ``(owner, roles, layer)`` in two views;
 - the view's head geometry (see :mod:`api.geometry.heads`) is consistent with the TP group and
@@ -30,6 +32,7 @@ OWNERS = ("target", "draft")
 LAYOUTS = ("HND", "NHD", "REPLICATED")
 ROLES = ("context", "generation")
 MAX_PARALLEL = 1024
+MAX_ADDRESS = (1 << 63) - 1  # last byte of a pool must be an int64 offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +349,16 @@ def _parse_pools(sink: ProblemSink, raw: Any, loc: Loc) -> dict[int, Pool]:
             continue
         if pool_id in pools:
             sink.add((*here, "id"), f"pool id {pool_id} appears twice")
+            continue
+        end = (base or 0) + slots * stride
+        if end > MAX_ADDRESS:
+            # expand() computes base + block × stride in int64: refuse what could wrap.
+            sink.add(
+                (*here, "num_slots"),
+                f"base_address + num_slots × slot_stride_bytes = {end} exceeds 2^63 - 1 "
+                "(byte offsets are int64)",
+                "invalid_geometry",
+            )
             continue
         pools[pool_id] = Pool(pool_id, group, slot_bytes, stride, slots, base or 0)
     return pools

@@ -4,35 +4,45 @@
 rank is its own attention group (``dp_rank = tp_rank``): only the ranks with
 ``tp_rank == context_dp_rank`` send, only those with ``tp_rank == generation_dp_rank`` receive.
 
-**Head ranges.** A receiver view on rank ``r`` needs the global heads ``[a, b)`` (see
-:mod:`api.geometry.heads`). With sender heads per rank ``h_s``, the sender shards ``i`` with
-``i × h_s < b`` and ``(i + 1) × h_s > a`` cover it: several shards when the sender is finer (each
-fills a sub-range of the receiver), one shard when it is coarser (a sub-range of it is sent).
+**Head ranges (any ratio).** A receiver view on rank ``r`` needs the global heads ``[a, b)`` (see
+:mod:`api.geometry.heads`); a sender shard holds ``[s, t)``. Every sender shard with
+``s < b`` and ``t > a`` fills ``[max(a, s), min(b, t))``: several shards when the sender is finer,
+a sub-range of one when it is coarser, and both when neither shard count divides the other
+(TP 3 → TP 2 with 12 heads: receiver 0 takes ``[0, 4)`` from sender 0 and ``[4, 6)`` from
+sender 1). Only the bytes of one head of one token must agree (:mod:`api.geometry.validate`).
+Validation requires, per sender stage and CP rank, a holder for every needed head
+(``missing_peer_shard``), so the compile never meets a range without a holder.
 
-**Election.** A sender shard may be held by several replicas (``G > H``). For every
-``(stage, cp_rank, owner, roles, shard)`` the receivers that need it are served in rank order, each
-by the holder that has been given the fewest bytes of that shard so far (ties: round-robin, the
-``k``-th request starts looking at holder ``k mod n``). Hence every receiver byte is written exactly
-once, by a rank that holds exactly that data; with equal requests no holder sends more than
-``ceil(total / n)`` of a shard's bytes (balanced, also across receiver pipeline stages that split a
-shard into several layer sets); and the result depends only on the inputs.
+**Election.** A sender shard may be held by several replicas (``G > H``). For every shard key
+``(stage, cp_rank, owner, roles, shard, replicas, layer group, receiver cp_rank)`` the
+``(receiver slice, layer)`` units that need it, in receiver rank order, are cut into one
+contiguous chunk per replica: a unit that starts ``s`` bytes into the key's ``total`` goes to chunk
+``⌊s × n / total⌋``, and chunk ``k`` is served by replica ``(k + turn) mod n`` with
+``turn = generation_dp_rank + (keys of the same shard seen before)``. Hence every receiver byte is
+written exactly once, by a rank that holds exactly that data; a replica's share exceeds
+``⌈total / n⌉`` by less than one unit (one layer of one slice: layers are never split); DP ranks
+and layer groups start at different replicas; and the result depends only on the inputs.
 
 **Templates.** Per route (sender rank → receiver rank) and pool pair, strided runs ``{src, dst,
 len, count, src_step, dst_step}`` (offsets inside one slot). HND head slices are one run per
 (layer, buffer); NHD slices one run with ``count = tokens_per_block``; full-width and REPLICATED
-copies whole regions; runs contiguous on both sides are merged. Template size depends on the layer
-count, never on the number of blocks or tokens.
+copies whole regions; runs contiguous on both sides are merged. HND ↔ NHD conversion: one run per
+(layer, buffer, head) with ``len = u`` (bytes of one head of one token), ``count =
+tokens_per_block``; head ``i`` starts at ``i × T × u`` on the HND side (token step ``u``) and at
+``i × u`` on the NHD side (token step ``token_bytes``). Template size depends on the layer and
+head count, never on the number of blocks or tokens.
 
 **Staging.** A receiver with several writers gets each writer's exact staging offset (prefix sum of
 the writers' bytes in sender-rank order). ``equal_split_safe`` says whether the legacy equal-split
 staging would have been right: only when every overlapping sender rank writes, all write the same
-bytes, and neither CP nor a pipelined sender is involved. kvplane itself never equal-splits.
+bytes per block in every layer group (block counts differ per group), and neither CP nor a
+pipelined sender is involved. kvplane itself never equal-splits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -45,12 +55,15 @@ from api.geometry.model import Instance, View
 from api.geometry.validate import (
     Findings,
     Report,
+    check_coverage,
     check_draft_layers,
     check_instances,
     check_layer_counts,
     check_match,
     geometry_of,
+    needed_range,
     report_unmatched,
+    sender_ranges,
 )
 
 RUN_FIELDS = ("src", "dst", "len", "count", "src_step", "dst_step")
@@ -127,7 +140,8 @@ def _match_all(
             found, unmatched = index.match_view(rank, view)
             report_unmatched(unmatched, findings)
             for match in found:
-                check_match(context, generation, match, findings, cache)
+                if check_match(context, generation, match, findings, cache):
+                    check_coverage(context, generation, match, findings, cache)
             matches.extend(found)
     return matches
 
@@ -167,8 +181,8 @@ class Route:
     """Everything sender rank ``sender_rank`` writes into receiver rank ``receiver_rank``.
 
     With CP on one side (``cp_side``), the route carries only the logical blocks ``j`` with
-    ``j % cp_modulus == cp_remainder``: block ``j`` of the CP side's list (its whole sequence,
-    position ``j``) lives on ``cp_rank = j % cp``.
+    ``j % cp_modulus == cp_remainder``: logical block ``j`` of the request (counted from the
+    start of the longer list, see :mod:`api.geometry.expand`) lives on ``cp_rank = j % cp``.
     """
 
     sender_rank: int
@@ -368,35 +382,46 @@ def compile_plan(
         _raise_incompatible(report)
 
     builder = _RouteBuilder(context, generation, cache)
-    counters: dict[tuple[Any, ...], int] = {}
-    loads: dict[tuple[Any, ...], dict[int, int]] = {}
     overlapping: dict[int, set[int]] = {rank: set() for rank in receivers}
-    # Receivers in rank order: the election's tie-break depends on it.
+    # Phase 1: every (receiver slice, sender shard) in receiver rank order, keyed by the shard.
+    work: dict[tuple[Any, ...], list[_Work]] = {}
     for match in sorted(matches, key=lambda m: (m.receiver_rank, m.receiver_view.index)):
         receiver = match.receiver_view
-        local = geometry_of(generation, match.receiver_rank, receiver, cache)
-        by_cp: dict[int, list[tuple[int, View, ViewGeometry]]] = {}
-        for holder in match.holders:
-            peer = geometry_of(context, holder.rank, holder.view, cache)
-            by_cp.setdefault(context.coords(holder.rank)[2], []).append(
-                (holder.rank, holder.view, peer)
-            )
-        for cp_rank, holders in sorted(by_cp.items()):
-            for lo, hi, shard in _covering_shards(local, holders[0][2]):
-                replicas = [h for h in holders if h[2].shard == shard]
+        local = geometry_of("generation", generation, match.receiver_rank, receiver, cache)
+        start, stop = needed_range(local)
+        layer_group = generation.table(match.receiver_rank).pools[receiver.pool].layer_group
+        receiver_cp = generation.coords(match.receiver_rank)[2]
+        for cp_rank, ranges in sender_ranges(context, match, cache).items():
+            for a, b, replicas in ranges:
+                lo, hi = max(start, a), min(stop, b)
+                if lo >= hi:
+                    continue
                 overlapping[match.receiver_rank].update(rank for rank, _, _ in replicas)
-                key = (match.stage, cp_rank, receiver.owner, receiver.roles_key, shard)
-                turn = counters.get(key, 0)
-                counters[key] = turn + 1
-                load = loads.setdefault(key, {})
-                count = len(replicas)
-                choice = min(
-                    range(count), key=lambda i: (load.get(replicas[i][0], 0), (i - turn) % count)
+                key = (
+                    match.stage,
+                    cp_rank,
+                    receiver.owner,
+                    receiver.roles_key,
+                    a,
+                    tuple(rank for rank, _, _ in replicas),
+                    layer_group,
+                    receiver_cp,
                 )
-                rank, view, peer = replicas[choice]
-                load[rank] = load.get(rank, 0) + _slice_bytes(match, local, lo, hi,
-                                                              context.tokens_per_block)
-                builder.add(match, rank, view, peer, local, lo, hi)
+                per_layer = _slice_bytes(match, local, lo, hi, context.tokens_per_block)
+                work.setdefault(key, []).append(_Work(match, local, lo, hi, replicas, per_layer))
+    # Phase 2: each shard's layers, in order, cut into one contiguous chunk per replica.
+    rotation: dict[tuple[Any, ...], int] = {}
+    first_turn = generation_dp_rank or 0
+    for key, items in work.items():
+        base = key[:6]  # the same shard in another layer group starts at the next replica
+        turn = first_turn + rotation.get(base, 0)
+        rotation[base] = rotation.get(base, 0) + 1
+        for item, layers, choice in _elect(items, turn):
+            rank, view, peer = item.replicas[choice]
+            match = item.match
+            if layers != match.layers:
+                match = replace(match, layers=layers)
+            builder.add(match, rank, view, peer, item.local, item.lo, item.hi)
 
     routes = builder.routes()
     receiver_plans = _receiver_plans(context, generation, routes, receivers, overlapping)
@@ -414,12 +439,55 @@ def compile_plan(
     )
 
 
+@dataclass(frozen=True)
+class _Work:
+    """One receiver slice ``[lo, hi)`` of one sender shard, and the shard's replicas."""
+
+    match: Match
+    local: ViewGeometry
+    lo: int
+    hi: int
+    replicas: list[tuple[int, View, ViewGeometry]]
+    per_layer: int  # bytes per block of one layer of this slice
+
+
+def _elect(items: Sequence[_Work], turn: int) -> list[tuple[_Work, tuple[int, ...], int]]:
+    """Cut a shard's ``(slice, layer)`` units, in order, into one contiguous chunk per replica.
+
+    Unit ``u`` starting ``s_u`` bytes into the shard's ``total`` goes to chunk
+    ``⌊s_u × n / total⌋``; chunk ``k`` is served by replica ``(k + turn) mod n``.
+    With equal units every replica gets ``⌊m / n⌋`` or ``⌈m / n⌉`` of the ``m`` units, so no
+    replica exceeds ``⌈total / n⌉`` by a unit or more; contiguous chunks keep runs mergeable.
+    """
+    n = len(items[0].replicas)
+    if n == 1:  # no replicas: nothing to balance
+        return [(item, item.match.layers, 0) for item in items]
+    total = sum(item.per_layer * len(item.match.layers) for item in items)
+    out: list[tuple[_Work, tuple[int, ...], int]] = []
+    before = 0
+    for item in items:
+        current: list[int] = []
+        current_choice = -1
+        for layer in item.match.layers:
+            chunk = before * n // total if total else 0
+            choice = (chunk + turn) % n
+            if choice != current_choice and current:
+                out.append((item, tuple(current), current_choice))
+                current = []
+            current.append(layer)
+            current_choice = choice
+            before += item.per_layer
+        if current:
+            out.append((item, tuple(current), current_choice))
+    return out
+
+
 def _slice_bytes(match: Match, local: ViewGeometry, lo: int, hi: int, tokens: int) -> int:
-    """Bytes per block one elected sender writes for this slice (the election's load unit)."""
+    """Bytes per block of one layer of a slice (the election's unit)."""
     per_buffer = local.unit_bytes
     if local.layout != "REPLICATED":
         per_buffer *= (hi - lo) * (tokens if local.layout == "NHD" else 1)
-    return len(match.layers) * match.receiver_view.buffers_per_layer * per_buffer
+    return match.receiver_view.buffers_per_layer * per_buffer
 
 
 def _raise_incompatible(report: Report) -> None:
@@ -429,18 +497,6 @@ def _raise_incompatible(report: Report) -> None:
             for issue in report.errors
         ]
     )
-
-
-def _covering_shards(local: ViewGeometry, peer: ViewGeometry) -> list[tuple[int, int, int]]:
-    """Global head sub-ranges ``[lo, hi)`` of the receiver and the sender shard holding each."""
-    if local.layout == "REPLICATED":
-        return [(0, 1, 0)]
-    start, stop = local.head_range
-    first, last = start // peer.heads, (stop - 1) // peer.heads
-    return [
-        (max(start, shard * peer.heads), min(stop, (shard + 1) * peer.heads), shard)
-        for shard in range(first, last + 1)
-    ]
 
 
 class _RouteBuilder:
@@ -488,7 +544,10 @@ class _RouteBuilder:
             dst_head = lo - local.shard * local.heads
             unit = local.unit_bytes
             full = heads == peer.heads == local.heads
-            if receiver.layout == "HND" or full:
+            tokens = self.context.tokens_per_block
+            if sender.layout != receiver.layout:
+                runs = _conversion_runs(src, dst, src_head, dst_head, heads, peer, local, tokens)
+            elif receiver.layout == "HND" or full:
                 length = size if full else heads * unit
                 runs = _stack(src + src_head * unit, dst + dst_head * unit, length, 1, 0, 0)
             else:
@@ -496,13 +555,13 @@ class _RouteBuilder:
                     src + src_head * unit,
                     dst + dst_head * unit,
                     heads * unit,
-                    self.context.tokens_per_block,
+                    tokens,
                     peer.token_bytes,
                     local.token_bytes,
                 )
             sender_heads = [src_head, src_head + heads]
             receiver_heads = [dst_head, dst_head + heads]
-        assert runs.shape[0] == n_runs
+        assert runs.shape[0] % n_runs == 0
         sender_pool = self.context.table(sender_rank).pools[sender.pool]
         route_key = (sender_rank, match.receiver_rank)
         pool_key = (sender.pool, receiver.pool, sender_pool.layer_group)
@@ -514,6 +573,7 @@ class _RouteBuilder:
                 "owner": receiver.owner,
                 "roles": list(receiver.roles_key),
                 "layout": receiver.layout,
+                "sender_layout": sender.layout,
                 "layers": list(match.layers),
                 "global_heads": None if sender_heads is None else [lo, hi],
                 "sender_local_heads": sender_heads,
@@ -549,6 +609,38 @@ class _RouteBuilder:
         if self.generation.cp > 1:
             return self.generation.cp, self.generation.coords(receiver_rank)[2], "generation"
         return 1, 0, None
+
+
+def _conversion_runs(
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_head: int,
+    dst_head: int,
+    heads: int,
+    peer: ViewGeometry,
+    local: ViewGeometry,
+    tokens: int,
+) -> np.ndarray:
+    """HND ↔ NHD: one run per (layer, buffer, head) with ``count = tokens_per_block``.
+
+    With ``u`` the bytes of one head of one token, head ``i`` of a buffer starts at ``i × T × u``
+    (HND, ``T`` tokens) or ``i × u`` (NHD); token ``t`` adds ``t × u`` (HND) or ``t × token_bytes``
+    (NHD). Rows are (layer, buffer)-major, then head.
+    """
+    head_token = (peer if peer.layout == "NHD" else local).unit_bytes  # equal on both sides
+    offsets = np.arange(heads, dtype=np.int64)
+
+    def side(base: np.ndarray, first: int, geometry: ViewGeometry) -> tuple[np.ndarray, int]:
+        if geometry.layout == "HND":
+            per_head, step = geometry.unit_bytes, head_token
+        else:
+            per_head, step = head_token, geometry.token_bytes
+        starts = base[:, None] + (first + offsets)[None, :] * per_head
+        return starts.ravel(), step
+
+    src_starts, src_step = side(src, src_head, peer)
+    dst_starts, dst_step = side(dst, dst_head, local)
+    return _stack(src_starts, dst_starts, head_token, tokens, src_step, dst_step)
 
 
 def _stack(
@@ -606,10 +698,13 @@ def _receiver_plans(
             if sizes
             else ()
         )
+        # Block counts differ per layer group (full attention vs sliding window), so writers
+        # carry equal bytes per request only if they carry equal bytes per block in every group.
+        per_group = [_bytes_per_group(route) for route in mine]
         safe = (
             bool(writers)
             and set(writers) == overlapping[rank]
-            and len(set(sizes)) == 1
+            and all(groups == per_group[0] for groups in per_group)
             and context.cp == 1
             and generation.cp == 1
             and (context.pp == 1 or len(writers) == 1)
@@ -618,6 +713,13 @@ def _receiver_plans(
             ReceiverPlan(rank, writers, tuple(sorted(overlapping[rank])), offsets, sizes, safe)
         )
     return tuple(plans)
+
+
+def _bytes_per_group(route: Route) -> dict[int, int]:
+    groups: dict[int, int] = {}
+    for segment in route.segments:
+        groups[segment.layer_group] = groups.get(segment.layer_group, 0) + segment.bytes_per_block
+    return groups
 
 
 def _pool_refs(

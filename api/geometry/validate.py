@@ -17,24 +17,28 @@ code                           meaning
                                (a warning for draft layers: they are then not transferred)
 ``misplaced_peer_view``        only a view of the *other* owner (target vs draft) holds the layer
 ``ambiguous_peer_view``        two sender pipeline stages hold the layer
-``layout_mismatch``            HND vs NHD vs REPLICATED
+``layout_mismatch``            REPLICATED against HND or NHD (HND ↔ NHD converts)
 ``dtype_mismatch``             element types differ
 ``head_dim_mismatch``          ``head_dim`` differs (when both give it)
 ``buffers_per_layer_mismatch`` K/V vs K-only buffer rows
 ``head_count_mismatch``        the matched views have different total KV heads ``H``
-``head_geometry_mismatch``     shard counts not divisible, or bytes per head / per token-head /
-                               replicated region differ
+``head_geometry_mismatch``     bytes of one head of one token (or the replicated region) differ;
+                               shard counts need not divide each other (ranges are intersected)
+``missing_peer_shard``         the layer is held by some ranks of a sender stage, but no rank of
+                               one CP rank (or none at all) holds the heads a receiver needs
 ``layer_group_mismatch``       matched views live in pools of different layer groups
 ``draft_layer_count_mismatch`` both sides have draft layers, but not the same number
 =============================  =====================================================================
 
-Warnings: ``missing_peer_view`` (draft), ``layer_count_mismatch``, ``nhd_head_slicing``.
+Warnings: ``missing_peer_view`` (draft), ``layer_count_mismatch``, ``nhd_head_slicing``,
+``layout_conversion`` (HND ↔ NHD, converted head by head).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from api.geometry.heads import ViewGeometry, view_geometry
@@ -92,6 +96,7 @@ class Findings:
     def __init__(self) -> None:
         self._errors: dict[tuple[Any, ...], _Finding] = {}
         self._warnings: dict[tuple[Any, ...], _Finding] = {}
+        self._error_adds = 0
 
     def add(
         self,
@@ -105,6 +110,7 @@ class Findings:
         **detail: Any,
     ) -> None:
         bucket = self._warnings if warning else self._errors
+        self._error_adds += not warning
         key = (code, message, tuple(sorted(detail.items(), key=lambda item: item[0])).__repr__())
         finding = bucket.get(key)
         if finding is None:
@@ -116,6 +122,11 @@ class Findings:
     @property
     def has_errors(self) -> bool:
         return bool(self._errors)
+
+    @property
+    def error_count(self) -> int:
+        """Errors added so far (merged or not): a check compares it before and after."""
+        return self._error_adds
 
     def report(self) -> Report:
         return Report(_issues(self._errors.values()), _issues(self._warnings.values()))
@@ -170,12 +181,19 @@ def check_instances(context: Instance, generation: Instance, findings: Findings)
         findings.add(
             "tokens_per_block_mismatch",
             f"context pages {context.tokens_per_block} tokens per block, generation "
-            f"{generation.tokens_per_block}",
+            f"{generation.tokens_per_block}"
+            + (
+                "; block-size ratios are not supported yet (pairing blocks by tokens needs "
+                "each request's first token, which block lists alone do not give)"
+                if max(context.tokens_per_block, generation.tokens_per_block)
+                % min(context.tokens_per_block, generation.tokens_per_block)
+                == 0
+                else ""
+            ),
             field="tokens_per_block",
             local=generation.tokens_per_block,
             peer=context.tokens_per_block,
         )
-        runnable = False
     if context.model and generation.model and context.model != generation.model:
         findings.add(
             "model_mismatch",
@@ -193,7 +211,6 @@ def check_instances(context: Instance, generation: Instance, findings: Findings)
             local=generation.cp,
             peer=context.cp,
         )
-        runnable = False
     return runnable
 
 
@@ -299,9 +316,11 @@ def report_unmatched(unmatched: Sequence[Unmatched], findings: Findings) -> None
 
 
 def geometry_of(
-    instance: Instance, rank: int, view: View, cache: dict[Any, ViewGeometry]
+    side: str, instance: Instance, rank: int, view: View, cache: dict[Any, ViewGeometry]
 ) -> ViewGeometry:
-    key = (instance.name, rank, view.index)
+    """A view's geometry, memoized per ``(side, rank, view)``: never by instance name, which
+    both sides may share (two bodies of one model checked against each other)."""
+    key = (side, rank, view.index)
     geometry = cache.get(key)
     if geometry is None:
         geometry = cache[key] = view_geometry(instance, instance.table(rank), view)
@@ -336,21 +355,35 @@ def _mismatch(
     )
 
 
+def head_token_bytes(geometry: ViewGeometry, tokens_per_block: int) -> Fraction:
+    """Bytes of one head of one token: ``bytes_per_head / tokens_per_block`` (HND) or the NHD
+    unit; a fraction for sub-byte types (FP4 with a tiny head_dim)."""
+    if geometry.layout == "HND":
+        return Fraction(geometry.unit_bytes, tokens_per_block)
+    return Fraction(geometry.unit_bytes)
+
+
 def check_match(
     context: Instance,
     generation: Instance,
     match: Match,
     findings: Findings,
     cache: dict[Any, ViewGeometry],
-) -> None:
-    """Check every sender view of one match against the receiver view."""
+) -> bool:
+    """Check every sender view of one match against the receiver view; True when all pass.
+
+    Every check runs (a layout mismatch does not hide a dtype or head_dim mismatch); only the
+    checks that need comparable geometry are skipped after a structural mismatch.
+    """
     receiver = match.receiver_view
-    local = geometry_of(generation, match.receiver_rank, receiver, cache)
+    local = geometry_of("generation", generation, match.receiver_rank, receiver, cache)
     receiver_pool = generation.table(match.receiver_rank).pools[receiver.pool]
+    ok = True
     for holder in match.holders:
         sender = holder.view
-        peer = geometry_of(context, holder.rank, sender, cache)
+        peer = geometry_of("context", context, holder.rank, sender, cache)
         sender_pool = context.table(holder.rank).pools[sender.pool]
+        before = findings.error_count
 
         def mismatch(
             code: str,
@@ -365,9 +398,11 @@ def check_match(
                 findings, match, rank, sender, code, what, field_name, local_value, peer_value
             )
 
-        if sender.layout != receiver.layout:
+        replicated = {sender.layout, receiver.layout} & {"REPLICATED"}
+        comparable = True
+        if sender.layout != receiver.layout and replicated:
             mismatch("layout_mismatch", "layout", "layout", receiver.layout, sender.layout)
-            continue
+            comparable = False
         if sender.dtype != receiver.dtype:
             mismatch("dtype_mismatch", "dtype", "dtype", receiver.dtype, sender.dtype)
         if sender.head_dim and receiver.head_dim and sender.head_dim != receiver.head_dim:
@@ -382,7 +417,7 @@ def check_match(
                 receiver.buffers_per_layer,
                 sender.buffers_per_layer,
             )
-            continue
+            comparable = False
         if sender_pool.layer_group != receiver_pool.layer_group:
             mismatch(
                 "layer_group_mismatch",
@@ -391,6 +426,9 @@ def check_match(
                 receiver_pool.layer_group,
                 sender_pool.layer_group,
             )
+        if not comparable:
+            ok = False
+            continue
         if receiver.layout == "REPLICATED":
             if peer.unit_bytes != local.unit_bytes:
                 mismatch(
@@ -400,6 +438,7 @@ def check_match(
                     local.unit_bytes,
                     peer.unit_bytes,
                 )
+            ok = ok and findings.error_count == before
             continue
         if peer.total_heads != local.total_heads:
             mismatch(
@@ -409,37 +448,170 @@ def check_match(
                 local.total_heads,
                 peer.total_heads,
             )
+            ok = False
             continue
-        if max(peer.shards, local.shards) % min(peer.shards, local.shards):
+        # Any two shardings pair (head ranges are intersected); only the bytes of one head of
+        # one token must agree, whatever the layouts and block sizes.
+        local_unit = head_token_bytes(local, generation.tokens_per_block)
+        peer_unit = head_token_bytes(peer, context.tokens_per_block)
+        if receiver.layout == sender.layout and context.tokens_per_block == (
+            generation.tokens_per_block
+        ):
+            unit = "bytes_per_head" if receiver.layout == "HND" else "head_token_bytes"
+            local_value: int | float = local.unit_bytes
+            peer_value: int | float = peer.unit_bytes
+        else:
+            unit = "head_token_bytes"
+            local_value, peer_value = _number(local_unit), _number(peer_unit)
+        if local_unit != peer_unit:
+            mismatch(
+                "head_geometry_mismatch", unit.replace("_", " "), unit, local_value, peer_value
+            )
+            ok = False
+            continue
+        if sender.layout != receiver.layout and local_unit.denominator != 1:
             mismatch(
                 "head_geometry_mismatch",
-                "shard count (not divisible)",
-                "shards",
-                local.shards,
-                peer.shards,
+                "head-token bytes (not a whole byte: no layout conversion)",
+                "head_token_bytes",
+                local_value,
+                peer_value,
             )
+            ok = False
             continue
-        unit = "bytes_per_head" if receiver.layout == "HND" else "head_token_bytes"
-        if peer.unit_bytes != local.unit_bytes:
-            mismatch(
-                "head_geometry_mismatch",
-                unit.replace("_", " "),
-                unit,
-                local.unit_bytes,
-                peer.unit_bytes,
-            )
-            continue
-        if receiver.layout == "NHD" and local.heads != peer.heads:
-            per_token = max(local.heads // peer.heads, 1)
+        if sender.layout != receiver.layout:
+            _warn_conversion(context, match, holder.rank, sender, local, peer, findings)
+        elif receiver.layout == "NHD" and local.heads != peer.heads:
+            _warn_nhd_slicing(context, match, holder.rank, local, peer, findings)
+        ok = ok and findings.error_count == before
+    return ok
+
+
+def _number(value: Fraction) -> int | float:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def _warn_nhd_slicing(
+    context: Instance,
+    match: Match,
+    sender_rank: int,
+    local: ViewGeometry,
+    peer: ViewGeometry,
+    findings: Findings,
+) -> None:
+    receiver = match.receiver_view
+    per_token = _pieces(local, peer)
+    findings.add(
+        "nhd_head_slicing",
+        f"{receiver.label()}: NHD head slicing ({peer.heads} heads per context rank, "
+        f"{local.heads} per generation rank) cuts every token row into {per_token} "
+        f"fragment(s): {context.tokens_per_block * per_token} per block, layer and buffer",
+        warning=True,
+        receiver_ranks=[match.receiver_rank],
+        sender_ranks=[sender_rank],
+        view=receiver.label(),
+        fragments_per_token=per_token,
+        fragments_per_block_layer_buffer=context.tokens_per_block * per_token,
+    )
+
+
+def _pieces(local: ViewGeometry, peer: ViewGeometry) -> int:
+    """Sender shards a receiver's head range is cut into (range intersection, any ratio)."""
+    start, stop = local.head_range
+    return (stop - 1) // peer.heads - start // peer.heads + 1
+
+
+def _warn_conversion(
+    context: Instance,
+    match: Match,
+    sender_rank: int,
+    sender: View,
+    local: ViewGeometry,
+    peer: ViewGeometry,
+    findings: Findings,
+) -> None:
+    receiver = match.receiver_view
+    tokens = context.tokens_per_block
+    # one strided run per (layer, buffer, head), count = tokens_per_block: a fragment per
+    # head and token
+    per_block = tokens * local.heads
+    findings.add(
+        "layout_conversion",
+        f"{receiver.label()}: context {sender.layout} → generation {receiver.layout}: converted "
+        f"head by head, {per_block} fragments per block, layer and buffer "
+        f"({local.heads} heads × {tokens} tokens); a staged transfer gathers them in one pass",
+        warning=True,
+        receiver_ranks=[match.receiver_rank],
+        sender_ranks=[sender_rank],
+        view=receiver.label(),
+        local=receiver.layout,
+        peer=sender.layout,
+        fragments_per_block_layer_buffer=per_block,
+    )
+
+
+def sender_ranges(
+    context: Instance, match: Match, cache: dict[Any, ViewGeometry]
+) -> dict[int, list[tuple[int, int, list[tuple[int, View, ViewGeometry]]]]]:
+    """Per sender CP rank: the distinct head ranges ``[a, b)`` of the match's holders (in head
+    order) with the holders of each (its replicas, in rank order). REPLICATED: one range."""
+    by_cp: dict[int, dict[tuple[int, int], list[tuple[int, View, ViewGeometry]]]] = {
+        cp_rank: {} for cp_rank in range(context.cp)
+    }
+    for holder in match.holders:
+        peer = geometry_of("context", context, holder.rank, holder.view, cache)
+        head_range = (0, 1) if peer.layout == "REPLICATED" else peer.head_range
+        cp_rank = context.coords(holder.rank)[2]
+        by_cp[cp_rank].setdefault(head_range, []).append((holder.rank, holder.view, peer))
+    return {
+        cp_rank: [(a, b, holders) for (a, b), holders in sorted(ranges.items())]
+        for cp_rank, ranges in by_cp.items()
+    }
+
+
+def needed_range(local: ViewGeometry) -> tuple[int, int]:
+    return (0, 1) if local.layout == "REPLICATED" else local.head_range
+
+
+def check_coverage(
+    context: Instance,
+    generation: Instance,
+    match: Match,
+    findings: Findings,
+    cache: dict[Any, ViewGeometry],
+) -> None:
+    """Every head the receiver needs is held by some sender rank of every CP rank of the stage.
+
+    A TP rank (or CP rank) that lacks a layer its peers hold would otherwise leave a hole: the
+    compile had no holder to elect (TP) or silently skipped that CP rank's blocks.
+    """
+    receiver = match.receiver_view
+    local = geometry_of("generation", generation, match.receiver_rank, receiver, cache)
+    start, stop = needed_range(local)
+    for cp_rank, ranges in sender_ranges(context, match, cache).items():
+        cursor = start
+        gaps = []
+        for a, b, _holders in ranges:
+            if b <= cursor or a >= stop:
+                continue
+            if a > cursor:
+                gaps.append((cursor, a))
+            cursor = max(cursor, b)
+        if cursor < stop:
+            gaps.append((cursor, stop))
+        for lo, hi in gaps:
+            replicated = local.layout == "REPLICATED"
+            what = "the replicated region" if replicated else f"heads [{lo}, {hi})"
             findings.add(
-                "nhd_head_slicing",
-                f"{receiver.label()}: NHD head slicing ({peer.heads} heads per context rank, "
-                f"{local.heads} per generation rank) cuts every token row into {per_token} "
-                f"fragment(s): {context.tokens_per_block * per_token} per block, layer and buffer",
-                warning=True,
+                "missing_peer_shard",
+                f"{receiver.label()}: no context rank of pipeline stage {match.stage}"
+                + (f", CP rank {cp_rank}" if context.cp > 1 else "")
+                + f" holds {what} of these layers, though its other ranks do",
                 receiver_ranks=[match.receiver_rank],
-                sender_ranks=[holder.rank],
+                layers=match.layers,
+                stage=match.stage,
+                cp_rank=cp_rank,
+                global_heads=None if local.layout == "REPLICATED" else [lo, hi],
+                receiver_view=receiver.index,
                 view=receiver.label(),
-                fragments_per_token=per_token,
-                fragments_per_block_layer_buffer=context.tokens_per_block * per_token,
             )

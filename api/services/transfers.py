@@ -36,7 +36,8 @@ def request_hash(body: schemas.TransferCreate) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _blocks(raw: dict[str, dict[str, list[int]]]) -> dict[int, tuple[list[int], list[int]]]:
+def _blocks(raw: dict[str, dict[str, Any]]) -> dict[int, tuple[Any, Any]]:
+    """Per layer group ``(context ids, generation ids)``; generation ids may be per CP rank."""
     return {int(group): (lists["context"], lists["generation"]) for group, lists in raw.items()}
 
 

@@ -137,3 +137,32 @@ def test_compatibility_stores_nothing(client: TestClient) -> None:
     assert report["plan"] is None
     assert client.get("/v1/instances").json()["total"] == 0
     assert client.get("/v1/pairings").json()["total"] == 0
+
+
+def test_compatibility_of_two_bodies_with_the_same_name_plans_each_side(
+    client: TestClient,
+) -> None:
+    ctx = instance_body(role="context", tp=4, draft_heads=2)
+    gen = instance_body(role="generation", tp=2, draft_heads=2)
+    apart = client.post(
+        "/v1/compatibility",
+        json={"context": {**ctx, "name": "c"}, "generation": {**gen, "name": "g"}},
+    ).json()
+    same = client.post(
+        "/v1/compatibility",
+        json={"context": {**ctx, "name": "llama"}, "generation": {**gen, "name": "llama"}},
+    ).json()
+    assert apart["compatible"] is True
+    assert same == apart
+
+
+def test_compatibility_reports_a_tp_rank_that_lacks_a_layer(client: TestClient) -> None:
+    ctx = {**instance_body(role="context", tp=2), "name": "c"}
+    view = ctx["ranks"][1]["views"][0]
+    view["buffers"] = [b for b in view["buffers"] if b["layer"] != 1]
+    gen = {**instance_body(role="generation", tp=1), "name": "g"}
+    response = client.post("/v1/compatibility", json={"context": ctx, "generation": gen})
+    assert response.status_code == 200, response.json()  # was a 500 from compile_plan
+    report = response.json()
+    assert report["compatible"] is False and report["plan"] is None
+    assert "missing_peer_shard" in {error["code"] for error in report["errors"]}

@@ -238,3 +238,51 @@ def test_fragment_pages_stay_small_whatever_the_transfer(client: TestClient) -> 
     first = client.get(path, params={"limit": 50_000}).json()
     assert len(_rows(first)) == 50_000
     assert peak < 64 << 20, f"one page of fragments peaked at {peak >> 20} MiB"
+
+
+def test_duplicate_block_ids_are_422_invalid_blocks(client: TestClient) -> None:
+    _setup(client)
+    body = _transfer()
+    body["blocks"] = {"0": {"context": [5, 5, 5, 5], "generation": [0, 1, 2, 3]}}
+    response = client.post("/v1/transfers", json=body)
+    assert response.status_code == 422, response.json()
+    problem = response.json()
+    assert problem["code"] == "invalid_blocks"
+    assert problem["errors"][0]["loc"] == ["body", "blocks", "0", "context"]
+    assert client.get("/v1/transfers").json()["total"] == 0
+
+
+def test_helix_generation_block_tables_per_cp_rank(client: TestClient) -> None:
+    from api.geometry.builders import ViewSpec
+    from api.geometry.builders import instance_body as build
+
+    views = [ViewSpec("target", 2, 4, 8)]
+    ctx = build(role="context", views=views, tp=2, tokens_per_block=4, num_slots=16)
+    gen = build(role="generation", views=views, tp=2, cp=2, tokens_per_block=4, num_slots=16)
+    assert client.put("/v1/instances/ctx-h", json=ctx).status_code == 201
+    assert client.put("/v1/instances/gen-h", json=gen).status_code == 201
+    pairing = client.post("/v1/pairings", json={"context": "ctx-h", "generation": "gen-h"})
+    assert pairing.json()["compatible"] is True, pairing.json()
+    per_block = client.get(f"/v1/pairings/{pairing.json()['id']}/plan").json()["bytes_per_block"]
+    body = {
+        "context": "ctx-h",
+        "generation": "gen-h",
+        "request_id": "helix-1",
+        # 5 logical blocks: CP rank 0 holds 0, 2, 4 and CP rank 1 holds 1, 3 (prefix 1 reused)
+        "blocks": {"0": {"context": [0, 1, 2, 3, 4], "generation": [[7, 8, 9], [6]]}},
+    }
+    response = client.post("/v1/transfers", json=body)
+    assert response.status_code == 201, response.json()
+    transfer = response.json()
+    # logical blocks 0, 2, 4 (rank 0) and 3 (rank 1) move: 4 of 5; per_block counts both
+    # CP ranks' routes, each block goes to one of them
+    assert transfer["bytes"] == 4 * per_block // 2
+    fragments = client.get(f"/v1/transfers/{transfer['id']}/fragments").json()
+    rows = [row for route in fragments["routes"] for row in route["fragments"]]
+    assert sum(row[4] for row in rows) == transfer["bytes"]
+    wrong = dict(body, request_id="helix-2")
+    wrong["blocks"] = {"0": {"context": [0, 1], "generation": [[1], [2], [3]]}}
+    response = client.post("/v1/transfers", json=wrong)
+    assert response.status_code == 422
+    assert response.json()["code"] == "invalid_blocks"
+    assert response.json()["errors"][0]["loc"] == ["body", "blocks", "0", "generation"]

@@ -60,7 +60,11 @@ def test_qwen_two_kv_heads_tp8_duplication_to_tp2() -> None:
     assert validate_pairing(ctx, gen).compatible
     plan = compile_plan(ctx, gen)
     # Context ranks 0-3 hold head 0, 4-7 head 1; generation rank 0 holds head 0, rank 1 head 1.
-    assert [(r.sender_rank, r.receiver_rank) for r in plan.routes] == [(0, 0), (4, 1)]
+    # The 28 layers of a head are split over its 4 replicas: 7 contiguous layers each.
+    pairs = [(r.sender_rank, r.receiver_rank) for r in plan.routes]
+    assert pairs == [(r, r // 4) for r in range(8)]
+    assert [r.slices[0]["layers"][0] for r in plan.routes] == [0, 7, 14, 21] * 2
+    assert len({r.bytes_per_block for r in plan.routes}) == 1
 
 
 def test_deepseek_mla_is_a_replicated_key_only_view() -> None:
@@ -71,14 +75,11 @@ def test_deepseek_mla_is_a_replicated_key_only_view() -> None:
     ctx = parse_instance(body, "ctx")
     gen = parse_instance(describe(config("deepseek-mla"), role="generation", tp=4), "gen")
     plan = compile_plan(ctx, gen)
-    # Every generation rank needs the whole latent cache; the 8 identical context replicas
-    # serve the 4 receivers round-robin, one each.
-    assert [(r.sender_rank, r.receiver_rank) for r in plan.routes] == [
-        (0, 0),
-        (1, 1),
-        (2, 2),
-        (3, 3),
-    ]
+    # Every generation rank needs the whole latent cache (27 layers); the 8 identical context
+    # replicas split the 4 × 27 layer copies into contiguous chunks of 14 or 13 layers.
+    pairs = [(r.sender_rank, r.receiver_rank) for r in plan.routes]
+    assert pairs == [(r, r // 2) for r in range(8)]
+    assert [len(r.slices[0]["layers"]) for r in plan.routes] == [14, 13] * 4
 
 
 def test_different_models_are_reported_with_codes_and_exit_1(tmp_path: Path) -> None:
@@ -130,3 +131,42 @@ def test_kvplane_check_runs_as_a_real_command(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "compatible" in done.stdout and "8 routes" in done.stdout
+
+
+def test_check_of_two_files_with_the_same_stem_plans_each_side(tmp_path: Path) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    (tmp_path / "prod").mkdir()
+    (tmp_path / "canary").mkdir()
+    ctx = write_body(tmp_path / "prod", "llama", llama, "--role", "context", "--tp", "4")
+    gen = write_body(tmp_path / "canary", "llama", llama, "--role", "generation", "--tp", "2")
+    other = write_body(tmp_path, "gen", llama, "--role", "generation", "--tp", "2")
+    same = runner.invoke(cli, ["check", str(ctx), str(gen), "--json"])
+    apart = runner.invoke(cli, ["check", str(ctx), str(other), "--json"])
+    assert same.exit_code == apart.exit_code == 0, same.output
+    assert json.loads(same.output) == json.loads(apart.output)
+
+
+def test_check_explains_a_layout_conversion(tmp_path: Path) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "4", "--layout", "HND")
+    gen = write_body(
+        tmp_path, "gen", llama, "--role", "generation", "--tp", "2", "--layout", "NHD"
+    )
+    result = runner.invoke(cli, ["check", str(ctx), str(gen)])
+    assert result.exit_code == 0, result.output
+    assert "layout_conversion" in result.output
+    assert "why: the two sides store this view's heads in different orders" in result.output
+    assert "generation rank 0 <- context ranks [0, 1]" in result.output
+
+
+def test_check_explains_a_missing_peer_shard(tmp_path: Path) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "2")
+    body = json.loads(ctx.read_text())
+    view = body["ranks"][1]["views"][0]
+    view["buffers"] = [b for b in view["buffers"] if b["layer"] != 3]
+    ctx.write_text(json.dumps(body))
+    gen = write_body(tmp_path, "gen", llama, "--role", "generation", "--tp", "1")
+    result = runner.invoke(cli, ["check", str(ctx), str(gen)])
+    assert result.exit_code == 1, result.output  # was a traceback from compile_plan
+    assert "missing_peer_shard" in result.output and "why: some context ranks" in result.output

@@ -120,7 +120,9 @@ def geo(instance: Instance, table: RankTable, view: View) -> Geo:
     declared = view.num_kv_heads
     if declared is None:
         declared = table.kv_heads_per_rank or instance.kv_heads_per_rank
-    total = view.total_kv_heads or instance.total_kv_heads
+    total = view.total_kv_heads
+    if total is None and view.owner == "target":  # a draft never takes the target's total
+        total = instance.total_kv_heads
     if total is None:
         assert declared is not None, "oracle: no head count at all"
         total = declared * group
@@ -202,26 +204,49 @@ def _expand_indices(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(offsets, lengths) + within
 
 
-def aligned_tags(
-    ids_c: Sequence[int], ids_g: Sequence[int]
-) -> tuple[dict[int, int], dict[int, int]]:
-    """Suffix alignment: the last ``min`` blocks of each list, tagged 1..n in order."""
-    n = min(len(ids_c), len(ids_g))
-    ctx = {slot: k + 1 for k, slot in enumerate(list(ids_c)[len(ids_c) - n :])}
-    gen = {slot: k + 1 for k, slot in enumerate(list(ids_g)[len(ids_g) - n :])}
-    return ctx, gen
+def _logical_pairs(ids: Sequence[Any], total: int, cp: int) -> list[tuple[int, int]]:
+    """``(slot, logical block)`` of one side, straight from DESIGN "Transfer templates".
 
-
-def _cp_share(instance: Instance, rank: int, tags: Mapping[int, int]) -> dict[int, int]:
-    """Under CP, block ``j`` (tag ``j + 1``) lives on ``cp_rank = j % cp`` only.
-
-    ``j`` is the aligned position: tests with CP use equal-length block lists, where it is also
-    the logical block index (see test_expand for the prefix-caching case).
+    A flat list is a suffix of the request's blocks ``0 … total−1``; a list of lists holds one
+    block table per CP rank ``c``: a suffix of that rank's blocks ``j ≡ c (mod cp)``, logical
+    block ``j`` at position ``j // cp``.
     """
-    if instance.cp == 1:
-        return dict(tags)
+    if ids and all(isinstance(item, (list, tuple)) for item in ids):
+        pairs = []
+        for c, rank_ids in enumerate(ids):
+            own = [j for j in range(total) if j % cp == c]
+            pairs += list(zip(rank_ids, own[len(own) - len(rank_ids) :], strict=True))
+        return pairs
+    return list(zip(ids, range(total - len(ids), total), strict=True))
+
+
+def _count(ids: Sequence[Any]) -> int:
+    if ids and all(isinstance(item, (list, tuple)) for item in ids):
+        return sum(len(item) for item in ids)
+    return len(ids)
+
+
+def aligned_tags(
+    ids_c: Sequence[Any], ids_g: Sequence[Any], cp_g: int = 1
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(slot, tag)`` per side for the blocks present on both sides, ``tag = logical + 1``.
+
+    Both lists end at the request's last block; the longer one starts at logical block 0.
+    """
+    total = max(_count(ids_c), _count(ids_g))
+    ctx = _logical_pairs(list(ids_c), total, 1)
+    gen = _logical_pairs(list(ids_g), total, cp_g)
+    common = {j for _, j in ctx} & {j for _, j in gen}
+    return (
+        [(slot, j + 1) for slot, j in ctx if j in common],
+        [(slot, j + 1) for slot, j in gen if j in common],
+    )
+
+
+def _cp_share(instance: Instance, rank: int, tags: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """Under CP, logical block ``j`` (tag ``j + 1``) lives on ``cp_rank = j % cp`` only."""
     cp_rank = coords(instance, rank)[2]
-    return {slot: tag for slot, tag in tags.items() if (tag - 1) % instance.cp == cp_rank}
+    return {slot: tag for slot, tag in tags if (tag - 1) % instance.cp == cp_rank}
 
 
 def check_transfer(
@@ -241,7 +266,7 @@ def check_transfer(
     if not isinstance(blocks, Mapping):
         blocks = {0: blocks}
     expansion = expand(plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()})
-    tags_by_group = {g: aligned_tags(c, r) for g, (c, r) in blocks.items()}
+    tags_by_group = {g: aligned_tags(c, r, gen.cp) for g, (c, r) in blocks.items()}
     senders = active(ctx, context_dp_rank)
     receivers = active(gen, generation_dp_rank)
 
@@ -260,7 +285,7 @@ def check_transfer(
     for rank, table in enumerate(ctx.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = tags_by_group.get(pool.layer_group, ({}, {}))[0]
+            group_tags = tags_by_group.get(pool.layer_group, ([], []))[0]
             tags = _cp_share(ctx, rank, group_tags) if rank in senders else {}
             sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags)
 
@@ -270,7 +295,7 @@ def check_transfer(
     for rank, table in enumerate(gen.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ({}, {}))[1])
+            group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ([], []))[1])
             if rank in receivers:
                 want = pool_memory(gen, rank, pool_id, group_tags, keep=needed, default_tag=None)
             else:
@@ -333,10 +358,16 @@ def build(role: str, views: Sequence[ViewSpec], name: str | None = None, **kwarg
     return parse_instance(body, name or role[:3])
 
 
-def load_balance_violations(plan: Any, ctx: Instance) -> list[str]:
-    """Per sender shard: no holder serves more than ``ceil(receivers / holders)`` slices."""
+def load_balance_violations(plan: Any, ctx: Instance, gen: Instance | None = None) -> list[str]:
+    """Per sender shard: no holder sends more than ``ceil(total / holders)`` of its bytes.
+
+    The unit of election is one layer of one receiver slice, so a holder may exceed the even
+    share by less than one such unit. The shard key includes the layer group (block counts differ
+    per group) and, under helix CP, the receiver's CP rank (its blocks differ from its peers').
+    """
     active_senders = sorted({r for (side, r, _), _ in plan.pools.items() if side == "context"})
     served: dict[tuple[Any, ...], dict[int, int]] = {}
+    unit: dict[tuple[Any, ...], int] = {}
     for route in plan.routes:
         for piece in route.slices:
             stage, _tp, cp_rank = coords(ctx, route.sender_rank)
@@ -344,20 +375,19 @@ def load_balance_violations(plan: Any, ctx: Instance) -> list[str]:
             assert table is not None
             view = table.views[piece["sender_view"]]
             g = geo(ctx, table, view)
-            shard = 0 if g.replicated else piece["global_heads"][0] // g.heads
-            key = (
-                stage,
-                cp_rank,
-                piece["owner"],
-                tuple(piece["roles"]),
-                tuple(piece["layers"]),
-                shard,
-            )
-            served.setdefault(key, {}).setdefault(route.sender_rank, 0)
-            served[key][route.sender_rank] += 1
+            group = table.pools[view.pool].layer_group
+            receiver_cp = coords(gen, route.receiver_rank)[2] if gen is not None else 0
+            shards = [0] if g.replicated else _shards_of(piece["global_heads"], g.heads)
+            for shard in shards:
+                key = (stage, cp_rank, piece["owner"], tuple(piece["roles"]), group, shard,
+                       receiver_cp)
+                per_layer = piece["bytes_per_block"] // len(piece["layers"]) // len(shards)
+                served.setdefault(key, {}).setdefault(route.sender_rank, 0)
+                served[key][route.sender_rank] += per_layer * len(piece["layers"])
+                unit[key] = max(unit.get(key, 0), per_layer)
     problems = []
     for key, per_holder in served.items():
-        stage, cp_rank, owner, roles, _layers, shard = key
+        stage, cp_rank, owner, roles, _group, shard, _receiver_cp = key
         holders = []
         for rank in active_senders:
             if coords(ctx, rank)[0] != stage or coords(ctx, rank)[2] != cp_rank:
@@ -370,10 +400,15 @@ def load_balance_violations(plan: Any, ctx: Instance) -> list[str]:
                     if g.replicated or g.first_head // g.heads == shard:
                         holders.append(rank)
         assert set(per_holder) <= set(holders), (key, per_holder, holders)
-        limit = math.ceil(sum(per_holder.values()) / len(holders))
+        limit = math.ceil(sum(per_holder.values()) / len(set(holders))) + unit[key] - 1
         if max(per_holder.values()) > limit:
             problems.append(f"{key}: {per_holder} over {len(holders)} holders (limit {limit})")
     return problems
+
+
+def _shards_of(global_heads: Sequence[int], heads: int) -> list[int]:
+    lo, hi = global_heads
+    return list(range(lo // heads, (hi - 1) // heads + 1))
 
 
 @pytest.fixture(scope="session")

@@ -93,26 +93,26 @@ def test_tp4_to_tp2_context_rank1_writes_generation_rank0_at_head_offset_2(oracl
     oracle.check_transfer(ctx, gen, BLOCKS)
 
 
-def test_tp8_with_four_heads_to_tp2_only_one_of_each_duplicate_pair_sends(oracle) -> None:
+def test_tp8_with_four_heads_to_tp2_duplicate_pairs_split_the_layers(oracle) -> None:
     ctx, gen = pair([spec(heads=4)], ctx={"tp": 8}, gen={"tp": 2})
     # context: shards = 4, replicas = 2 → ranks (0,1) hold head 0, (2,3) head 1, ...
     assert [
         view_geometry(ctx, ctx.table(r), ctx.table(r).views[0]).head_range for r in range(8)
     ] == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (3, 4), (3, 4)]
     plan = compile_plan(ctx, gen)
+    # each head's 2 layers are split over its 2 replicas: layer 0 from the even rank, layer 1
+    # from the odd one (no replica sends more than ⌈total / replicas⌉)
     assert sorted((r.sender_rank, r.receiver_rank) for r in plan.routes) == [
-        (0, 0),
-        (2, 0),
-        (4, 1),
-        (6, 1),
+        (0, 0), (1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1), (7, 1)
     ]
-    assert not [r for r in plan.routes if r.sender_rank in (1, 3, 5, 7)]
-    assert receiver(plan, 0).writers == (0, 2)
+    assert [route(plan, s, s // 4).slices[0]["layers"] for s in range(8)] == [[0], [1]] * 4
+    assert receiver(plan, 0).writers == (0, 1, 2, 3)
     assert receiver(plan, 0).overlapping == (0, 1, 2, 3)
-    # the legacy equal split would have assumed 4 writers: unsafe
-    assert receiver(plan, 0).equal_split_safe is False
-    assert plan.to_dict()["receivers"][1]["writers"] == 2
+    # every overlapping rank writes the same bytes: the legacy equal split would be right
+    assert receiver(plan, 0).equal_split_safe is True
+    assert plan.to_dict()["receivers"][1]["writers"] == 4
     assert runs(route(plan, 2, 0))[0] == [0, BPH, BPH, 1, 0, 0]
+    assert oracle.load_balance_violations(plan, ctx, gen) == []
     oracle.check_transfer(ctx, gen, BLOCKS)
 
 
@@ -239,10 +239,14 @@ def test_mla_replicated_k_only_views_copy_whole_regions_round_robin(oracle) -> N
     region = TPB * 8 * 2  # latent of 8 elements, bf16, per token
     assert [len(v.buffers_by_layer[0]) for v in ctx.table(0).views] == [1]
     plan = compile_plan(ctx, gen)
-    # every context rank holds the whole latent cache; receivers take holders round-robin
-    assert sorted((r.sender_rank, r.receiver_rank) for r in plan.routes) == [(0, 0), (1, 1)]
-    assert runs(route(plan, 0, 0)) == [[0, 0, 3 * region, 1, 0, 0]]  # 3 layers merged
-    assert route(plan, 1, 1).slices[0]["global_heads"] is None
+    # every context rank holds the whole latent cache; the 6 (receiver, layer) units are cut
+    # into one contiguous chunk per holder: 2, 1, 2, 1 layers
+    assert sorted((r.sender_rank, r.receiver_rank) for r in plan.routes) == [
+        (0, 0), (1, 0), (2, 1), (3, 1)
+    ]
+    assert runs(route(plan, 0, 0)) == [[0, 0, 2 * region, 1, 0, 0]]  # 2 layers merged
+    assert runs(route(plan, 1, 0)) == [[2 * region, 2 * region, region, 1, 0, 0]]
+    assert route(plan, 3, 1).slices[0]["global_heads"] is None
     assert receiver(plan, 0).overlapping == (0, 1, 2, 3)
     oracle.check_transfer(ctx, gen, BLOCKS)
 
@@ -252,8 +256,8 @@ def test_mla_replicated_to_more_receivers_than_holders_is_balanced(oracle) -> No
     ctx, gen = pair([mla], ctx={"tp": 2}, gen={"tp": 8})
     plan = compile_plan(ctx, gen)
     senders = [r.sender_rank for r in sorted(plan.routes, key=lambda r: r.receiver_rank)]
-    assert senders == [0, 1, 0, 1, 0, 1, 0, 1]
-    assert oracle.load_balance_violations(plan, ctx) == []
+    assert senders == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert oracle.load_balance_violations(plan, ctx, gen) == []
     oracle.check_transfer(ctx, gen, BLOCKS)
 
 
@@ -408,7 +412,7 @@ def test_two_layer_groups_use_their_own_block_lists(oracle) -> None:
     ]
     blocks = {0: ([4, 5, 6], [0, 1, 2]), 1: ([3, 2], [0, 1])}
     oracle.check_transfer(ctx, gen, blocks)
-    only_group_1 = expand(plan, {1: ([3], [0])})
+    only_group_1 = expand(plan, {0: ([], []), 1: ([3], [0])})
     assert only_group_1.bytes == 64
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
 
+import hypothesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -143,7 +145,7 @@ def test_plan_is_deterministic_balanced_and_round_trips(sc: dict[str, Any], orac
     again = compile_plan(ctx2, gen2, sc["ctx_dp"], sc["gen_dp"])
     data = plan.to_dict()
     assert json.dumps(data, sort_keys=True) == json.dumps(again.to_dict(), sort_keys=True)
-    assert oracle.load_balance_violations(plan, ctx) == []
+    assert oracle.load_balance_violations(plan, ctx, gen) == []
     rebuilt = Plan.from_dict(json.loads(json.dumps(data)))
     assert rebuilt.to_dict() == data
     # the rebuilt plan moves exactly the same bytes
@@ -193,4 +195,87 @@ def test_context_parallel_side_moves_each_block_from_its_cp_rank(
     ctx, gen = _pair(sc)
     assert validate_pairing(ctx, gen).compatible
     result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
-    assert oracle.load_balance_violations(result.plan, ctx) == []
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+
+
+def _valid_sharding(tp: int, attention_dp: bool, heads: int) -> bool:
+    group = 1 if attention_dp else tp
+    shards = min(group, heads)
+    return group % shards == 0 and heads % shards == 0
+
+
+@st.composite
+def conversion_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Random layouts per side (HND/NHD, converted when they differ) and any TP ratio."""
+    sc = draw(scenarios())
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
+    layouts = [draw(st.sampled_from(["HND", "NHD"])) for _ in range(2)]
+    for where in ("ctx", "gen"):
+        tp = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+        hypothesis.assume(_valid_sharding(tp, sc[where]["attention_dp"], heads))
+        sc[where] = dict(sc[where], tp=tp)
+    target = sc["ctx_views"][0]
+    sc["ctx_views"] = [dataclasses.replace(target, kv_heads=heads, layout=layouts[0],
+                                           replicated=False, k_only=False)]
+    sc["gen_views"] = [dataclasses.replace(sc["ctx_views"][0], layout=layouts[1])]
+    sc["ctx_dp"] = draw(st.integers(0, sc["ctx"]["tp"] - 1)) if sc["ctx"]["attention_dp"] else None
+    sc["gen_dp"] = draw(st.integers(0, sc["gen"]["tp"] - 1)) if sc["gen"]["attention_dp"] else None
+    return sc
+
+
+@PROPERTY
+@given(sc=conversion_scenarios())
+def test_conversion_and_any_tp_ratio_write_every_byte_once(sc: dict[str, Any], oracle) -> None:
+    ctx, gen = _pair(sc)
+    report = validate_pairing(ctx, gen)
+    assert report.compatible, report.to_dict()
+    converted = sc["ctx_views"][0].layout != sc["gen_views"][0].layout
+    assert converted == ("layout_conversion" in {w.code for w in report.warnings})
+    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+
+
+@st.composite
+def prefix_cp_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """CP on one side with block lists of unequal length (prefix reuse on either side)."""
+    sc = draw(cp_scenarios())
+    n_c, n_g = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    sc["blocks"] = (list(range(n_c)), list(range(n_g))[::-1])
+    return sc
+
+
+@PROPERTY
+@given(sc=prefix_cp_scenarios())
+def test_context_parallel_ownership_follows_the_logical_block(sc: dict[str, Any], oracle) -> None:
+    ctx, gen = _pair(sc)
+    oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+
+
+@st.composite
+def helix_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Generation CP with one block table per CP rank, each a random suffix (prefix reuse)."""
+    sc = draw(scenarios())
+    cp = draw(st.integers(2, 3))
+    sc["gen"] = dict(sc["gen"], cp=cp)
+    total = draw(st.integers(1, 6))
+    # one side holds the whole request (it defines N); the other may have reused a prefix
+    context_full = draw(st.booleans())
+    context = list(range(total - (total if context_full else draw(st.integers(0, total))), total))
+    tables = []
+    for c in range(cp):
+        own = (total - c + cp - 1) // cp
+        keep = draw(st.integers(0, own)) if context_full else own
+        tables.append(list(range(10 + 10 * c, 10 + 10 * c + own))[own - keep :])
+    sc["blocks"] = (context, tables)
+    sc["n_slots"] = 40
+    return sc
+
+
+@PROPERTY
+@given(sc=helix_scenarios())
+def test_helix_block_tables_move_each_logical_block_from_its_cp_rank(
+    sc: dict[str, Any], oracle
+) -> None:
+    ctx, gen = _pair(sc)
+    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -87,10 +88,12 @@ def _assert_pools_equal(got, want):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "HND>NHD", "NHD>HND"])
 def test_head_slice_copy_gather_scatter_match_oracle(layout, kind, method):
-    # TP4 -> TP2 shaped: sender 2 heads, receiver 4, sender fills receiver heads [2, 4).
-    hs = HeadSlice(layout, 3, 8, 16, 2, 2, 4, 0, 2, 2)
+    # TP4 -> TP2 shaped: sender 2 heads, receiver 4, sender fills receiver heads [2, 4);
+    # "A>B": the sender stores layout A, the receiver B (converted head by head).
+    sender, _, receiver = layout.partition(">")
+    hs = HeadSlice(sender, 3, 8, 16, 2, 2, 4, 0, 2, 2, receiver_layout=receiver or None)
     route = hs.route()
     rng = np.random.default_rng(7)
     src, dst = _pools_pair([hs.sender_spec(20, pad=48)], [hs.receiver_spec(24, pad=16)])
@@ -304,5 +307,10 @@ def test_align_blocks_pairs_suffixes_and_filters_cp():
         }  # fmt: skip
     )
     src, dst = align_blocks(route, {0: ([9, 1, 2, 3, 4], [7, 8, 5, 6])})
-    # Last 4 of each side pair up: (1,7) (2,8) (3,5) (4,6); CP keeps positions 1 and 3.
-    assert src[0].tolist() == [2, 4] and dst[0].tolist() == [8, 6]
+    # Last 4 of each side pair up: (1,7) (2,8) (3,5) (4,6), logical blocks 1..4 of 5; CP keeps
+    # the odd logical blocks (never the position in the shorter list).
+    assert src[0].tolist() == [1, 3] and dst[0].tolist() == [7, 5]
+    helix = dataclasses.replace(route, cp_side="generation")
+    src, dst = align_blocks(helix, {0: ([9, 1, 2, 3, 4], [[10, 11, 12], [20, 21]])})
+    # one table per generation CP rank: rank 1 holds logical blocks 1 and 3
+    assert src[0].tolist() == [1, 3] and dst[0].tolist() == [20, 21]

@@ -17,11 +17,16 @@ from workers.executors import align_blocks, copy_local, gather, scatter, staging
 from workers.pools import PoolSpec, allocate_pools, fill_pattern
 
 CASES = [
-    # (layout, context tp, generation tp, kv heads): finer sender, coarser sender, duplication
+    # (layouts, context tp, generation tp, kv heads): finer sender, coarser sender, duplication
     ("HND", 4, 2, 8),
     ("NHD", 2, 4, 8),
     ("HND", 4, 1, 2),
     ("NHD", 8, 2, 4),
+    # HND <-> NHD conversion (strided runs per head), and shard counts that do not divide
+    ("HND>NHD", 4, 2, 8),
+    ("NHD>HND", 2, 4, 8),
+    ("HND", 3, 2, 6),
+    ("NHD>HND", 2, 3, 12),
 ]
 
 
@@ -38,10 +43,12 @@ def _fleet(body, rank_offset: int):
 
 @pytest.mark.parametrize(("layout", "ctx_tp", "gen_tp", "heads"), CASES)
 def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads):
-    view = [ViewSpec("target", layers=3, kv_heads=heads, head_dim=16, layout=layout)]
-    ctx_body = instance_body(role="context", views=view, tp=ctx_tp, tokens_per_block=8,
+    ctx_layout, _, gen_layout = layout.partition(">")
+    ctx_view = [ViewSpec("target", layers=3, kv_heads=heads, head_dim=16, layout=ctx_layout)]
+    gen_view = [ViewSpec("target", 3, heads, 16, layout=gen_layout or ctx_layout)]
+    ctx_body = instance_body(role="context", views=ctx_view, tp=ctx_tp, tokens_per_block=8,
                              num_slots=24, slot_padding_bytes=32)  # fmt: skip
-    gen_body = instance_body(role="generation", views=view, tp=gen_tp, tokens_per_block=8,
+    gen_body = instance_body(role="generation", views=gen_view, tp=gen_tp, tokens_per_block=8,
                              num_slots=20)  # fmt: skip
     plan = geometry.compile_plan(
         geometry.parse_instance(ctx_body, "ctx"), geometry.parse_instance(gen_body, "gen")

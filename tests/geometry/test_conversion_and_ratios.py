@@ -1,0 +1,118 @@
+"""HND ↔ NHD conversion and any TP ratio (range intersection), judged by the byte oracle.
+
+Shapes: ``head_dim = 4`` bfloat16, ``tokens_per_block = 2``: one head of one token is 8 bytes,
+one HND head 16 bytes, one NHD token row ``8 × heads`` bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from api.geometry import compile_plan, parse_instance, validate_pairing
+from api.geometry.builders import ViewSpec, instance_body
+
+TPB = 2
+HT = 4 * 2  # bytes of one head of one token
+
+
+def pair(ctx_layout: str, gen_layout: str, ctx: dict[str, Any], gen: dict[str, Any], **kw: Any):
+    heads = kw.pop("heads", 8)
+    dtype = kw.pop("dtype", "bfloat16")
+    head_dim = kw.pop("head_dim", 4)
+    out = []
+    for role, layout, opts in (("context", ctx_layout, ctx), ("generation", gen_layout, gen)):
+        views = [ViewSpec("target", 2, heads, head_dim, layout, dtype)]
+        raw = instance_body(role=role, views=views, tokens_per_block=TPB, num_slots=8, **opts)
+        out.append(parse_instance(raw, role[:3]))
+    return out
+
+
+BLOCKS = ([3, 0, 5], [1, 6, 2])
+
+
+def test_hnd_to_nhd_same_split_is_one_strided_run_per_layer_buffer_and_head(oracle) -> None:
+    ctx, gen = pair("HND", "NHD", {"tp": 1}, {"tp": 1}, heads=2)
+    report = validate_pairing(ctx, gen)
+    assert report.compatible, report.to_dict()
+    (warning,) = [w for w in report.warnings if w.code == "layout_conversion"]
+    assert warning.detail["fragments_per_block_layer_buffer"] == 2 * TPB
+    assert (warning.detail["local"], warning.detail["peer"]) == ("NHD", "HND")
+    plan = compile_plan(ctx, gen)
+    (route,) = plan.routes
+    rows = [row for segment in route.segments for row in segment.runs.tolist()]
+    # buffer bytes 2 heads × 2 tokens × 8 = 32; HND head h at 16h, token step 8;
+    # NHD head h at 8h, token step 16
+    assert rows[:2] == [[0, 0, HT, TPB, HT, 2 * HT], [16, HT, HT, TPB, HT, 2 * HT]]
+    assert len(rows) == 2 * 2 * 2  # layers × buffers × heads
+    oracle.check_transfer(ctx, gen, BLOCKS)
+
+
+@pytest.mark.parametrize(
+    ("ctx_layout", "gen_layout", "ctx_tp", "gen_tp", "heads"),
+    [
+        ("HND", "NHD", 4, 2, 8),
+        ("NHD", "HND", 2, 4, 8),
+        ("NHD", "HND", 8, 2, 4),  # duplication on the sender
+        ("HND", "NHD", 2, 8, 4),  # duplication on the receiver
+        ("HND", "HND", 3, 2, 6),  # 3 shards → 2: no divisibility
+        ("NHD", "NHD", 2, 3, 12),
+        ("HND", "NHD", 3, 2, 12),
+        ("NHD", "HND", 6, 4, 12),
+        ("HND", "HND", 6, 3, 3),  # replicas of 3 shards → 3 ranks
+    ],
+)
+def test_conversion_and_any_ratio_move_every_byte_once(
+    oracle, ctx_layout, gen_layout, ctx_tp, gen_tp, heads
+) -> None:
+    ctx, gen = pair(ctx_layout, gen_layout, {"tp": ctx_tp}, {"tp": gen_tp}, heads=heads)
+    report = validate_pairing(ctx, gen)
+    assert report.compatible, report.to_dict()
+    result = oracle.check_transfer(ctx, gen, BLOCKS)
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+
+
+def test_tp3_to_tp2_receiver_rank0_takes_heads_0_to_6_from_two_senders() -> None:
+    ctx, gen = pair("HND", "HND", {"tp": 3}, {"tp": 2}, heads=12)
+    plan = compile_plan(ctx, gen)
+    slices = {(r.sender_rank, r.receiver_rank): r.slices[0]["global_heads"] for r in plan.routes}
+    # context ranks hold [0,4) [4,8) [8,12); generation ranks [0,6) [6,12)
+    assert slices == {(0, 0): [0, 4], (1, 0): [4, 6], (1, 1): [6, 8], (2, 1): [8, 12]}
+
+
+def test_conversion_with_pipeline_and_attention_dp(oracle) -> None:
+    ctx, gen = pair("NHD", "HND", {"tp": 2, "pp": 2}, {"tp": 4, "attention_dp": True})
+    for dp in range(4):
+        oracle.check_transfer(ctx, gen, BLOCKS, None, dp)
+
+
+def test_sub_byte_conversion_pairs_on_head_token_bytes() -> None:
+    # nvfp4, head_dim 2: one byte per head and token on both sides
+    ctx, gen = pair("HND", "NHD", {"tp": 1}, {"tp": 2}, heads=2, dtype="nvfp4", head_dim=2)
+    assert validate_pairing(ctx, gen).compatible
+
+
+def test_conversion_refused_when_head_token_bytes_differ() -> None:
+    ctx, gen = pair("HND", "NHD", {"tp": 1}, {"tp": 1}, heads=2)
+    raw = instance_body(
+        role="generation", views=[ViewSpec("target", 2, 2, 8, "NHD")], tokens_per_block=TPB
+    )
+    report = validate_pairing(ctx, parse_instance(raw, "gen"))
+    (error,) = [e for e in report.errors if e.code == "head_geometry_mismatch"]
+    assert (error.detail["field"], error.detail["local"], error.detail["peer"]) == (
+        "head_token_bytes",
+        16,
+        8,
+    )
+
+
+def test_replicated_still_pairs_only_with_replicated() -> None:
+    mla = [ViewSpec("target", 2, 1, 8, "REPLICATED", "bfloat16", True, True)]
+    ctx = parse_instance(instance_body(role="context", views=mla, tokens_per_block=TPB), "ctx")
+    raw = instance_body(
+        role="generation", views=[ViewSpec("target", 2, 1, 8, "NHD", k_only=True)],
+        tokens_per_block=TPB,
+    )  # fmt: skip
+    report = validate_pairing(ctx, parse_instance(raw, "gen"))
+    assert "layout_mismatch" in report.codes()
