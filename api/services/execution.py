@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 RECORD_GRACE_S = 5.0  # a worker reports within a second; allow for a slow batch
+REAP_BATCH = 100  # overdue transfers one request fails at most (issue 13 item 1: bounded work)
 ACTIVE = ("queued", "running")
 
 
@@ -384,18 +385,22 @@ def finish(session: Session, transfer: TransferRow, status: str, now: datetime,
 # --- deadlines and instance changes ----------------------------------------------------------
 
 
-def overdue_transfer_ids(*, session: Session, now: datetime) -> list[str]:
-    """Dispatched transfers past their deadline (plus the record's grace)."""
+def overdue_transfer_ids(*, session: Session, now: datetime,
+                         limit: int = REAP_BATCH) -> list[str]:
+    """Dispatched transfers past their deadline (plus the record's grace), oldest first, at most
+    ``limit`` (a request never takes on an unbounded amount of work)."""
     cutoff = now - timedelta(seconds=RECORD_GRACE_S)
     return list(session.scalars(select(TransferRow.id).where(
         TransferRow.status.in_(ACTIVE), TransferRow.deadline_at.is_not(None),
-        TransferRow.deadline_at < cutoff)))
+        TransferRow.deadline_at < cutoff).order_by(TransferRow.deadline_at, TransferRow.id)
+        .limit(limit)))
 
 
-def reap_overdue(*, session: Session, now: datetime) -> list[str]:
-    """Fail every dispatched transfer past its deadline, naming the ranks that never reported."""
+def reap_overdue(*, session: Session, now: datetime, limit: int = REAP_BATCH) -> list[str]:
+    """Fail at most ``limit`` dispatched transfers past their deadline (oldest first, in id order
+    for the locks), naming the ranks that never reported; the next call takes the next ones."""
     reaped = []
-    for transfer_id in overdue_transfer_ids(session=session, now=now):
+    for transfer_id in sorted(overdue_transfer_ids(session=session, now=now, limit=limit)):
         transfer = session.get(TransferRow, transfer_id, with_for_update=True,
                                populate_existing=True)
         if transfer is None or transfer.status not in ACTIVE:

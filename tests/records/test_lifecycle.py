@@ -178,3 +178,21 @@ def test_engine_records_create_one_transfer_per_request(db: Database) -> None:
     assert (row.request_id, row.status, row.execute) == ("req-7", "done", True)
     assert row.bytes > 0 and row.blocks == blocks  # expanded from the plan the workers used
     assert len({r["sender_rank"] for r in row.summary["routes"]}) == 2
+
+
+def test_reaping_overdue_transfers_is_bounded_per_call(db: Database) -> None:
+    """Issue 13 item 1, on what replaced the claim: a rank whose worker vanished leaves many
+    dispatched transfers behind; one request fails a bounded batch of them, never all at once,
+    and the next calls take the rest."""
+    setup_fleet(db, ctx_tp=1, gen_tp=1)
+    ids = [submit(db, f"r{i}", timeout_s=1.0) for i in range(7)]
+    later = utcnow() + timedelta(seconds=1.0 + execution.RECORD_GRACE_S + 1)
+    with db.write() as session:
+        first = execution.reap_overdue(session=session, now=later, limit=3)
+    with db.write() as session:
+        second = execution.reap_overdue(session=session, now=later, limit=3)
+    with db.write() as session:
+        third = execution.reap_overdue(session=session, now=later, limit=3)
+    assert (len(first), len(second), len(third)) == (3, 3, 1)
+    assert sorted(first + second + third) == sorted(ids)
+    assert all(status_of(db, tid)[0] == "failed" for tid in ids)
