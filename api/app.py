@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -76,9 +77,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if db.engine.dialect.name == "postgresql":
             # Several API processes may share this database: relay commands between them.
             hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub)
+        reaper = asyncio.create_task(_reap_overdue_forever(app))
         try:
             yield
         finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
             if hub.relay is not None:
                 hub.relay.close()
             db.dispose()
@@ -139,3 +144,34 @@ def _libpq_url(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+REAP_INTERVAL_S = 5.0
+
+
+async def _reap_overdue_forever(app: FastAPI) -> None:
+    """Every few seconds, fail dispatched transfers past their deadline that nobody waits for
+    (a waiter reaps them too); read-only unless there is something to fail."""
+    from fastapi.concurrency import run_in_threadpool
+
+    from api.services import execution
+
+    db: Database = app.state.db
+
+    def reap() -> None:
+        now = app.state.clock()
+        with db.read() as session:
+            if not execution.overdue_transfer_ids(session=session, now=now, limit=1):
+                return
+        with db.write() as session:
+            reaped = execution.reap_overdue(session=session, now=now)
+            finished = stats.finished(session=session, transfer_ids=reaped)
+        app.state.metrics.overdue.inc(len(reaped))
+        app.state.metrics.transfers_settled(finished)
+
+    while True:
+        await asyncio.sleep(REAP_INTERVAL_S)
+        try:
+            await run_in_threadpool(reap)
+        except Exception as error:  # a busy database: the next round tries again
+            log.warning("reaping overdue transfers failed: %s", error)

@@ -53,12 +53,12 @@ class CommandHub:
         with self._lock:
             queue = self._streams.get(worker_id)
             if queue is not None and worker_id not in self._dropped:
-                queue.put_nowait(None)  # close the older stream ...
                 fresh: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(QUEUE_LIMIT)
-                while not queue.empty():  # ... but keep what it had not sent yet
+                while not queue.empty():  # keep what the older stream had not sent yet ...
                     item = queue.get_nowait()
                     if item is not None:
                         fresh.put_nowait(item)
+                queue.put_nowait(None)  # ... then close it
                 queue = fresh
             elif queue is None:
                 queue = asyncio.Queue(QUEUE_LIMIT)
@@ -123,6 +123,9 @@ class CommandHub:
                 log.warning("worker %s is not reading its commands; closing its stream",
                             worker_id)
                 self._streams.pop(worker_id, None)
+                while not queue.empty():  # its transfers fail at their deadlines
+                    queue.get_nowait()
+                queue.put_nowait(None)  # the stream ends; the worker reconnects
 
     def deliver_threadsafe(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         if self._loop is not None:

@@ -153,6 +153,10 @@ class TransferRecord(_Request):
     finished_at: float = Field(ge=0, description="Unix time the rank finished its part")
     routes: list[RouteResult] = Field(default_factory=list, max_length=4096)
     verified_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
+    timeout_s: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="The handle's deadline (engine path: the control plane fails the transfer "
+        "when a rank has not recorded its part by then, plus a grace)")
     blocks: dict[str, dict[str, list[int]]] | None = Field(
         default=None, description="The request's block lists (engine path; kept for "
         "GET /v1/transfers/{id}/fragments)")

@@ -415,6 +415,7 @@ class Worker:
             "verify": bool(context.get("verify", False)),
             "started_at": handle.started_at, "finished_at": handle.finished_at or time.time(),
             "routes": handle.routes, "verified_bytes": verified,
+            "timeout_s": handle.timeout_s,
         }
         if "transfer_id" in context:
             record["transfer_id"] = context["transfer_id"]

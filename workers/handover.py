@@ -48,6 +48,7 @@ that another transfer owns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -85,7 +86,8 @@ CHUNK_BLOCKS = 16
 QUARANTINE_MARGIN_S = 5.0
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
-BUSY_SLEEP_S = 0.00005
+BUSY_SLEEP_S = 0.00005  # while bytes are in flight (posted writes, granted receives)
+WAITING_SLEEP_S = 0.0005  # while handles only wait for a peer (a grant, an expect)
 _ALIGN = 256
 _ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
@@ -464,6 +466,8 @@ class Handover:
         if self.on_start is not None:
             self.on_start(handle)
         self._call(lambda: self._begin(op))
+        if self._closed and not self._thread.is_alive():  # raced close(): nobody will run it
+            handle._resolve(FAILED, "the worker stopped")
         return handle
 
     def _validate_ids(self, op: _Op) -> None:
@@ -493,17 +497,27 @@ class Handover:
         self._wake.set()
 
     def _loop(self) -> None:
-        while not self._closed:
-            try:
-                busy = self._step()
-            except Exception:  # never let one bad step kill the hot path
-                log.exception("handover progress step failed")
-                busy = False
-            if busy:
-                time.sleep(BUSY_SLEEP_S)
-            else:
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
+        try:
+            while not self._closed:
+                try:
+                    busy = self._step()
+                except Exception:  # never let one bad step kill the hot path
+                    log.exception("handover progress step failed")
+                    busy = False
+                if busy:
+                    time.sleep(BUSY_SLEEP_S)
+                else:
+                    self._wake.wait(IDLE_WAIT_S if not self._ops else WAITING_SLEEP_S)
+                    self._wake.clear()
+        finally:
+            # Whatever was started but not finished when the loop ends fails, never hangs.
+            self._closed = True
+            while self._inbox:
+                with contextlib.suppress(Exception):
+                    self._inbox.popleft()()
+            for op in list(self._ops.values()):
+                with contextlib.suppress(Exception):
+                    self._fail(op, "the worker stopped", notify=False)
 
     def _step(self) -> bool:
         while self._inbox:
@@ -512,7 +526,10 @@ class Handover:
             return False
         for agent, msgs in self.transport.drain_notifications().items():
             for msg in msgs:
-                self._on_notification(agent, msg)
+                try:
+                    self._on_notification(agent, msg)
+                except Exception:  # one bad message must not drop the rest of the batch
+                    log.exception("notification %r from %s failed", msg[:80], agent)
         now = time.monotonic()
         for state in list(self._send.values()):
             if state.pending and not state.done:
@@ -523,30 +540,42 @@ class Handover:
             if now > op.deadline:
                 self._fail(op, self._deadline_reason(op))
         self.areas.reclaim(now)
-        if self._early and len(self._early) > 1024:
+        if self._early:
             self._expire_early(now)
-        return bool(self._ops)
+        return self._moving()
+
+    def _moving(self) -> bool:
+        """Whether bytes are in flight here: spin then; otherwise sleep a little."""
+        for op in self._ops.values():
+            for state in op.routes:
+                if not state.done and (state.pending or (state.granted and op.side == "receive")):
+                    return True
+        return False
 
     def _begin(self, op: _Op) -> None:
         self._ops[id(op)] = op
+        if self._closed:
+            self._fail(op, "the worker stopped", notify=False)
+            return
         if not op.routes:  # this rank takes no part (e.g. another DP rank's request)
             self._complete(op)
+            return
+        index = self._send if op.side == "send" else self._recv
+        if any(state.key in index for state in op.routes):
+            self._fail(op, f"request {op.xid!r} is already in flight on rank {self.rank}",
+                       notify=False)
             return
         for state in op.routes:
             if not state.layout.nbytes and op.mode == "staged":
                 state.done = True
                 continue
-            index = self._send if op.side == "send" else self._recv
-            if state.key in index:
-                self._fail(op, f"request {op.xid!r} is already in flight on rank {self.rank}")
-                return
             index[state.key] = state
             self._waiting.append(state)
         self._retry_waiting()
         for state in op.routes:
             early = self._early.pop(state.key, None)
             if early is not None and not op.handle.done:
-                self._on_message(early[0], early[1], state)
+                self._on_message(early[0], early[1], state, received_at=early[2])
         self._maybe_complete(op)
 
     def _retry_waiting(self) -> None:
@@ -556,29 +585,36 @@ class Handover:
             op = state.op
             if op.handle.done:
                 continue
-            if state.agent is None:
-                peer_instance = op.peer
-                peer = self._peers.get((peer_instance, state.peer_rank))
-                if peer is None or not self._load_peer(peer):
+            try:
+                if self._advance(state):
                     still.append(state)
-                    continue
-                if peer.epoch != self._peer_epoch(op):
-                    self._fail(op, f"peer_restarted: {peer_instance} re-registered since the "
-                                   "plan this request uses")
-                    continue
-                state.agent = peer.agent
-            if time.monotonic() < op.hold_until:
-                still.append(state)
-            elif op.side == "receive" and not state.granted:
-                if not self._grant(state):
-                    still.append(state)
-            elif op.side == "send" and state.grant is not None and not state.written:
-                if state.grant[0] != state.agent:
-                    self._fail(op, f"peer_restarted: the grant came from a worker of {op.peer} "
-                                   f"rank {state.peer_rank} that is not the current one")
-                elif not self._write(state):
-                    still.append(state)
+            except Exception as error:  # e.g. the peer vanished between two chunks
+                self._fail(op, f"{type(error).__name__}: {error}")
         self._waiting = [s for s in still if not s.op.handle.done]
+
+    def _advance(self, state: _RouteState) -> bool:
+        """One waiting route's next step; True while it still waits."""
+        op = state.op
+        if state.agent is None:
+            peer = self._peers.get((op.peer, state.peer_rank))
+            if peer is None or not self._load_peer(peer):
+                return True
+            if peer.epoch != self._peer_epoch(op):
+                self._fail(op, f"peer_restarted: {op.peer} re-registered since the plan this "
+                               "request uses")
+                return False
+            state.agent = peer.agent
+        if time.monotonic() < op.hold_until:
+            return True
+        if op.side == "receive" and not state.granted:
+            return not self._grant(state)
+        if op.side == "send" and state.grant is not None and not state.written:
+            if state.grant[0] != state.agent:
+                self._fail(op, f"peer_restarted: the grant came from a worker of {op.peer} "
+                               f"rank {state.peer_rank} that is not the current one")
+                return False
+            return not self._write(state)
+        return False
 
     def _peer_epoch(self, op: _Op) -> str:
         entry = op.handle.entry
@@ -647,7 +683,8 @@ class Handover:
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
         state.done = True
-        self._recv.pop(state.key, None)
+        if self._recv.get(state.key) is state:
+            del self._recv[state.key]
         self._maybe_complete(op)
 
     def _on_fragments_done(self, state: _RouteState) -> None:
@@ -659,20 +696,23 @@ class Handover:
                                          state.src, state.dst)
             state.checksum = fragments_crc32(self.transport.pools, fragments, side="dst")
         state.done = True
-        self._recv.pop(state.key, None)
+        if self._recv.get(state.key) is state:
+            del self._recv[state.key]
         self._maybe_complete(op)
 
     # --- sender ------------------------------------------------------------------------------
 
-    def _on_grant(self, state: _RouteState, agent: str, fields: list[str]) -> None:
+    def _on_grant(self, state: _RouteState, agent: str, fields: list[str],
+                  received_at: float | None = None) -> None:
         op = state.op
         offset, nbytes, chunk_blocks, ttl_ms = (int(x) for x in fields[6:10])
+        received = time.monotonic() if received_at is None else received_at
         if nbytes != state.layout.nbytes:
             self._fail(op, f"plan mismatch: receiver rank {state.receiver_rank} expects "
                            f"{nbytes} bytes of this route, this rank would send "
                            f"{state.layout.nbytes} (different block lists?)")
             return
-        state.grant = (agent, offset, nbytes, chunk_blocks, time.monotonic() + ttl_ms / 1000)
+        state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
         # Before the directory names the receiver's worker, the route waits in _waiting.
         if state.agent == agent and (time.monotonic() < op.hold_until or
                                      not self._write(state)):
@@ -751,7 +791,8 @@ class Handover:
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
         state.done = True
-        self._send.pop(state.key, None)
+        if self._send.get(state.key) is state:
+            del self._send[state.key]
         self._maybe_complete(state.op)
 
     # --- notifications -----------------------------------------------------------------------
@@ -773,7 +814,8 @@ class Handover:
             return
         self._on_message(agent, fields, state)
 
-    def _on_message(self, agent: str, fields: list[str], state: _RouteState) -> None:
+    def _on_message(self, agent: str, fields: list[str], state: _RouteState,
+                    received_at: float | None = None) -> None:
         op = state.op
         if op.handle.done:
             return
@@ -793,12 +835,12 @@ class Handover:
                 self._fail(op, f"peer {op.peer} rank {state.peer_rank} aborted: "
                                f"{'|'.join(fields[6:])}", notify=False)
             elif kind == "G" and op.side == "send" and state.grant is None:
-                self._on_grant(state, agent, fields)
+                self._on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
                 self._on_chunk(state, int(fields[6]), int(fields[7]))
             elif kind == "F" and op.side == "receive":
                 self._on_fragments_done(state)
-        except (TransportError, ValueError, KeyError, RuntimeError) as error:
+        except Exception as error:  # bad blocks, NIXL errors, a malformed message: fail it
             self._fail(op, f"{type(error).__name__}: {error}")
 
     # --- outcomes ----------------------------------------------------------------------------
@@ -837,7 +879,8 @@ class Handover:
             if state.done:
                 continue
             index = self._send if op.side == "send" else self._recv
-            index.pop(state.key, None)
+            if index.get(state.key) is state:
+                del index[state.key]
             if state.area is not None:
                 # A late WRITE may still land (receiver) or still read (sender): keep it out
                 # of use until the grant's time to live is over.

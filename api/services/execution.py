@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 RECORD_GRACE_S = 5.0  # a worker reports within a second; allow for a slow batch
+ENGINE_RECORD_GRACE_S = 30.0  # engine-path rows wait this long for the other ranks' records
 REAP_BATCH = 100  # overdue transfers one request fails at most (issue 13 item 1: bounded work)
 ACTIVE = ("queued", "running")
 
@@ -194,6 +195,15 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         transfer = _transfer_of(session, record, now)
         if transfer is None or transfer.attempt != record.attempt:
             continue  # an older attempt's news (or an unknown REST id): nothing to change
+        if (transfer.context_name, transfer.generation_name) != (record.context,
+                                                                 record.generation):
+            # A worker records parts of its own instance's transfers only: a record naming
+            # its own instance must not settle a transfer between two others.
+            raise Forbidden(
+                f"transfer {transfer.id} runs {transfer.context_name} -> "
+                f"{transfer.generation_name}, not {record.context} -> {record.generation}",
+                code="forbidden",
+            )
         if _store_part(session, transfer, worker, record, now):
             accepted += 1
             touched[transfer.id] = transfer.attempt
@@ -240,7 +250,10 @@ def _transfer_of(session: Session, record: wire.TransferRecord,
         "blocks": {}, "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
         "fragments": 0, "idempotency_key": None, "request_hash": "",
         "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
-        "attempt": 1, "max_attempts": 1, "started_at": started, "deadline_at": None,
+        "attempt": 1, "max_attempts": 1, "started_at": started,
+        # The other ranks' records may arrive a batch (or an outage) later than this one.
+        "deadline_at": max(started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
+                           now + timedelta(seconds=ENGINE_RECORD_GRACE_S)),
     }
     try:
         with session.begin_nested():

@@ -216,10 +216,21 @@ def _peer_instance(row: PairingRow, instance: InstanceRow) -> InstanceRow:
     return row.generation if row.context_id == instance.id else row.context
 
 
+def _paired_instances(session: Session, instance: InstanceRow) -> list[InstanceRow]:
+    """Every instance paired with ``instance``, whatever the pairing's status: a peer that
+    re-registered (its pairing now stale) must still reach the directory with its new epoch, so
+    that in-flight handles planned with the old one fail at once."""
+    rows = session.scalars(select(PairingRow).where(
+        or_(PairingRow.context_id == instance.id, PairingRow.generation_id == instance.id)))
+    return sorted({_peer_instance(row, instance).id: _peer_instance(row, instance)
+                   for row in rows}.values(), key=lambda row: row.name)
+
+
 def directory_revision(*, session: Session, worker: WorkerRow, now: datetime) -> str:
     """A digest of everything :func:`worker_directory` depends on."""
     instance = worker.instance
     parts: list[str] = [instance.epoch, str(worker.rank)]
+    parts += [f"{peer.name}@{peer.epoch}" for peer in _paired_instances(session, instance)]
     for pairing in _pairings_of(session, instance):
         peer = _peer_instance(pairing, instance)
         parts.append(f"{pairing.id}:{pairing.context_epoch}:{pairing.generation_epoch}")
@@ -272,6 +283,8 @@ def worker_directory(*, session: Session, worker_id: str, now: datetime) -> wire
                 for rank, row in sorted(live_workers(session, peer, now).items())
             },
         )
+    for peer in _paired_instances(session, instance):
+        peers.setdefault(peer.name, wire.DirectoryPeer(epoch=peer.epoch, ranks={}))
     return wire.WorkerDirectory(
         revision=directory_revision(session=session, worker=worker, now=now),
         instance=instance.name,
