@@ -77,6 +77,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if db.engine.dialect.name == "postgresql":
             # Several API processes may share this database: relay commands between them.
             hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub)
+            # Ready only once commands pushed by other processes can reach this one.
+            from fastapi.concurrency import run_in_threadpool
+
+            if not await run_in_threadpool(hub.relay.listening.wait, 10.0):
+                log.warning("the dispatch relay is not listening yet; commands from other "
+                            "API processes may be missed until it is")
         reaper = asyncio.create_task(_reap_overdue_forever(app))
         try:
             yield

@@ -181,6 +181,7 @@ class PostgresRelay:
         self.url = url
         self.hub = hub
         self._stop = threading.Event()
+        self.listening = threading.Event()  # LISTEN is active: notifications reach this process
         self._thread = threading.Thread(target=self._listen, daemon=True,
                                         name="kvplane-relay")
         self._thread.start()
@@ -209,6 +210,7 @@ class PostgresRelay:
             try:
                 with self._connect() as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    self.listening.set()
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=1.0):
                             data = json.loads(note.payload)
