@@ -36,7 +36,7 @@ Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 # Named (a component schema of their own) where requests and responses share them, so that a
 # generated client has one enum type for both and a read value can be sent back unchanged.
 Role = TypeAliasType("Role", Literal["context", "generation"])
-TransferMode = TypeAliasType("TransferMode", Literal["staged", "fragments"])
+TransferMode = TypeAliasType("TransferMode", Literal["auto", "staged", "fragments"])
 Owner = TypeAliasType("Owner", Literal["target", "draft"])
 Layout = TypeAliasType("Layout", Literal["HND", "NHD", "REPLICATED"])
 InstanceStatus = Literal["incomplete", "ready"]
@@ -439,9 +439,11 @@ class TransferCreate(_Request):
     )
     execute: bool = False
     mode: TransferMode = Field(
-        default="staged",
+        default="auto",
         description="staged: gather, one NIXL WRITE per chunk into the receiver's staging "
-        "area, scatter there; fragments: one NIXL descriptor per fragment, pool to pool",
+        "area, scatter there; fragments: one NIXL descriptor per fragment, pool to pool (no "
+        "copies); auto: the workers pick fragments when the plan's fragments average at least "
+        "8 KiB (or a route does not fit staging), staged otherwise",
     )
     verify: bool = Field(
         default=False, description="Compare sender and receiver crc32 of every route's bytes"

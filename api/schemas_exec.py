@@ -147,7 +147,7 @@ class TransferRecord(_Request):
     status: Literal["done", "failed"]
     error: str | None = Field(default=None, max_length=2000)
     bytes: int = Field(ge=0, le=1 << 50)
-    mode: Literal["staged", "fragments"] = "staged"
+    mode: Literal["auto", "staged", "fragments"] = "staged"
     verify: bool = False
     started_at: float = Field(ge=0, description="Unix time the rank started its part")
     finished_at: float = Field(ge=0, description="Unix time the rank finished its part")

@@ -273,7 +273,7 @@ class EngineRank:
 
     def run(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
             tag: str, arrival: str = "closed", rate: float = 100.0, verify: bool = False,
-            mode: str = "staged", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
+            mode: str = "auto", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
             contiguous: bool = False) -> dict[str, Any]:
         """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict."""
         spec = self.spec

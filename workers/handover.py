@@ -86,8 +86,14 @@ CHUNK_BLOCKS = 16
 QUARANTINE_MARGIN_S = 5.0
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
-BUSY_SLEEP_S = 0.00005  # while bytes are in flight (posted writes, granted receives)
-WAITING_SLEEP_S = 0.0005  # while handles only wait for a peer (a grant, an expect)
+# While any handle is pending, the loop polls NIXL this often: a notification (a grant, a
+# chunk) waits at most this long to be seen, and every hop of a handover pays it. 0.5 ms here
+# cost ~1 ms per request at 4 blocks (two hops); the raw bench loop polls as often.
+BUSY_SLEEP_S = 0.00005
+# mode="auto": fragments (pool to pool, no copies) when a route's fragments average at least
+# this many bytes; otherwise staged (gather, one WRITE per chunk, scatter).
+AUTO_FRAGMENT_BYTES = 8192
+MODES = ("auto", "staged", "fragments")
 _ALIGN = 256
 _ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
@@ -164,7 +170,8 @@ class Handle:
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         """Call ``callback(handle)`` once resolved (at once if it already is). Callbacks run on
-        the worker's progress thread: keep them short."""
+        the worker's progress thread, or on the thread that called ``send``/``expect`` when the
+        handle resolves at once: keep them short."""
         with self._lock:
             if not self.done:
                 self._callbacks.append(callback)
@@ -329,6 +336,9 @@ class Handover:
         self.areas = StagingAreas(int(transport.staging.numel()))
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
+        # Held by the progress thread while it steps and by send()/expect() while they begin a
+        # handle; re-entrant, so a callback that starts another handle does not deadlock.
+        self._mutex = threading.RLock()
         self._closed = False
         self._ops: dict[int, _Op] = {}
         self._recv: dict[tuple[str, int, int], _RouteState] = {}
@@ -350,12 +360,14 @@ class Handover:
 
     def send(self, request_id: str, peer: str, blocks: BlockMap, *,
              context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
-             timeout_s: float | None = None, mode: str = "staged", verify: bool = False,
+             timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
              context: Mapping[str, Any] | None = None) -> Handle:
         """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
 
-        ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged`` or
-        ``fragments``; ``verify``: crc32 of every route's bytes on both sides (recorded);
+        ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
+        ``fragments`` or ``auto`` (fragments when the routes' fragments average at least
+        ``AUTO_FRAGMENT_BYTES`` or staging cannot hold them, else staged; both sides resolve it
+        alike from the same plan); ``verify``: crc32 of every route's bytes on both sides (recorded);
         ``context``: the caller's extras, kept on ``handle.context``. Raises
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
@@ -364,7 +376,7 @@ class Handover:
 
     def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
                context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
-               timeout_s: float | None = None, mode: str = "staged", verify: bool = False,
+               timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
                context: Mapping[str, Any] | None = None) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
         (same options as :meth:`send`; the handle becomes ``arrived``)."""
@@ -425,8 +437,9 @@ class Handover:
             raise HandoverError(
                 f"request id {request_id!r}: 1-200 characters of letters, digits and ._:@/+=-",
                 code="invalid_request_id")
-        if mode not in ("staged", "fragments"):
-            raise HandoverError(f"mode {mode!r}: staged or fragments", code="invalid_mode")
+        if mode not in MODES:
+            raise HandoverError(f"mode {mode!r}: auto, staged or fragments",
+                                code="invalid_mode")
         directory = self.directory
         role = "context" if side == "send" else "generation"
         if directory.role and directory.role != role:
@@ -438,6 +451,8 @@ class Handover:
         if not 0 < timeout <= 3600:
             raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
         pairs = normalize_blocks(blocks)
+        if mode == "auto":
+            mode = self._auto_mode(entry, pairs)
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
         handle.context.update(blocks=blocks_of(pairs), mode=mode, verify=verify)
@@ -465,10 +480,32 @@ class Handover:
         self._validate_ids(op)
         if self.on_start is not None:
             self.on_start(handle)
-        self._call(lambda: self._begin(op))
+        # Begin on the caller's thread: its grant (or, after an early grant, its WRITEs) leaves
+        # now rather than when the progress thread next wakes.
+        with self._mutex:
+            self._begin(op)
+        self._wake.set()
         if self._closed and not self._thread.is_alive():  # raced close(): nobody will run it
             handle._resolve(FAILED, "the worker stopped")
         return handle
+
+    def _auto_mode(self, entry: PlanEntry, pairs: Mapping[int, tuple[list[int], list[int]]]
+                   ) -> str:
+        """``fragments`` when the plan's fragments are large (or staging cannot hold a route of
+        this request), ``staged`` otherwise; the same answer on both sides of a request."""
+        nbytes = fragments = 0
+        for route in entry.routes:
+            for seg in route.segments:
+                nbytes += seg.bytes_per_block
+                fragments += sum(run.count for run in seg.runs)
+        if fragments and nbytes / fragments >= AUTO_FRAGMENT_BYTES:
+            return "fragments"
+        for route in entry.routes:
+            blocks = max((min(len(pairs[g][0]), len(pairs[g][1])) for g in route.layer_groups
+                          if g in pairs), default=0)
+            if blocks * sum(seg.bytes_per_block for seg in route.segments) > self.areas.nbytes:
+                return "fragments"
+        return "staged"
 
     def _validate_ids(self, op: _Op) -> None:
         """Block ids against this rank's pools, before anything is granted or written."""
@@ -500,14 +537,15 @@ class Handover:
         try:
             while not self._closed:
                 try:
-                    busy = self._step()
+                    with self._mutex:
+                        busy = self._step()
                 except Exception:  # never let one bad step kill the hot path
                     log.exception("handover progress step failed")
                     busy = False
                 if busy:
                     time.sleep(BUSY_SLEEP_S)
                 else:
-                    self._wake.wait(IDLE_WAIT_S if not self._ops else WAITING_SLEEP_S)
+                    self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
         finally:
             # Whatever was started but not finished when the loop ends fails, never hangs.
@@ -542,15 +580,7 @@ class Handover:
         self.areas.reclaim(now)
         if self._early:
             self._expire_early(now)
-        return self._moving()
-
-    def _moving(self) -> bool:
-        """Whether bytes are in flight here: spin then; otherwise sleep a little."""
-        for op in self._ops.values():
-            for state in op.routes:
-                if not state.done and (state.pending or (state.granted and op.side == "receive")):
-                    return True
-        return False
+        return bool(self._ops)
 
     def _begin(self, op: _Op) -> None:
         self._ops[id(op)] = op

@@ -149,7 +149,7 @@ def main(url: str) -> dict[str, object]:
             idempotency_key="flow-1",
         )
     )
-    assert transfer.mode == TransferMode.STAGED  # the server's default, sent back typed
+    assert transfer.mode == TransferMode.AUTO  # the server's default, sent back typed
     fragments: TransferFragments = ok(get_transfer_fragments.sync(transfer.id, client=client))
     fragment_bytes = sum(row[4] for route in fragments.routes for row in route.fragments)
 

@@ -92,7 +92,7 @@ def test_request_fields_with_defaults_are_optional_and_responses_list_every_fiel
             assert "default" not in field, f"{name}.{prop}: request defaults go to descriptions"
     transfer = schemas["TransferCreate"]
     assert {"mode", "verify", "execute"}.isdisjoint(transfer["required"])
-    assert "Default: `\"staged\"`" in transfer["properties"]["mode"]["description"]
+    assert "Default: `\"auto\"`" in transfer["properties"]["mode"]["description"]
     # responses: every field is sent, so every field is required
     for name in ("TransferRead", "PlanRead", "Route", "Receiver", "RouteSummary", "InstanceRead",
                  "WorkerRead", "PairingRead"):

@@ -45,7 +45,7 @@ type S = components["schemas"];
 export function responses(
   t: S["TransferRead"], p: S["PlanRead"], i: S["InstanceRead"], w: S["WorkerRead"],
 ): [string, boolean, number, number, string | null, number, boolean, string | null] {
-  const mode: "staged" | "fragments" = t.mode;
+  const mode: "auto" | "staged" | "fragments" = t.mode;
   const route = p.routes[0];
   const receiver = p.receivers[0];
   return [
