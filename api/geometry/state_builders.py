@@ -40,6 +40,7 @@ class HybridSpec:
     ssm_dtype: str = "float32"
     conv_dtype: str | None = None  # defaults to dtype
     state_layers: tuple[int, ...] = field(default=())  # default: every non-attention layer
+    ssm_groups: int = 0  # Mamba2 B/C groups (0: not grouped); must split over the state axis
 
     def recurrent_layers(self) -> tuple[int, ...]:
         if self.state_layers:
@@ -93,6 +94,12 @@ def hybrid_body(
     _, kv_per_rank = _share(spec.kv_heads, group, "KV heads")
     _, ssm_per_rank = _share(spec.ssm_heads, axis, "SSM heads")
     sections = spec.section_bytes
+    if spec.ssm_groups % axis:
+        raise ValueError(
+            f"{spec.ssm_groups} Mamba2 groups do not split over a state axis of {axis} ranks "
+            "(tp × cp): engines then replicate the B and C conv sections, which a SECTIONED "
+            "view cannot describe"
+        )
     if any(size % axis for size in sections):
         raise ValueError(
             f"conv sections {list(sections)} bytes do not split over a state axis of {axis} "
