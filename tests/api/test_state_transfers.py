@@ -120,3 +120,11 @@ def test_state_on_one_side_only_is_an_incompatible_pairing(client: TestClient) -
     assert pairing.status_code == 201
     assert pairing.json()["compatible"] is False
     assert "state_group_mismatch" in {e["code"] for e in pairing.json()["errors"]}
+
+
+def test_the_dashboard_shows_state_views(client: TestClient) -> None:
+    assert client.put("/v1/instances/ctx-s", json=_body("context", tp=2)).status_code == 201
+    page = client.get("/ui/instances/ctx-s")
+    assert page.status_code == 200, page.text
+    assert "conv sections 192 + 96 + 96 bytes (all ranks), split over 2 ranks" in page.text
+    assert "SECTIONED" in page.text and "ssm_state" in page.text
