@@ -350,3 +350,19 @@ def test_bad_state_bodies_name_their_field(change, where, code) -> None:
     change(body)
     problems = _problems(body)
     assert (where, code) in {(loc, c) for loc, c, _ in problems}, problems
+
+
+def test_a_layer_paged_on_one_sender_rank_and_state_on_another_is_refused() -> None:
+    from api.geometry.builders import ViewSpec, instance_body
+
+    views = [ViewSpec("target", 2, 8, 4)]
+    ctx = instance_body(role="context", views=views, tp=2, tokens_per_block=2)
+    ctx["layer_groups"] = [{"id": 1, "tokens_per_slot": None}]
+    ctx["ranks"][0]["pools"][0]["layer_group"] = 1  # rank 0 keeps the K/V as per-request state
+    gen = instance_body(role="generation", views=views, tp=1, tokens_per_block=2)
+    context, generation = parse_instance(ctx, "c"), parse_instance(gen, "g")
+    report = validate(context, generation)
+    kinds = [e for e in report.errors if e.code == "state_group_mismatch"]
+    assert any(e.detail.get("context_ranks") == [0] for e in kinds), report.to_dict()
+    with pytest.raises(GeometryError):
+        compile_plan(context, generation)
