@@ -29,6 +29,15 @@ replicas), and a rank's buffer is its share of every section, in section order:
   ``[lo, hi)`` is, in section ``i``, the bytes ``[lo × S_i / S_0, hi × S_i / S_0)`` (whole
   bytes: ``lo`` is a multiple of ``S_0 / G`` for one side's ``G``, and ``G | S_i``), one run
   per (layer, buffer, section) at ``P_i + lo × S_i / S_0 − g_s × S_i / G_s`` on each side.
+- Example: ``S = (96, 48, 48)``, context TP 4 → generation TP 2. Context rank 1 holds
+  ``x[24, 48)``, ``B[12, 24)``, ``C[12, 24)`` (a 48-byte buffer); generation rank 0 holds
+  ``x[0, 48)`` at 0, ``B[0, 24)`` at 48, ``C[0, 24)`` at 72. Common range ``[24, 48)`` of
+  section 0: runs ``src 0 → dst 24`` (24 bytes), ``24 → 60`` (12), ``36 → 84`` (12).
+
+**Slots.** A transfer names the request's state slot per side: ``[slot]`` (the same slot on every
+CP rank of that side) or, under CP, one ``[slot]`` per CP rank; ``[]`` on either side moves no
+state; more ids are ``invalid_blocks`` (:func:`state_slots`). A route's state segment applies once,
+to the slots of its two ranks' CP ranks.
 
 **REPLICATED** state (side state every rank holds whole): ``shards = 1``, ``replicas = G_s``.
 NHD has no meaning without a token axis and is refused in a state group, as is SECTIONED outside

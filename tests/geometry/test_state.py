@@ -366,3 +366,14 @@ def test_a_layer_paged_on_one_sender_rank_and_state_on_another_is_refused() -> N
     assert any(e.detail.get("context_ranks") == [0] for e in kinds), report.to_dict()
     with pytest.raises(GeometryError):
         compile_plan(context, generation)
+
+
+def test_the_docstring_example_of_a_sectioned_tp4_to_tp2_route() -> None:
+    spec = HybridSpec(**{**SPEC.__dict__, "conv_channels": (48, 24, 24)})  # S = (96, 48, 48)
+    ctx, gen = pair({"tp": 4}, {"tp": 2}, spec)
+    route = next(
+        r for r in compile_plan(ctx, gen).routes if (r.sender_rank, r.receiver_rank) == (1, 0)
+    )
+    (state,) = [s for s in route.segments if s.state]
+    first_layer = [row[:3] for row in state.runs.tolist()[:3]]
+    assert first_layer == [[0, 24, 24], [24, 60, 12], [36, 84, 12]]
