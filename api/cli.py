@@ -171,8 +171,15 @@ def describe(
     num_slots: int = typer.Option(1024, min=1, help="Slots per pool."),
     draft: Path | None = typer.Option(None, help="config.json of a speculative draft model."),
     output: Path | None = typer.Option(None, "--out", help="Write the body here, not stdout."),
+    ssm_dtype: str | None = typer.Option(
+        None, help="Hybrid models: SSM-state dtype (default: the config's, else the model's)."
+    ),
+    state_slots: int | None = typer.Option(
+        None, min=1, help="Hybrid models: state slots (concurrent requests; default num-slots)."
+    ),
 ) -> None:
-    """Build a registration body from a model config and a parallelism."""
+    """Build a registration body from a model config and a parallelism (hybrid Mamba/attention
+    configs add a per-request state group)."""
     from api.describe import ConfigError
     from api.describe import describe as build
 
@@ -192,6 +199,8 @@ def describe(
             dtype=dtype,
             num_slots=num_slots,
             draft_config=_load_json(draft) if draft else None,
+            ssm_dtype=ssm_dtype,
+            state_slots=state_slots,
         )
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)

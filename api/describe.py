@@ -14,6 +14,9 @@ Fields read (``text_config`` is used when present, as in multimodal configs):
 
 A draft config contributes its own layers (``num_hidden_layers``, e.g. 1 for EAGLE-style drafts)
 and head geometry, as a ``draft``-owned view in the same pool as the target.
+
+Hybrid configs (Mamba2 / Mamba + attention, detected by ``mamba_d_state`` / ``state_size``) add a
+per-request state group: see :mod:`api.describe_hybrid`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from api.describe_hybrid import (
+    HybridConfigError,
+    attention_layers,
+    describe_hybrid,
+    hybrid_spec,
+    is_hybrid,
+)
 from api.geometry.builders import ELEMENT_BYTES, ViewSpec, instance_body
 
 
@@ -102,10 +112,30 @@ def describe(
     draft_config: Mapping[str, Any] | None = None,
     pp_split: Sequence[int] | None = None,
     model: str | None = None,
+    ssm_dtype: str | None = None,
+    state_slots: int | None = None,
 ) -> dict[str, Any]:
     """The registration body for a model config served at the given parallelism."""
     if role not in ("context", "generation"):
         raise ConfigError(f"role must be context or generation, got {role!r}")
+    if is_hybrid(_text_config(config)):
+        return _describe_hybrid(
+            config,
+            role=role,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            attention_dp=attention_dp,
+            tokens_per_block=tokens_per_block,
+            layout=layout,
+            dtype=dtype,
+            ssm_dtype=ssm_dtype,
+            num_slots=num_slots,
+            state_slots=state_slots or num_slots,
+            draft=draft_config is not None,
+            pp_split=pp_split,
+            model=model,
+        )
     target = view_spec(config, owner="target", layout=layout, dtype=dtype, source="model config")
     views = [target]
     if draft_config is not None:
@@ -142,4 +172,40 @@ def describe(
             model=name if isinstance(name, str) else None,
         )
     except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _describe_hybrid(
+    config: Mapping[str, Any],
+    *,
+    layout: str,
+    dtype: str | None,
+    ssm_dtype: str | None,
+    draft: bool,
+    **kw: Any,
+) -> dict[str, Any]:
+    text = _text_config(config)
+    if draft:
+        raise ConfigError("a draft model beside a hybrid model is not supported by describe yet")
+    if layout != "HND":
+        raise ConfigError("hybrid models are described with HND attention views only")
+    chosen = dtype or text.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    if not isinstance(chosen, str):
+        raise ConfigError(f"model config: dtype must be a string, got {chosen!r}")
+    try:
+        layers = text.get("num_hidden_layers")
+        has_attention = isinstance(layers, int) and bool(attention_layers(text, layers))
+        kv_heads, head_dim = 1, 1  # unused without attention layers
+        if has_attention:
+            attention = view_spec(text, owner="target", layout="HND", dtype=chosen)
+            kv_heads, head_dim = attention.kv_heads, attention.head_dim
+            group = 1 if kw["attention_dp"] else kw["tp"]
+            if group % min(group, kv_heads) or kv_heads % min(group, kv_heads):
+                raise ConfigError(f"{kv_heads} KV heads cannot be sharded over TP {kw['tp']}")
+        spec = hybrid_spec(
+            text, kv_heads=kv_heads, head_dim=head_dim, dtype=chosen, ssm_dtype=ssm_dtype
+        )
+        name = kw.pop("model") or text.get("_name_or_path") or config.get("model_type")
+        return describe_hybrid(spec, model=name if isinstance(name, str) else None, **kw)
+    except HybridConfigError as error:
         raise ConfigError(str(error)) from error

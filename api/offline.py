@@ -42,6 +42,18 @@ EXPLANATIONS: dict[str, str] = {
     "one and needs equal tokens_per_block.",
     "head_geometry_mismatch": "the bytes of one head of one token differ (or the replicated "
     "region size): the two sides do not hold the same data per head.",
+    "state_group_mismatch": "one side keeps per-request recurrent state (Mamba/SSM conv and SSM "
+    "state: a layer group with tokens_per_slot null) and the other does not, or keeps these "
+    "layers paged; the generation side could not resume the request's recurrent layers.",
+    "state_bytes_mismatch": "the TP-aggregated bytes of one layer's state differ (bytes per "
+    "rank × shards over tp × cp, 1 under attention-DP): the two sides hold differently shaped "
+    "state (d_state, head_dim, conv channels, d_conv or the state dtype differ), or one side "
+    "replicates what the other shards.",
+    "section_count_mismatch": "the conv state is cut into a different number of sections (e.g. "
+    "x, B, C of Mamba2): the sides disagree about the conv state's channel layout.",
+    "section_bytes_mismatch": "a conv-state section's TP-aggregated size differs (channels × "
+    "(d_conv − 1) × itemsize); check n_groups, d_state, d_conv and the conv-state dtype.",
+    "d_state_mismatch": "the SSM state size differs: the two sides do not run the same model.",
 }
 
 

@@ -30,6 +30,7 @@ MAX_TOKENS_PER_BLOCK = 1 << 20
 MAX_RANKS = MAX_PARALLEL
 MAX_BLOCK_ID = (1 << 32) - 1
 MAX_BLOCKS_PER_GROUP = 1 << 20
+MAX_SECTIONS = 64
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -38,7 +39,7 @@ Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 Role = TypeAliasType("Role", Literal["context", "generation"])
 TransferMode = TypeAliasType("TransferMode", Literal["auto", "staged", "fragments"])
 Owner = TypeAliasType("Owner", Literal["target", "draft"])
-Layout = TypeAliasType("Layout", Literal["HND", "NHD", "REPLICATED"])
+Layout = TypeAliasType("Layout", Literal["HND", "NHD", "REPLICATED", "SECTIONED"])
 InstanceStatus = Literal["incomplete", "ready"]
 PairingStatus = Literal["compatible", "incompatible", "stale"]
 TransferStatus = Literal["planned", "queued", "running", "done", "failed"]
@@ -94,15 +95,48 @@ class PoolCreate(_Request):
 
 
 class ViewCreate(_Request):
-    """One class of buffers inside one pool, with its own head geometry."""
+    """One class of buffers inside one pool, with its own head geometry.
+
+    In a per-request state group (``tokens_per_slot: null``): ``HND`` over SSM heads (the head
+    counts are SSM heads, one head = ``head_dim × d_state × itemsize`` bytes) or ``SECTIONED``
+    conv state (``section_bytes``), both sharded over ``tp × cp`` (1 under attention-DP).
+    """
 
     pool: int = Field(ge=0, le=MAX_LAYER)
     owner: Owner
     roles: list[Label] = Field(min_length=1, max_length=8)
-    layout: Layout
-    num_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
-    total_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
+    layout: Layout = Field(
+        description="HND/NHD: sharded heads; REPLICATED: identical on every rank; SECTIONED "
+        "(per-request state only): concatenated sections, each split over the state axis"
+    )
+    num_kv_heads: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_HEADS,
+        description="Heads this rank holds (KV heads; SSM heads in a state group)",
+    )
+    total_kv_heads: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_HEADS,
+        description="Model-wide heads of these layers (KV heads; SSM heads in a state group)",
+    )
     head_dim: int | None = Field(default=None, ge=1, le=MAX_HEAD_DIM)
+    d_state: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_HEAD_DIM,
+        description="SSM state size of an HND state view (compared across sides when both "
+        "give it; with head_dim and dtype it must match the bytes per head)",
+    )
+    section_bytes: list[Annotated[int, Field(ge=1, le=MAX_BYTES)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_SECTIONS,
+        description="SECTIONED only: TP-aggregated bytes of each section of one buffer (e.g. "
+        "the x, B, C channels of a Mamba2 conv state × (d_conv - 1) × itemsize); each section "
+        "is split contiguously over the state axis, a rank's buffer is its shares in order",
+    )
     dtype: Label
     buffers: list[BufferCreate] = Field(min_length=1, max_length=1 << 16)
 
@@ -119,6 +153,19 @@ class RankCreate(_Request):
     views: list[ViewCreate] = Field(min_length=1, max_length=1024)
 
 
+class LayerGroupCreate(_Request):
+    """How a layer group pages its slots: by tokens, or one slot per request (recurrent state)."""
+
+    id: int = Field(ge=0, le=MAX_LAYER, description="The pools' `layer_group`")
+    tokens_per_slot: int | None = Field(
+        ge=1,
+        le=MAX_TOKENS_PER_BLOCK,
+        description="Tokens per slot (must equal tokens_per_block), or null: per-request "
+        "state (Mamba/SSM conv and SSM state, linear attention), one slot per request; a "
+        "transfer names that slot, `[slot]`, on each side",
+    )
+
+
 class InstanceCreate(_Request):
     """An instance registration; ``ranks`` may be partial or omitted (sent one by one later)."""
 
@@ -131,6 +178,12 @@ class InstanceCreate(_Request):
     tokens_per_block: int = Field(ge=1, le=MAX_TOKENS_PER_BLOCK)
     kv_heads_per_rank: int | None = Field(default=None, ge=1, le=MAX_HEADS)
     total_kv_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
+    layer_groups: list[LayerGroupCreate] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Layer groups that are not paged by tokens_per_block (a group not listed "
+        "is paged): `{id, tokens_per_slot: null}` marks per-request recurrent state",
+    )
     ranks: list[RankCreate] = Field(default_factory=list, max_length=MAX_RANKS)
 
 
@@ -150,6 +203,9 @@ class InstanceSummary(_Response):
     tokens_per_block: int
     kv_heads_per_rank: int | None = None
     total_kv_heads: int | None = None
+    layer_groups: list[LayerGroupCreate] = Field(
+        default_factory=list, description="As registered (empty: every group is paged)"
+    )
     world_size: int
     missing_ranks: list[int]
     created_at: datetime
@@ -243,6 +299,11 @@ class Segment(_Response):
     src_pool: int
     dst_pool: int
     layer_group: int = Field(description="Layer group of both pools (whose block ids apply)")
+    state: bool = Field(
+        default=False,
+        description="Per-request state (tokens_per_slot null): the runs apply once, to the "
+        "request's state slot on each side, not to aligned blocks",
+    )
     runs: list[Run]
 
 
@@ -261,7 +322,8 @@ class RouteSlice(_Response):
     )
     layers: list[int]
     global_heads: list[int] | None = Field(
-        description="`[start, stop)` of the model-wide heads; null for REPLICATED views"
+        description="`[start, stop)` of the model-wide heads (SECTIONED: of the bytes of "
+        "section 0, each section cut in proportion); null for REPLICATED views"
     )
     sender_local_heads: list[int] | None = Field(
         description="`[start, stop)` of those heads on the sender rank; null for REPLICATED"
@@ -388,12 +450,19 @@ class BlockLists(_Request):
     Helix (context cp = 1, generation cp = N): ``generation`` may instead be one list per
     generation CP rank, in ``cp_rank`` order; logical block ``j`` is at position ``j // N`` of
     CP rank ``j % N``'s list.
+
+    Per-request state group (``tokens_per_slot: null``): each side names the request's state
+    slot, ``[slot]`` (exactly one id; ``[]`` moves nothing), or under helix one ``[slot]`` per
+    generation CP rank; more ids are refused (``invalid_blocks``).
     """
 
-    context: BlockIds
+    context: BlockIds = Field(
+        description="Block ids of the context side (a per-request state group: `[slot]`)"
+    )
     generation: BlockIds | PerCpRankBlockIds = Field(
         description="Block ids of the generation side: one list, or (helix CP) one list per "
-        "generation CP rank in cp_rank order"
+        "generation CP rank in cp_rank order (a per-request state group: `[slot]`, or one "
+        "`[slot]` per CP rank)"
     )
 
     @model_validator(mode="after")
@@ -449,7 +518,9 @@ class TransferCreate(_Request):
         default=False, description="Compare sender and receiver crc32 of every route's bytes"
     )
     timeout_s: float = Field(
-        default=30.0, gt=0, le=600,
+        default=30.0,
+        gt=0,
+        le=600,
         description="execute: every rank fails its side after this many seconds, and the "
         "control plane fails the transfer if a rank has not reported by then",
     )
@@ -490,7 +561,8 @@ class TransferRead(_Response):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     duration_s: float | None = Field(
-        default=None, description="Dispatch (engine path: the first rank's start) to done/failed")
+        default=None, description="Dispatch (engine path: the first rank's start) to done/failed"
+    )
 
 
 class TransferList(_Response):

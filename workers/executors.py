@@ -71,6 +71,7 @@ class Segment:
     dst_pool: int
     runs: tuple[Run, ...]
     layer_group: int = 0
+    state: bool = False  # per-request state: applied once, to each side's state slot
 
     @property
     def bytes_per_block(self) -> int:
@@ -91,6 +92,11 @@ class Route:
     @property
     def layer_groups(self) -> tuple[int, ...]:
         return tuple(sorted({s.layer_group for s in self.segments}))
+
+    @property
+    def state_groups(self) -> frozenset[int]:
+        """Layer groups of per-request state (one slot per side, no block alignment)."""
+        return frozenset(s.layer_group for s in self.segments if s.state)
 
     def bytes_per_block(self, layer_group: int) -> int:
         """Staged bytes per aligned block pair of ``layer_group``."""
@@ -113,7 +119,13 @@ class Route:
                 for r in s["runs"]
             )
             segs.append(
-                Segment(int(s["src_pool"]), int(s["dst_pool"]), runs, int(s.get("layer_group", 0)))
+                Segment(
+                    int(s["src_pool"]),
+                    int(s["dst_pool"]),
+                    runs,
+                    int(s.get("layer_group", 0)),
+                    bool(s.get("state", False)),
+                )
             )
         return cls(
             int(d.get("sender_rank", 0)),
@@ -283,6 +295,7 @@ def align_blocks(
     list of length ``L`` is logical block ``N − L + k``; the blocks present on both sides pair
     up. With CP, logical block ``j`` lives on CP rank ``j % cp_modulus``; the CP side may give
     one list per CP rank (rank ``c``'s own table, a suffix of its blocks ``j ≡ c``).
+    Per-request state groups (segments with ``state``) pair each side's one state slot instead.
     """
     route = as_route(route)
     src: dict[int, np.ndarray] = {}
@@ -291,6 +304,9 @@ def align_blocks(
     for g in route.layer_groups:
         if g not in blocks:
             raise BlockRangeError(f"no block lists for layer group {g}")
+        if g in route.state_groups:
+            src[g], dst[g] = _state_pair(route, g, blocks[g])
+            continue
         total = max(_count(blocks[g][0]), _count(blocks[g][1]))
         a, la = _logical_ids(blocks[g][0], total, cp if route.cp_side == "context" else 1)
         b, lb = _logical_ids(blocks[g][1], total, cp if route.cp_side == "generation" else 1)
@@ -301,6 +317,33 @@ def align_blocks(
             a, b = a[keep], b[keep]
         src[g], dst[g] = a, b
     return src, dst
+
+
+def _state_slot(side: Any, cp_rank: int, cp: int, what: str) -> np.ndarray:
+    """One side's state slot on CP rank ``cp_rank``: ``[s]`` on every rank, or one per rank."""
+    if len(side) and all(isinstance(x, (list, tuple, np.ndarray)) for x in side):
+        if len(side) != cp:
+            raise BlockRangeError(f"{what}: {len(side)} state slot lists for {cp} CP ranks")
+        side = side[cp_rank]
+    arr = np.asarray(side, dtype=np.int64).reshape(-1)
+    if arr.size > 1:
+        raise BlockRangeError(
+            f"{what}: {arr.size} slot ids for a per-request state group; give exactly one"
+        )
+    return arr
+
+
+def _state_pair(route: Route, g: int, pair: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-request state (same rule as :func:`api.geometry.expand.expand`): the request's state
+    slot on each side, on the route's CP ranks; nothing when either side names none."""
+    cp = route.cp_modulus
+    on_context = route.cp_remainder if route.cp_side == "context" and cp > 1 else 0
+    on_generation = route.cp_remainder if route.cp_side == "generation" and cp > 1 else 0
+    a = _state_slot(pair[0], on_context, cp, f"layer group {g} context")
+    b = _state_slot(pair[1], on_generation, cp, f"layer group {g} generation")
+    if not a.size or not b.size:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return a, b
 
 
 def staging_layout(route: Route | Mapping[str, Any], blocks: Blocks) -> StagingLayout:

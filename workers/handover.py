@@ -14,7 +14,9 @@ finished), so a thin adapter plugs it into such an engine:
    the same map on both sides, ``{layer_group: (context_ids, generation_ids)}`` (or the REST form
    ``{"0": {"context": [...], "generation": [...]}}``): a router hands the request's two block
    tables to both engines. Each rank computes its own routes from the cached templates; nothing
-   coordinates them.
+   coordinates them. A per-request state group (Mamba/SSM conv and SSM state,
+   ``tokens_per_slot: null``) takes the request's state slot on each side, ``([slot], [slot])``
+   (``[]`` on a side: move no state); it rides the same routes and staging.
 3. **progress**: one thread per worker drives NIXL. The receiver knows from the plan who writes
    how many bytes, so it allocates a staging area per writer from its own buffer (no reservation
    round trip) and *grants* it to that writer in a NIXL notification. The writer gathers its
@@ -63,6 +65,7 @@ import numpy as np
 
 from workers.directory import Directory, HandoverError, PeerWorker, PlanEntry
 from workers.executors import (
+    BlockRangeError,
     Route,
     StagingChunk,
     StagingLayout,
@@ -467,7 +470,10 @@ class Handover:
             if missing:
                 raise HandoverError(f"no block lists for layer group(s) {missing}",
                                     code="invalid_blocks")
-            src, dst = align_blocks(route, pairs)
+            try:
+                src, dst = align_blocks(route, pairs)
+            except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
+                raise HandoverError(str(error), code="invalid_blocks") from None
             layout = staging_layout(route, src)
             if mode == "staged" and layout.nbytes > self.areas.nbytes:
                 raise HandoverError(

@@ -5,12 +5,13 @@ Pipeline: :func:`parse_instance` / :func:`parse_rank` check registered page tabl
 elects senders and emits strided transfer templates; :func:`expand` applies a plan to one request's
 block lists. Module docstrings state the formulas: :mod:`.heads` (shards, replicas, head ranges),
 :mod:`.match` (view matching), :mod:`.validate` (error codes), :mod:`.plan` (election, templates),
-:mod:`.expand` (block alignment).
+:mod:`.expand` (block alignment), :mod:`.state` (per-request recurrent state: the state axis,
+SSM heads, SECTIONED conv state).
 """
 
 from api.geometry.errors import GeometryError, Problem
 from api.geometry.expand import Expansion, expand
-from api.geometry.heads import ViewGeometry, view_geometry
+from api.geometry.heads import ViewGeometry
 from api.geometry.model import Buffer, Instance, Pool, RankTable, View, parse_instance, parse_rank
 from api.geometry.plan import (
     Plan,
@@ -21,6 +22,7 @@ from api.geometry.plan import (
     compile_plan,
     validate_pairing,
 )
+from api.geometry.state import StateGeometry, view_geometry
 from api.geometry.validate import Issue, Report
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "Report",
     "Route",
     "Segment",
+    "StateGeometry",
     "View",
     "ViewGeometry",
     "active_ranks",

@@ -25,6 +25,11 @@ token). A request may ask for a window ``[start, stop)`` of the transfer's fragm
 in plan order, then segments, then block-major, then run order): fragment ``i`` of a segment is
 block ``i // F`` and fragment ``i mod F`` of the block's template (``F`` fragments per block),
 so a window costs memory by its own length, never by the transfer's.
+
+Per-request state groups (segments with ``state``, :mod:`api.geometry.state`) are not aligned:
+each side names its state slot, ``[slot]`` (the same slot on every CP rank of that side) or one
+``[slot]`` per CP rank; the segment applies once, to the pair of slots of the route's CP ranks.
+``[]`` on either side moves nothing; more than one slot is ``invalid_blocks``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy as np
 
 from api.geometry.errors import GeometryError, Problem
 from api.geometry.plan import Plan, Route, Segment
+from api.geometry.state import pair_slots, route_cp_ranks, state_slots
 
 BlockLists = Mapping[int, tuple[Sequence[int], Sequence[int]]]
 
@@ -350,17 +356,36 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
             ]
         )
     context_cp, generation_cp = _cp_sizes(plan)
+    state_groups = plan.state_groups
     aligned = {
         group: align(context_ids, generation_ids, group, context_cp, generation_cp)
         for group, (context_ids, generation_ids) in blocks.items()
+        if group not in state_groups
+    }
+    slots = {
+        group: (
+            state_slots(context_ids, ("blocks", str(group), "context"), context_cp),
+            state_slots(generation_ids, ("blocks", str(group), "generation"), generation_cp),
+        )
+        for group, (context_ids, generation_ids) in blocks.items()
+        if group in state_groups
     }
 
     expanded = []
     for route in plan.routes:
         parts = []
         for segment in route.segments:
-            src_blocks, dst_blocks, logical = aligned[segment.layer_group]
-            if route.cp_modulus > 1:
+            if segment.state:
+                sender_cp, receiver_cp = route_cp_ranks(
+                    route.cp_modulus, route.cp_remainder, route.cp_side
+                )
+                context_slots, generation_slots = slots[segment.layer_group]
+                src_blocks, dst_blocks = pair_slots(
+                    context_slots, generation_slots, sender_cp, receiver_cp
+                )
+            else:
+                src_blocks, dst_blocks, logical = aligned[segment.layer_group]
+            if route.cp_modulus > 1 and not segment.state:
                 # Logical block j lives on cp_rank j % cp of the CP side.
                 keep = logical % route.cp_modulus == route.cp_remainder
                 src_blocks, dst_blocks = src_blocks[keep], dst_blocks[keep]

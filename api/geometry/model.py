@@ -14,7 +14,10 @@ Page-table rules enforced here (each violation names its field):
 - within a view every layer has the same number of buffers and every buffer the same ``size``;
 - one rank never holds the same ``(owner, roles, layer)`` in two views;
 - the view's head geometry (see :mod:`api.geometry.heads`) is consistent with the TP group and
-  divides the registered bytes exactly.
+  divides the registered bytes exactly;
+- ``layer_groups`` (optional, instance-wide) lists ``{id, tokens_per_slot}``: a group with
+  ``tokens_per_slot: null`` holds per-request recurrent state (one slot per request); its views
+  follow :mod:`api.geometry.state`. Groups not listed are paged with ``tokens_per_block``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import numpy as np
 from api.geometry.errors import GeometryError, Loc, ProblemSink
 
 OWNERS = ("target", "draft")
-LAYOUTS = ("HND", "NHD", "REPLICATED")
+LAYOUTS = ("HND", "NHD", "REPLICATED", "SECTIONED")
+MAX_SECTIONS = 64
 ROLES = ("context", "generation")
 MAX_PARALLEL = 1024
 MAX_ADDRESS = (1 << 63) - 1  # last byte of a pool must be an int64 offset
@@ -74,6 +78,9 @@ class View:
     dtype: str
     buffers: tuple[Buffer, ...]
     buffers_by_layer: Mapping[int, tuple[Buffer, ...]] = field(repr=False, compare=False)
+    # SECTIONED (per-request state): TP-aggregated bytes of each section of one buffer
+    section_bytes: tuple[int, ...] | None = None
+    d_state: int | None = None  # SSM state size (compared across sides when both give it)
 
     @cached_property
     def layers(self) -> tuple[int, ...]:
@@ -130,6 +137,7 @@ class Instance:
     kv_heads_per_rank: int | None = None
     total_kv_heads: int | None = None
     ranks: tuple[RankTable | None, ...] = ()
+    state_groups: frozenset[int] = frozenset()  # layer groups with ``tokens_per_slot: null``
 
     @property
     def world_size(self) -> int:
@@ -160,6 +168,10 @@ class Instance:
     def group_index(self, rank: int) -> int:
         """``g``: the rank's index inside its attention TP group."""
         return 0 if self.attention_dp else self.coords(rank)[1]
+
+    def is_state_group(self, layer_group: int) -> bool:
+        """Whether ``layer_group`` holds per-request state (one slot per request, no tokens)."""
+        return layer_group in self.state_groups
 
     def table(self, rank: int) -> RankTable:
         table = self.ranks[rank]
@@ -235,6 +247,7 @@ def parse_instance(body: Mapping[str, Any], name: str) -> Instance:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         sink.add(("model",), "must be a string")
+    state_groups = _parse_layer_groups(sink, body.get("layer_groups"), tokens)
     sink.raise_if_any()
     assert role and tp and pp and cp and tokens  # for the type checker: checked above
     if tp * pp * cp > MAX_PARALLEL:
@@ -252,6 +265,7 @@ def parse_instance(body: Mapping[str, Any], name: str) -> Instance:
         kv_heads_per_rank=kv_heads,
         total_kv_heads=total_heads,
         ranks=(None,) * (tp * pp * cp),
+        state_groups=state_groups,
     )
     raw_ranks = body.get("ranks") or []
     if not isinstance(raw_ranks, list):
@@ -281,13 +295,52 @@ def parse_instance(body: Mapping[str, Any], name: str) -> Instance:
     return instance
 
 
+def _parse_layer_groups(sink: ProblemSink, raw: Any, tokens: int | None) -> frozenset[int]:
+    """``layer_groups``: ``[{id, tokens_per_slot}]``; returns the per-request state groups."""
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list):
+        sink.add(("layer_groups",), "must be a list of {id, tokens_per_slot}")
+        return frozenset()
+    state: set[int] = set()
+    seen: set[int] = set()
+    for position, item in enumerate(raw):
+        here: Loc = ("layer_groups", position)
+        if not isinstance(item, Mapping):
+            sink.add(here, "must be an object")
+            continue
+        group = _int(sink, item, "id", here, maximum=1 << 20)
+        if "tokens_per_slot" not in item:
+            sink.add((*here, "tokens_per_slot"), "field required (null: per-request state)")
+            continue
+        per_slot = item["tokens_per_slot"]
+        if group is None:
+            continue
+        if group in seen:
+            sink.add((*here, "id"), f"layer group {group} is listed twice")
+            continue
+        seen.add(group)
+        if per_slot is None:
+            state.add(group)
+        elif isinstance(per_slot, bool) or not isinstance(per_slot, int):
+            sink.add((*here, "tokens_per_slot"), "must be an integer or null")
+        elif tokens is not None and per_slot != tokens:
+            sink.add(
+                (*here, "tokens_per_slot"),
+                f"tokens_per_slot {per_slot} differs from the instance's tokens_per_block "
+                f"{tokens}: a paged group pages by tokens_per_block; null marks per-request "
+                "state",
+            )
+    return frozenset(state)
+
+
 def parse_rank(instance: Instance, body: Mapping[str, Any]) -> RankTable:
     """Check one rank's page table against the instance it belongs to."""
     return _parse_rank(instance, body, ())
 
 
 def _parse_rank(instance: Instance, body: Mapping[str, Any], loc: Loc) -> RankTable:
-    from api.geometry.heads import view_geometry  # the head formulas live beside, not here
+    from api.geometry.state import view_geometry  # the head formulas live beside, not here
 
     sink = ProblemSink()
     rank = _int(sink, body, "rank", loc, maximum=instance.world_size - 1)
@@ -390,6 +443,8 @@ def _parse_view(
     num_heads = _int(sink, item, "num_kv_heads", here, minimum=1, required=False)
     total_heads = _int(sink, item, "total_kv_heads", here, minimum=1, required=False)
     head_dim = _int(sink, item, "head_dim", here, minimum=1, required=False)
+    d_state = _int(sink, item, "d_state", here, minimum=1, required=False)
+    sections = _parse_sections(sink, item.get("section_bytes"), (*here, "section_bytes"), layout)
     dtype = item.get("dtype")
     if not isinstance(dtype, str) or not dtype:
         sink.add((*here, "dtype"), "must be a non-empty string")
@@ -451,7 +506,31 @@ def _parse_view(
         dtype=dtype,
         buffers=tuple(buffers),
         buffers_by_layer=ordered,
+        section_bytes=sections,
+        d_state=d_state,
     )
+
+
+def _parse_sections(
+    sink: ProblemSink, raw: Any, loc: Loc, layout: str | None
+) -> tuple[int, ...] | None:
+    """``section_bytes``: required by (and only allowed with) the SECTIONED layout."""
+    if layout != "SECTIONED":
+        if raw is not None and layout is not None:
+            sink.add(loc, f"section_bytes is only allowed with layout SECTIONED, not {layout}")
+        return None
+    if (
+        not isinstance(raw, list)
+        or not 0 < len(raw) <= MAX_SECTIONS
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in raw)
+    ):
+        sink.add(
+            loc,
+            f"layout SECTIONED needs section_bytes: 1 to {MAX_SECTIONS} positive integers "
+            "(TP-aggregated bytes of each section of one buffer)",
+        )
+        return None
+    return tuple(raw)
 
 
 def _parse_buffers(sink: ProblemSink, raw: Any, loc: Loc) -> list[Buffer]:

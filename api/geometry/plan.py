@@ -32,11 +32,18 @@ tokens_per_block``; head ``i`` starts at ``i × T × u`` on the HND side (token 
 ``i × u`` on the NHD side (token step ``token_bytes``). Template size depends on the layer and
 head count, never on the number of blocks or tokens.
 
+**Per-request state** (:mod:`api.geometry.state`): state views shard over the state axis
+``tp × cp`` (1 under attention-DP), SSM heads as head ranges, SECTIONED conv state as ranges of
+section-0 bytes cut into one run per (layer, buffer, section). Their segments carry
+``state = true``: expansion applies them once, to the request's state slot on each side (no block
+alignment, no CP block filter; under CP each CP rank's own slot).
+
 **Staging.** A receiver with several writers gets each writer's exact staging offset (prefix sum of
 the writers' bytes in sender-rank order). ``equal_split_safe`` says whether the legacy equal-split
 staging would have been right: only when every overlapping sender rank writes, all write the same
-bytes per block in every layer group (block counts differ per group), and neither CP nor a
-pipelined sender is involved. kvplane itself never equal-splits.
+bytes per block in every layer group (block counts differ per group), neither CP nor a
+pipelined sender is involved, and no per-request state rides with several writers. kvplane
+itself never equal-splits.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ from api.geometry.errors import GeometryError, Problem
 from api.geometry.heads import ViewGeometry
 from api.geometry.match import Match, SenderIndex
 from api.geometry.model import Instance, View
+from api.geometry.state import StateGeometry, sectioned_runs, slice_bytes
+from api.geometry.state_checks import check_state_groups, check_state_match, involves_state
 from api.geometry.validate import (
     Findings,
     Report,
@@ -116,6 +125,7 @@ def validate_pairing(context: Instance, generation: Instance) -> Report:
         return findings.report()
     check_draft_layers(context, generation, findings)
     check_layer_counts(context, generation, findings)
+    check_state_groups(context, generation, findings)
     cache: dict[Any, ViewGeometry] = {}
     for context_dp in _dp_choices(context):
         senders = active_ranks(context, context_dp, "context_dp_rank")
@@ -140,7 +150,9 @@ def _match_all(
             found, unmatched = index.match_view(rank, view)
             report_unmatched(unmatched, findings)
             for match in found:
-                if check_match(context, generation, match, findings, cache):
+                state = involves_state(context, generation, match)
+                check = check_state_match if state else check_match
+                if check(context, generation, match, findings, cache):
                     check_coverage(context, generation, match, findings, cache)
             matches.extend(found)
     return matches
@@ -158,6 +170,7 @@ class Segment:
     dst_pool: int
     layer_group: int
     runs: np.ndarray  # int64 [n, 6]: src, dst, len, count, src_step, dst_step
+    state: bool = False  # per-request state: applied once, to the request's slot pair
 
     @cached_property
     def bytes_per_block(self) -> int:
@@ -172,6 +185,7 @@ class Segment:
             "src_pool": self.src_pool,
             "dst_pool": self.dst_pool,
             "layer_group": self.layer_group,
+            "state": self.state,
             "runs": [dict(zip(RUN_FIELDS, map(int, row), strict=True)) for row in self.runs],
         }
 
@@ -273,6 +287,11 @@ class Plan:
     def runs(self) -> int:
         return sum(route.runs for route in self.routes)
 
+    @cached_property
+    def state_groups(self) -> frozenset[int]:
+        """Layer groups the plan moves as per-request state (one slot per side)."""
+        return frozenset(s.layer_group for r in self.routes for s in r.segments if s.state)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "context": self.context,
@@ -311,6 +330,7 @@ class Plan:
                         segment["dst_pool"],
                         segment["layer_group"],
                         _runs_array([[run[f] for f in RUN_FIELDS] for run in segment["runs"]]),
+                        bool(segment.get("state", False)),
                     )
                     for segment in route["segments"]
                 ),
@@ -372,6 +392,7 @@ def compile_plan(
         _raise_incompatible(findings.report())
     check_draft_layers(context, generation, findings)
     check_layer_counts(context, generation, findings)
+    check_state_groups(context, generation, findings)
     senders = active_ranks(context, context_dp_rank, "context_dp_rank")
     receivers = active_ranks(generation, generation_dp_rank, "generation_dp_rank")
     cache: dict[Any, ViewGeometry] = {}
@@ -407,7 +428,11 @@ def compile_plan(
                     layer_group,
                     receiver_cp,
                 )
-                per_layer = _slice_bytes(match, local, lo, hi, context.tokens_per_block)
+                if isinstance(local, StateGeometry):
+                    buffers = receiver.buffers_per_layer
+                    per_layer = slice_bytes(local, lo, hi, buffers)
+                else:
+                    per_layer = _slice_bytes(match, local, lo, hi, context.tokens_per_block)
                 work.setdefault(key, []).append(_Work(match, local, lo, hi, replicas, per_layer))
     # Phase 2: each shard's layers, in order, cut into one contiguous chunk per replica.
     rotation: dict[tuple[Any, ...], int] = {}
@@ -538,6 +563,11 @@ class _RouteBuilder:
         if receiver.layout == "REPLICATED":
             runs = _stack(src, dst, size, 1, 0, 0)
             sender_heads = receiver_heads = None
+        elif receiver.layout == "SECTIONED":
+            assert isinstance(peer, StateGeometry) and isinstance(local, StateGeometry)
+            runs = sectioned_runs(src, dst, lo, hi, peer, local)
+            sender_heads = [lo - peer.shard * peer.heads, hi - peer.shard * peer.heads]
+            receiver_heads = [lo - local.shard * local.heads, hi - local.shard * local.heads]
         else:
             heads = hi - lo
             src_head = lo - peer.shard * peer.heads
@@ -586,7 +616,13 @@ class _RouteBuilder:
         routes = []
         for (sender_rank, receiver_rank), pools in sorted(self.parts.items()):
             segments = tuple(
-                Segment(src_pool, dst_pool, group, merge_runs(np.concatenate(parts)))
+                Segment(
+                    src_pool,
+                    dst_pool,
+                    group,
+                    merge_runs(np.concatenate(parts)),
+                    self.generation.is_state_group(group),
+                )
                 for (src_pool, dst_pool, group), parts in sorted(pools.items())
             )
             modulus, remainder, side = self._cp_filter(sender_rank, receiver_rank)
@@ -701,8 +737,10 @@ def _receiver_plans(
         # Block counts differ per layer group (full attention vs sliding window), so writers
         # carry equal bytes per request only if they carry equal bytes per block in every group.
         per_group = [_bytes_per_group(route) for route in mine]
+        state = any(segment.state for route in mine for segment in route.segments)
         safe = (
             bool(writers)
+            and not (state and len(writers) > 1)
             and set(writers) == overlapping[rank]
             and all(groups == per_group[0] for groups in per_group)
             and context.cp == 1

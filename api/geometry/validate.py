@@ -30,6 +30,10 @@ code                           meaning
 ``draft_layer_count_mismatch`` both sides have draft layers, but not the same number
 =============================  =====================================================================
 
+Per-request state groups (``tokens_per_slot: null``) add ``state_group_mismatch``,
+``state_bytes_mismatch``, ``section_count_mismatch``, ``section_bytes_mismatch`` and
+``d_state_mismatch``: see :mod:`api.geometry.state_checks`.
+
 Warnings: ``missing_peer_view`` (draft), ``layer_count_mismatch``, ``nhd_head_slicing``,
 ``layout_conversion`` (HND ↔ NHD, converted head by head).
 """
@@ -41,9 +45,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from api.geometry.heads import ViewGeometry, view_geometry
+from api.geometry.heads import ViewGeometry
 from api.geometry.match import Match, Unmatched
 from api.geometry.model import Instance, View
+from api.geometry.state import view_geometry
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def _geometry_rows(instance: Instance) -> list[dict[str, Any]]:
                 entry["geometry"] = view_geometry(instance, table, view)
             except GeometryError as error:
                 entry["error"] = str(error)
-            if view.num_kv_heads is None and view.layout != "REPLICATED":
+            if view.num_kv_heads is None and view.layout not in ("REPLICATED", "SECTIONED"):
                 entry["legacy"] = True
             views.append(entry)
         pp_rank, tp_rank, cp_rank = instance.coords(table.rank)

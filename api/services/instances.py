@@ -60,7 +60,25 @@ def check_if_match(row: InstanceRow | None, if_match: str | None) -> None:
 
 
 def _header(body: schemas.InstanceCreate) -> dict[str, Any]:
-    return body.model_dump(mode="json", exclude={"ranks"})
+    header = body.model_dump(mode="json", exclude={"ranks"})
+    if not header.get("layer_groups"):
+        # Stored as before per-request state existed: a re-registration stays a no-op.
+        header.pop("layer_groups", None)
+    return header
+
+
+_STATE_VIEW_FIELDS = ("d_state", "section_bytes")
+
+
+def _rank_body(rank: schemas.RankCreate) -> dict[str, Any]:
+    """A rank as stored; state-only view fields are left out when unset (bodies of older
+    clients stay byte-identical, so re-registering them changes nothing)."""
+    body = rank.model_dump(mode="json")
+    for view in body["views"]:
+        for key in _STATE_VIEW_FIELDS:
+            if view.get(key) is None:
+                view.pop(key, None)
+    return body
 
 
 def _find(session: Session, name: str, *, for_update: bool = False) -> InstanceRow | None:
@@ -118,7 +136,9 @@ def _touch(session: Session, row: InstanceRow, instance: Instance) -> None:
     mark_stale_for_instance(session=session, instance_id=row.id)
     # Jobs planned on the old epoch must never run against the new memory layout.
     fail_transfers_of_instance(
-        session=session, instance_id=row.id, now=row.updated_at,
+        session=session,
+        instance_id=row.id,
+        now=row.updated_at,
         reason=f"peer_restarted: {row.name} re-registered (new epoch {row.epoch}); no byte of "
         "the old layout is used",
     )
@@ -133,7 +153,7 @@ def register_instance(
 ) -> tuple[InstanceRow, bool, bool]:
     """Register or replace ``name``; returns ``(row, created, changed)``."""
     header = _header(body)
-    rank_bodies = [rank.model_dump(mode="json") for rank in body.ranks]
+    rank_bodies = [_rank_body(rank) for rank in body.ranks]
     try:
         instance = parse_instance({**header, "ranks": rank_bodies}, name)
     except GeometryError as error:
@@ -209,7 +229,7 @@ def report_rank(
     if row is None:
         raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
     check_if_match(row, if_match)
-    rank_body = body.model_dump(mode="json")
+    rank_body = _rank_body(body)
     stored = {r.rank: r for r in row.ranks}
     old = stored.get(rank)
     if old is not None and old.body == rank_body:
@@ -240,7 +260,9 @@ def delete_instance(*, session: Session, name: str, if_match: str | None = None)
         raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
     check_if_match(row, if_match)
     fail_transfers_of_instance(
-        session=session, instance_id=row.id, now=utcnow(),
+        session=session,
+        instance_id=row.id,
+        now=utcnow(),
         reason=f"peer_left: {row.name} was deregistered",
     )
     session.execute(delete(InstanceRow).where(InstanceRow.id == row.id))
@@ -265,6 +287,9 @@ def instance_summary(row: InstanceRow) -> schemas.InstanceSummary:
         tokens_per_block=header["tokens_per_block"],
         kv_heads_per_rank=header.get("kv_heads_per_rank"),
         total_kv_heads=header.get("total_kv_heads"),
+        layer_groups=[
+            schemas.LayerGroupCreate.model_validate(g) for g in header.get("layer_groups", [])
+        ],
         world_size=row.world_size,
         missing_ranks=[r for r in range(row.world_size) if r not in reported],
         created_at=row.created_at,

@@ -88,11 +88,11 @@ def test_documented_examples_are_accepted_by_the_server(tmp_path: Path) -> None:
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'docs.db'}",
                               migrate_on_startup=True))
     with TestClient(app) as client:
-        for name, body in examples():
+        for number, (name, body) in enumerate(examples()):
             model = getattr(schemas, name)
             model.model_validate_json(body)  # strict, unknown fields refused
             if name == "InstanceCreate":  # and the page-table rules hold
-                response = client.put("/v1/instances/docs-example", content=body,
+                response = client.put(f"/v1/instances/docs-example-{number}", content=body,
                                       headers={"Content-Type": "application/json"})
                 assert response.status_code == 201, response.text
 

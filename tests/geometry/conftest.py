@@ -9,6 +9,11 @@ Every byte of every view buffer of every rank gets an int64 *label* saying what 
     (tag, owner, roles, layer, buffer index, global head, token, byte-within-head-token)
 
 (REPLICATED: ``(tag, owner, roles, layer, buffer, byte)`` — whole buffer, identical on all ranks).
+Per-request state views (layer groups with ``tokens_per_slot: null``) label by their own axis
+``G_s = tp × cp`` (1 under attention-DP), ``g_s = tp_rank × cp + cp_rank``: HND ``(…, global SSM
+head, 0, byte within head)``; SECTIONED ``(…, section, global byte of the section)`` with the
+section split contiguously over ``G_s`` and a rank's shares concatenated in section order. The
+request's state slot holds ``tag = STATE_TAG`` on both sides (``[slot]``, or one per CP rank).
 ``tag`` is the logical block (aligned position + 1) a slot holds for this request; slots outside
 the aligned suffix, and ranks of other attention-DP groups, hold ``tag = 0`` ("other data"), so a
 fragment that reads them lands a wrong label. Bytes no view covers are ``-1``.
@@ -42,7 +47,14 @@ _BYTE_BITS, _TOKEN_BITS, _HEAD_BITS, _BUF_BITS, _LAYER_BITS, _ROLES_BITS, _OWNER
     2,
 )
 _REPL_BITS = 1
-_ROLE_CODES: dict[tuple[str, ...], int] = {("key", "value"): 1, ("key",): 2, ("value",): 3}
+_ROLE_CODES: dict[tuple[str, ...], int] = {
+    ("key", "value"): 1,
+    ("key",): 2,
+    ("value",): 3,
+    ("conv_state",): 4,
+    ("ssm_state",): 5,
+}
+STATE_TAG = 1
 _OWNER_CODES = {"target": 1, "draft": 2}
 
 
@@ -115,6 +127,16 @@ def coords(instance: Instance, rank: int) -> tuple[int, int, int]:
 def geo(instance: Instance, table: RankTable, view: View) -> Geo:
     if view.layout == "REPLICATED":
         return Geo(0, 0, True)
+    if table.pools[view.pool].layer_group in instance.state_groups:
+        axis, index = state_axis(instance, table.rank)
+        if view.layout == "SECTIONED":  # positions: bytes of section 0, no replicas
+            assert view.section_bytes is not None
+            share = view.section_bytes[0] // axis
+            return Geo(share, index * share, False)
+        total = view.total_kv_heads or (view.num_kv_heads or 0) * axis
+        shards = min(axis, total)
+        h = total // shards
+        return Geo(h, (index // (axis // shards)) * h, False)
     group = 1 if instance.attention_dp else instance.tp
     g = 0 if instance.attention_dp else coords(instance, table.rank)[1]
     declared = view.num_kv_heads
@@ -140,10 +162,59 @@ def active(instance: Instance, dp_rank: int | None) -> list[int]:
     return [r for r in ranks if coords(instance, r)[1] == dp_rank]
 
 
+def is_state(instance: Instance, table: RankTable, view: View) -> bool:
+    return table.pools[view.pool].layer_group in instance.state_groups
+
+
+def state_axis(instance: Instance, rank: int) -> tuple[int, int]:
+    """``(G_s, g_s)`` straight from DESIGN "Recurrent state"."""
+    if instance.attention_dp:
+        return 1, 0
+    _, tp_rank, cp_rank = coords(instance, rank)
+    return instance.tp * instance.cp, tp_rank * instance.cp + cp_rank
+
+
+def state_labels(
+    instance: Instance, table: RankTable, view: View, layer: int, buf: int, tag: int
+) -> np.ndarray:
+    """Label one state buffer: SSM heads (HND), sections (SECTIONED) or a whole region."""
+    size = view.buffers_by_layer[layer][buf].size
+    b = np.arange(size, dtype=np.int64)
+    roles = tuple(sorted(view.roles))
+    axis, index = state_axis(instance, table.rank)
+    if view.layout == "REPLICATED":
+        return _encode(tag, view.owner, roles, layer, buf, 0, 0, b, True)
+    if view.layout == "SECTIONED":
+        assert view.section_bytes is not None
+        section = np.empty(size, dtype=np.int64)
+        position = np.empty(size, dtype=np.int64)
+        start = 0
+        for i, total in enumerate(view.section_bytes):
+            share = total // axis
+            section[start : start + share] = i
+            position[start : start + share] = index * share + np.arange(share)
+            start += share
+        assert start == size, "oracle: sections do not fill the buffer"
+        token, byte = np.divmod(position, 1 << _BYTE_BITS)
+        return _encode(tag, view.owner, roles, layer, buf, section, token, byte, False)
+    total = view.total_kv_heads
+    if total is None:
+        assert view.num_kv_heads is not None
+        total = view.num_kv_heads * axis
+    shards = min(axis, total)
+    replicas = axis // shards
+    h = total // shards
+    head, byte = np.divmod(b, size // h)
+    first = (index // replicas) * h
+    return _encode(tag, view.owner, roles, layer, buf, first + head, 0, byte, False)
+
+
 def buffer_labels(
     instance: Instance, table: RankTable, view: View, layer: int, buf: int, tag: int
 ) -> np.ndarray:
     """Label every byte of one buffer: HND ``[heads][tokens][…]``, NHD ``[tokens][heads][…]``."""
+    if is_state(instance, table, view):
+        return state_labels(instance, table, view, layer, buf, tag)
     size = view.buffers_by_layer[layer][buf].size
     b = np.arange(size, dtype=np.int64)
     g = geo(instance, table, view)
@@ -243,6 +314,16 @@ def aligned_tags(
     )
 
 
+def state_slot(ids: Sequence[Any], instance: Instance, rank: int) -> int | None:
+    """The request's state slot on ``rank``: ``[s]`` on every CP rank, or ``[[s0], [s1], …]``."""
+    if not ids:
+        return None
+    cp_rank = coords(instance, rank)[2]
+    first = ids[cp_rank] if isinstance(ids[0], (list, tuple)) else ids
+    assert len(first) <= 1
+    return int(first[0]) if first else None
+
+
 def _cp_share(instance: Instance, rank: int, tags: Sequence[tuple[int, int]]) -> dict[int, int]:
     """Under CP, logical block ``j`` (tag ``j + 1``) lives on ``cp_rank = j % cp`` only."""
     cp_rank = coords(instance, rank)[2]
@@ -266,7 +347,19 @@ def check_transfer(
     if not isinstance(blocks, Mapping):
         blocks = {0: blocks}
     expansion = expand(plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()})
-    tags_by_group = {g: aligned_tags(c, r, gen.cp) for g, (c, r) in blocks.items()}
+    state_groups = ctx.state_groups | gen.state_groups
+    tags_by_group = {
+        g: aligned_tags(c, r, gen.cp) for g, (c, r) in blocks.items() if g not in state_groups
+    }
+    state_ids = {g: (c, r) for g, (c, r) in blocks.items() if g in state_groups}
+
+    def state_tags(instance: Instance, rank: int, group: int, side: int) -> dict[int, int]:
+        ids = state_ids.get(group, ([], []))
+        if any(not part for part in ids):  # either side names no slot: nothing moves
+            return {}
+        slot = state_slot(ids[side], instance, rank)
+        return {} if slot is None else {slot: STATE_TAG}
+
     senders = active(ctx, context_dp_rank)
     receivers = active(gen, generation_dp_rank)
 
@@ -287,6 +380,8 @@ def check_transfer(
         for pool_id, pool in table.pools.items():
             group_tags = tags_by_group.get(pool.layer_group, ([], []))[0]
             tags = _cp_share(ctx, rank, group_tags) if rank in senders else {}
+            if pool.layer_group in state_groups:
+                tags = state_tags(ctx, rank, pool.layer_group, 0) if rank in senders else {}
             sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags)
 
     expected: dict[tuple[int, int], np.ndarray] = {}
@@ -296,6 +391,8 @@ def check_transfer(
         assert table is not None
         for pool_id, pool in table.pools.items():
             group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ([], []))[1])
+            if pool.layer_group in state_groups:
+                group_tags = state_tags(gen, rank, pool.layer_group, 1)
             if rank in receivers:
                 want = pool_memory(gen, rank, pool_id, group_tags, keep=needed, default_tag=None)
             else:
@@ -425,4 +522,6 @@ def oracle() -> SimpleNamespace:
         pool_memory=pool_memory,
         aligned_tags=aligned_tags,
         ViewSpec=ViewSpec,
+        state_axis=state_axis,
+        STATE_TAG=STATE_TAG,
     )

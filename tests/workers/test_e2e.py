@@ -285,3 +285,31 @@ def test_peer_reregistering_mid_transfer_fails_it_with_peer_restarted(fleet: Fle
     (send,) = [p for p in fleet.client.list_parts(created["id"])["items"]
                if p["kind"] == "send"]
     assert send["state"] == "failed" and "peer_restarted" in send["error"], send
+
+
+def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet) -> None:
+    """A hybrid model (paged attention + per-request Mamba state), TP 2 → TP 1: the conv-state
+    sections and SSM heads of both context ranks land in the generation's state slot."""
+    from api.geometry.state_builders import HybridSpec, hybrid_body
+
+    spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=16, ssm_heads=8,
+                      ssm_head_dim=8, d_state=4, conv_channels=(64, 16, 16), d_conv=4)
+    bodies = {}
+    for name, role, tp in (("ctx", "context", 2), ("gen", "generation", 1)):
+        bodies[name] = hybrid_body(role=role, spec=spec, tp=tp, tokens_per_block=8, num_slots=32,
+                                   state_slots=4)
+        fleet.client.register_instance(name, bodies[name])
+    assert fleet.client.create_pairing("ctx", "gen")["compatible"]
+    _start_all(fleet, 2, 1)
+    blocks = {"0": BLOCKS["0"], "1": {"context": [3], "generation": [1]}}
+    plan = compile_plan(parse_instance(bodies["ctx"], "ctx"), parse_instance(bodies["gen"], "gen"))
+    want = expand(plan, {0: (blocks["0"]["context"], blocks["0"]["generation"]), 1: ([3], [1])})
+    for mode in ("staged", "fragments"):
+        created = _transfer(fleet, f"hybrid-{mode}", mode=mode, blocks=blocks)
+        done = fleet.client.get_transfer(created["id"], wait_s=60)
+        assert done["status"] == "done", done["error"]
+        assert done["bytes"] == want.bytes
+    with pytest.raises(ApiError) as refused:
+        _transfer(fleet, "hybrid-bad", blocks={**blocks, "1": {"context": [0, 1],
+                                                               "generation": [1]}})
+    assert refused.value.status == 422

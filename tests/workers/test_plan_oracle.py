@@ -93,3 +93,51 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
         r["bytes_per_block"] * align_blocks(r, blocks)[0][0].size for r in routes
     )
     assert np.all([s.numel() for s in staging.values()])
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen", "state"),
+    [
+        ({"tp": 4}, {"tp": 2}, ([2], [1])),
+        ({"tp": 2}, {"tp": 4}, ([0], [3])),
+        ({"tp": 1}, {"tp": 2}, ([1], [0])),
+        ({"tp": 2}, {"tp": 2, "cp": 2}, ([2], [[1], [3]])),  # helix: a slot per CP rank
+    ],
+)
+def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, gen, state):
+    from api.geometry.state_builders import HybridSpec, hybrid_body
+
+    spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=8, ssm_heads=8,
+                      ssm_head_dim=4, d_state=4, conv_channels=(32, 16, 16), d_conv=4)  # fmt: skip
+    ctx_body = hybrid_body(role="context", spec=spec, tokens_per_block=4, num_slots=8, **ctx)
+    gen_body = hybrid_body(role="generation", spec=spec, tokens_per_block=4, num_slots=8, **gen)
+    plan = geometry.compile_plan(
+        geometry.parse_instance(ctx_body, "ctx"), geometry.parse_instance(gen_body, "gen")
+    )
+    blocks = {0: ([5, 6, 1], [4, 0]), 1: state}
+    expansion = geometry.expand(plan, blocks)
+    senders = _fleet(ctx_body, 0)
+    want = _fleet(gen_body, 100)
+    for route in expansion.routes:
+        src_pools, dst_pools = senders[route.route.sender_rank], want[route.route.receiver_rank]
+        for sp, so, dp, do, ln in route.fragment_rows().tolist():
+            dst_pools[dp].tensor[do : do + ln] = src_pools[sp].tensor[so : so + ln]
+
+    direct = _fleet(gen_body, 100)
+    staged = _fleet(gen_body, 100)
+    state_bytes = 0
+    for route in (r.to_dict() for r in plan.routes):
+        bs, bd = align_blocks(route, blocks)
+        assert bs[1].size == bd[1].size == 1  # the state group: one slot pair per route
+        copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
+        layout = staging_layout(route, bs)
+        area = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        gather(route, senders[route["sender_rank"]], bs, out=area)
+        scatter(route, area, staged[route["receiver_rank"]], bd)
+        state_bytes += layout.group(1)[1]
+    # 3 recurrent layers: conv (32 + 16 + 16) × 3 × 2 bytes and 8 heads × 4 × 4 × 4 bytes each
+    assert state_bytes == 3 * (64 * 3 * 2 + 8 * 4 * 4 * 4)
+    for rank, pools in want.items():
+        for pid, pool in pools.items():
+            assert torch.equal(direct[rank][pid].tensor, pool.tensor), f"direct rank {rank}"
+            assert torch.equal(staged[rank][pid].tensor, pool.tensor), f"staged rank {rank}"
