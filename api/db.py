@@ -2,13 +2,19 @@
 
 SQLite (default) runs in WAL mode with ``foreign_keys=ON`` and a ``busy_timeout``; write
 transactions start with ``BEGIN IMMEDIATE`` so two writers queue on the lock instead of
-deadlocking on an upgrade from a read lock. A lock that outlasts the busy timeout surfaces as
-``OperationalError("database is locked")``, which ``api.errors`` turns into 503 + Retry-After.
+deadlocking on an upgrade from a read lock. Within one process, writers first queue on a Python
+lock: SQLite's busy handler polls with sleeps of up to 100 ms, so under a burst of writes
+(records, REST transfers, heartbeats) a waiter slept long after the lock was free; the Python
+lock hands it over at once. The busy handler still arbitrates between processes. A lock that
+outlasts the busy timeout surfaces as ``OperationalError("database is locked")``, which
+``api.errors`` turns into 503 + Retry-After.
 PostgreSQL uses psycopg 3 at ``READ COMMITTED`` with ``pool_pre_ping``.
 """
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -17,6 +23,7 @@ from typing import Any
 
 from sqlalchemy import DateTime, Dialect, Engine, MetaData, TypeDecorator, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 NAMING_CONVENTION = {
@@ -108,6 +115,9 @@ class Database:
         write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(write_engine, expire_on_commit=False)
+        # SQLite has one writer at a time: this process's writers queue here (see the module).
+        self._write_lock = threading.RLock() if is_sqlite(url) else None
+        self._write_wait_s = sqlite_busy_timeout_ms / 1000
 
     @contextmanager
     def read(self) -> Iterator[Session]:
@@ -118,8 +128,16 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A session inside a write transaction: committed on success, rolled back on error."""
-        with self._write() as session, session.begin():
-            yield session
+        lock = self._write_lock
+        if lock is not None and not lock.acquire(timeout=self._write_wait_s):
+            raise OperationalError("BEGIN IMMEDIATE", None,
+                                   sqlite3.OperationalError("database is locked"))
+        try:
+            with self._write() as session, session.begin():
+                yield session
+        finally:
+            if lock is not None:
+                lock.release()
 
     def dispose(self) -> None:
         """Close every pooled connection."""

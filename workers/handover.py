@@ -89,10 +89,15 @@ CHUNK_BLOCKS = 16
 QUARANTINE_MARGIN_S = 5.0
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
-# While any handle is pending, the loop polls NIXL this often: a notification (a grant, a
-# chunk) waits at most this long to be seen, and every hop of a handover pays it. 0.5 ms here
-# cost ~1 ms per request at 4 blocks (two hops); the raw bench loop polls as often.
+# While a handle is pending, the loop polls NIXL every BUSY_SLEEP_S: a notification (a grant,
+# a chunk) waits at most that long to be seen, and every hop of a handover pays it (0.5 ms here
+# cost ~1 ms per request at 4 blocks: two hops). The raw bench loop polls as often. After
+# BUSY_POLLS polls without progress (a peer that has not called yet), it polls every
+# PATIENT_SLEEP_S instead: each poll costs ~15 us of CPU, and six spinning ranks on two cores
+# slowed the ranks that had work to do.
 BUSY_SLEEP_S = 0.00005
+BUSY_POLLS = 40
+PATIENT_SLEEP_S = 0.00025
 # mode="auto": fragments (pool to pool, no copies) when a route's fragments average at least
 # this many bytes; otherwise staged (gather, one WRITE per chunk, scatter).
 AUTO_FRAGMENT_BYTES = 8192
@@ -370,8 +375,8 @@ class Handover:
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
         ``fragments`` or ``auto`` (fragments when the routes' fragments average at least
         ``AUTO_FRAGMENT_BYTES`` or staging cannot hold them, else staged; both sides resolve it
-        alike from the same plan); ``verify``: crc32 of every route's bytes on both sides (recorded);
-        ``context``: the caller's extras, kept on ``handle.context``. Raises
+        alike from the same plan); ``verify``: crc32 of every route's bytes on both sides
+        (recorded); ``context``: the caller's extras, kept on ``handle.context``. Raises
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
         return self._start("send", request_id, peer, blocks, context_dp_rank,
@@ -540,19 +545,22 @@ class Handover:
         self._wake.set()
 
     def _loop(self) -> None:
+        quiet = 0  # polls in a row that moved nothing
         try:
             while not self._closed:
+                woken = self._wake.is_set()
+                self._wake.clear()
                 try:
                     with self._mutex:
-                        busy = self._step()
+                        busy, progressed = self._step()
                 except Exception:  # never let one bad step kill the hot path
                     log.exception("handover progress step failed")
-                    busy = False
+                    busy = progressed = False
+                quiet = 0 if progressed or woken else quiet + 1
                 if busy:
-                    time.sleep(BUSY_SLEEP_S)
+                    time.sleep(BUSY_SLEEP_S if quiet < BUSY_POLLS else PATIENT_SLEEP_S)
                 else:
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
+                    self._wake.wait(IDLE_WAIT_S)  # cleared (and counted) at the loop's top
         finally:
             # Whatever was started but not finished when the loop ends fails, never hangs.
             self._closed = True
@@ -563,12 +571,17 @@ class Handover:
                 with contextlib.suppress(Exception):
                     self._fail(op, "the worker stopped", notify=False)
 
-    def _step(self) -> bool:
+    def _step(self) -> tuple[bool, bool]:
+        """One poll: ``(handles pending, something moved)``."""
+        progressed = bool(self._inbox)
         while self._inbox:
             self._inbox.popleft()()
         if self._closed:
-            return False
-        for agent, msgs in self.transport.drain_notifications().items():
+            return False, progressed
+        finished = len(self._finished)
+        notifications = self.transport.drain_notifications()
+        progressed = progressed or bool(notifications)
+        for agent, msgs in notifications.items():
             for msg in msgs:
                 try:
                     self._on_notification(agent, msg)
@@ -586,7 +599,7 @@ class Handover:
         self.areas.reclaim(now)
         if self._early:
             self._expire_early(now)
-        return bool(self._ops)
+        return bool(self._ops), progressed or len(self._finished) != finished
 
     def _begin(self, op: _Op) -> None:
         self._ops[id(op)] = op
