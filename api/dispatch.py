@@ -12,6 +12,20 @@ Both live in one API process. With several processes on one PostgreSQL database 
 and a router's request may reach different processes: the push then goes through the database's
 ``LISTEN``/``NOTIFY`` (:class:`PostgresRelay`), and a waiter re-reads the transfer once a second
 in case another process settled it.
+
+When an API process dies, or a worker's stream moves to another process, a command can be lost
+on the way: pushed into a stream that is gone, relayed while the worker held no stream anywhere,
+or committed by a process that died before it pushed. Delivery is therefore *at least once*:
+
+- a stream that dropped here moments ago (the reconnect grace) may come back here or open on
+  another process: its commands are queued here **and** relayed;
+- a stream that opens re-sends what the database says its worker still owes: the commands of
+  running transfers for its rank that have no recorded part yet
+  (``services/execution.py``, :func:`~api.services.execution.commands_owed`);
+- an ``Idempotency-Key`` replay of a running transfer re-sends them too (the client retries
+  through another process when the first one died before answering).
+
+Workers drop a command whose ``xid`` and side they have already seen, so a duplicate is harmless.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +58,7 @@ class CommandHub:
         self._dropped: dict[str, float] = {}
         self._lock = threading.Lock()
         self.relay: PostgresRelay | None = None
+        self.origin = uuid.uuid4().hex  # names this process on the relay
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -88,7 +104,15 @@ class CommandHub:
         local: list[tuple[str, dict[str, Any]]] = []
         remote: list[tuple[str, dict[str, Any]]] = []
         for worker_id, message in commands:
-            (local if self.connected(worker_id) else remote).append((worker_id, message))
+            if self.connected(worker_id):
+                local.append((worker_id, message))
+                if self.relay is not None and worker_id in self._dropped:
+                    # Its stream dropped moments ago: it may come back here, or it may be
+                    # reconnecting to another API process (this one's peer died, or a load
+                    # balancer moved it). Both get the command; the worker drops the second.
+                    remote.append((worker_id, message))
+            else:
+                remote.append((worker_id, message))
         if local and self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, local)
         if remote and self.relay is not None:
@@ -126,6 +150,11 @@ class CommandHub:
                 while not queue.empty():  # its transfers fail at their deadlines
                     queue.get_nowait()
                 queue.put_nowait(None)  # the stream ends; the worker reconnects
+
+    def deliver_now(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+        """Deliver into streams held here (call on the event loop)."""
+        if messages:
+            self._deliver(messages)
 
     def deliver_threadsafe(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         if self._loop is not None:
@@ -195,8 +224,8 @@ class PostgresRelay:
         try:
             with self._connect() as conn:
                 for worker_id, message in messages:
-                    payload = json.dumps({"worker_id": worker_id, "message": message},
-                                         separators=(",", ":"))
+                    payload = json.dumps({"worker_id": worker_id, "message": message,
+                                          "origin": self.hub.origin}, separators=(",", ":"))
                     if len(payload) > 7900:
                         log.warning("command for worker %s too large to relay (%d bytes)",
                                     worker_id, len(payload))
@@ -214,6 +243,8 @@ class PostgresRelay:
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=1.0):
                             data = json.loads(note.payload)
+                            if data.get("origin") == self.hub.origin:
+                                continue  # our own push: delivered here already if it could
                             if self.hub.connected(data["worker_id"]):
                                 self.hub.deliver_threadsafe(
                                     [(data["worker_id"], data["message"])])

@@ -90,7 +90,26 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
             headers={"Retry-After": "2"},
         )
     attempt = transfer.attempt + 1
-    command = {
+    command = _command(transfer, attempt, context, generation, timeout_s)
+    commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
+                for r in sorted(senders)]
+    commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
+                 for r in sorted(receivers)]
+    transfer.attempt = attempt
+    transfer.status = "running" if commands else "done"
+    transfer.error = None
+    transfer.started_at = now
+    transfer.finished_at = None if commands else now
+    transfer.deadline_at = now + timedelta(seconds=timeout_s)
+    transfer.updated_at = now
+    session.flush()
+    return commands
+
+
+def _command(transfer: TransferRow, attempt: int, context: InstanceRow,
+             generation: InstanceRow, timeout_s: float) -> dict[str, Any]:
+    """What every rank of one attempt is told (``side`` and ``rank`` added per rank)."""
+    return {
         "type": "transfer",
         "transfer_id": transfer.id,
         "attempt": attempt,
@@ -107,19 +126,76 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
         "verify": transfer.verify,
         "timeout_s": timeout_s,
     }
-    commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
-                for r in sorted(senders)]
-    commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
-                 for r in sorted(receivers)]
-    transfer.attempt = attempt
-    transfer.status = "running" if commands else "done"
-    transfer.error = None
-    transfer.started_at = now
-    transfer.finished_at = None if commands else now
-    transfer.deadline_at = now + timedelta(seconds=timeout_s)
-    transfer.updated_at = now
-    session.flush()
-    return commands
+
+
+MIN_RESEND_S = 0.5  # a command with less time left than this would only fail at its worker
+RESEND_BATCH = 1000  # running transfers one stream (re)connection looks at, at most
+
+
+def commands_owed(*, session: Session, now: datetime, transfers: Sequence[TransferRow],
+                  worker: WorkerRow | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The commands of running ``transfers`` that may never have reached their workers:
+    ``[(worker_id, command)]`` for every rank taking part that has recorded no part of the
+    current attempt, sent to the rank's live worker if it attached before the attempt started
+    (so it is the worker the attempt was dispatched to); only to ``worker`` when given.
+
+    The worker may have the command already (it is running it, or its record is still on the
+    way): workers drop a command whose ``xid`` and side they have seen. ``timeout_s`` is what
+    is left of the attempt's deadline, so both sides still give up together.
+    """
+    running = [t for t in transfers if t.status in ACTIVE and t.execute and t.attempt > 0
+               and t.deadline_at is not None and t.started_at is not None
+               and (t.deadline_at - now).total_seconds() > MIN_RESEND_S]
+    if not running:
+        return []
+    reported = set(session.execute(
+        select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
+        .where(JobRow.transfer_id.in_([t.id for t in running]))).all())
+    instances: dict[str, tuple[InstanceRow, dict[int, WorkerRow]]] = {}
+
+    def ranks_of(name: str) -> tuple[InstanceRow, dict[int, WorkerRow]]:
+        if name not in instances:
+            instance = instance_by_name(session, name)
+            instances[name] = (instance, live_workers(session, instance, now))
+        return instances[name]
+
+    owed: list[tuple[str, dict[str, Any]]] = []
+    for transfer in running:
+        assert transfer.deadline_at is not None and transfer.started_at is not None
+        try:
+            context, senders_live = ranks_of(transfer.context_name)
+            generation, receivers_live = ranks_of(transfer.generation_name)
+        except NotFound:
+            continue  # an instance left: its transfers fail on their own
+        command = _command(transfer, transfer.attempt, context, generation,
+                           (transfer.deadline_at - now).total_seconds())
+        senders, receivers = participants(transfer.summary)
+        for side, kind, ranks, live in (("send", "send", senders, senders_live),
+                                        ("receive", "receive", receivers, receivers_live)):
+            for rank in sorted(ranks):
+                target = live.get(rank)
+                if (target is None or (transfer.id, transfer.attempt, kind, rank) in reported
+                        or target.registered_at > transfer.started_at
+                        or (worker is not None and target.id != worker.id)):
+                    continue
+                owed.append((target.id, {**command, "side": side, "rank": rank}))
+    return owed
+
+
+def commands_owed_to(*, session: Session, worker_id: str,
+                     now: datetime) -> list[tuple[str, dict[str, Any]]]:
+    """What a worker whose command stream just opened may have missed (see
+    :func:`commands_owed`): running transfers of its instance in which its rank takes part."""
+    worker = current_worker(session=session, worker_id=worker_id)
+    instance = worker.instance
+    column = (TransferRow.context_name if instance.role == "context"
+              else TransferRow.generation_name)
+    transfers = list(session.scalars(
+        select(TransferRow).where(TransferRow.status.in_(ACTIVE), column == instance.name,
+                                  TransferRow.execute.is_(True),
+                                  TransferRow.deadline_at > now)
+        .order_by(TransferRow.started_at).limit(RESEND_BATCH)))
+    return commands_owed(session=session, now=now, transfers=transfers, worker=worker)
 
 
 def retry_transfer(*, session: Session, transfer_id: str, now: datetime,
