@@ -139,8 +139,10 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
     current attempt, sent to the rank's live worker if it attached before the attempt started
     (so it is the worker the attempt was dispatched to); only to ``worker`` when given.
 
-    The worker may have the command already (it is running it, or its record is still on the
-    way): workers drop a command whose ``xid`` and side they have seen. ``timeout_s`` is what
+    Engine-path transfers (rows created by their first record, running until every rank's
+    record is in) are never dispatched, so nothing is owed for them. The worker may have the
+    command already (it is running it, or its record is still on the way): workers drop a
+    command whose ``xid`` and side they have seen. ``timeout_s`` is what
     is left of the attempt's deadline, so both sides still give up together.
     """
     running = [t for t in transfers if t.status in ACTIVE and t.execute and t.attempt > 0
@@ -167,6 +169,9 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
             generation, receivers_live = ranks_of(transfer.generation_name)
         except NotFound:
             continue  # an instance left: its transfers fail on their own
+        if transfer.pairing_id is not None and transfer.id == engine_transfer_id(
+                transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id):
+            continue  # an engine-path transfer: the engines started it, nobody dispatched it
         command = _command(transfer, transfer.attempt, context, generation,
                            (transfer.deadline_at - now).total_seconds())
         senders, receivers = participants(transfer.summary)
@@ -253,6 +258,7 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     accepted = 0
     touched: dict[str, int] = {}
     records = sorted(body.records, key=_record_transfer_id)
+    _insert_engine_rows(session, records, now)
     # Lock the batch's transfers first, in id order. Otherwise a part's insert takes a key-share
     # lock on its transfer and settle() then waits for FOR UPDATE: two workers' batches over the
     # same transfers deadlock on PostgreSQL. The lock also makes a part's check-then-insert safe
@@ -295,6 +301,50 @@ def _record_transfer_id(record: wire.TransferRecord) -> str:
                               record.request_id)
 
 
+def _insert_engine_rows(session: Session, records: Sequence[wire.TransferRecord],
+                        now: datetime) -> None:
+    """Create the rows of the batch's engine-path transfers that do not exist yet, before any
+    row lock is taken, in id order, each ``ON CONFLICT DO NOTHING``.
+
+    Created later, one by one among the locks (as before), a row that another batch inserted
+    after this one's ``FOR UPDATE`` is locked out of id order: two batches of different workers
+    over the same engine transfers then deadlock on PostgreSQL (a 503 the worker retries, but
+    its records come late). Here a batch only waits on another's uncommitted insert of the same
+    id, in id order, holding no row lock yet: no cycle.
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record.transfer_id is None:
+            tid = _record_transfer_id(record)
+            if tid not in rows:
+                rows[tid] = _engine_row(tid, record, now)
+    if not rows:
+        return
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(TransferRow).on_conflict_do_nothing(index_elements=["id"])
+    session.execute(statement, [rows[tid] for tid in sorted(rows)])
+
+
+def _engine_row(tid: str, record: wire.TransferRecord, now: datetime) -> dict[str, Any]:
+    """The row an engine-path transfer gets from its first record (no plan yet)."""
+    started = _unix(record.started_at)
+    return {
+        "id": tid, "pairing_id": None, "plan_id": None,
+        "context_name": record.context, "generation_name": record.generation,
+        "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
+        "generation_dp_rank": record.generation_dp_rank, "status": "running", "execute": True,
+        "blocks": {}, "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
+        "fragments": 0, "idempotency_key": None, "request_hash": "",
+        "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
+        "attempt": 1, "max_attempts": 1, "started_at": started,
+        # The other ranks' records may arrive a batch (or an outage) later than this one.
+        "deadline_at": max(started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
+                           now + timedelta(seconds=ENGINE_RECORD_GRACE_S)),
+    }
+
+
 def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
     """Records of a worker whose instance re-registered since are still the truth about what
     happened then: only an unknown worker is refused."""
@@ -317,20 +367,7 @@ def _transfer_of(session: Session, record: wire.TransferRecord,
         if not row.blocks and record.blocks:  # the first record came without block lists
             _describe(session, row, record)
         return row
-    started = _unix(record.started_at)
-    values = {
-        "id": tid, "pairing_id": None, "plan_id": None,
-        "context_name": record.context, "generation_name": record.generation,
-        "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
-        "generation_dp_rank": record.generation_dp_rank, "status": "running", "execute": True,
-        "blocks": {}, "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
-        "fragments": 0, "idempotency_key": None, "request_hash": "",
-        "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
-        "attempt": 1, "max_attempts": 1, "started_at": started,
-        # The other ranks' records may arrive a batch (or an outage) later than this one.
-        "deadline_at": max(started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
-                           now + timedelta(seconds=ENGINE_RECORD_GRACE_S)),
-    }
+    values = _engine_row(tid, record, now)  # normally inserted by _insert_engine_rows
     try:
         with session.begin_nested():
             session.add(TransferRow(**values))

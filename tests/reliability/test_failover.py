@@ -369,6 +369,9 @@ def test_one_api_process_killed_mid_burst_loses_and_duplicates_nothing(
         )
     stats = fleet.call_all("stats")
     assert {s["control_plane"] for s in stats} == {b.url}
+    # No handle failed on any rank: a command re-sent after the kill never started a second
+    # (doomed) handle, and nothing was re-sent for engine-path transfers.
+    assert [s["errors"] for s in stats if s["failed"]] == []
     moved = sum(1 for r in routers.results if r["moved"])
     engine_lat = [
         (started > killed["at"], statistics.median(run.latencies_s()) * 1000)
@@ -380,6 +383,17 @@ def test_one_api_process_killed_mid_burst_loses_and_duplicates_nothing(
         f"by workers: {sum(s['duplicate_commands'] for s in stats)}"
     )
     print(_phase_table(routers.results, killed["at"]))
+    slowest = max(routers.results, key=lambda r: r["finished"] - r["started"])
+    with Client(b.url) as on_b:
+        read = on_b.get_transfer(slowest["id"])
+        parts = on_b.list_parts(slowest["id"])["items"]
+    print(
+        f"slowest REST transfer: {slowest['request_id']} started "
+        f"{slowest['started'] - killed['at']:+.2f} s from the kill, took "
+        f"{slowest['finished'] - slowest['started']:.2f} s (attempt {read['attempt']}, "
+        f"created {read['created_at']}, finished {read['finished_at']}; parts finished "
+        f"{sorted(str(p['finished_at']) for p in parts)})"
+    )
     print(
         "engine rounds (p50 ms, before/after the kill): "
         + ", ".join(f"{'after' if after else 'before'} {p50:.1f}" for after, p50 in engine_lat)
