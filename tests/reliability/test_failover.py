@@ -369,6 +369,8 @@ def test_one_api_process_killed_mid_burst_loses_and_duplicates_nothing(
         )
     stats = fleet.call_all("stats")
     assert {s["control_plane"] for s in stats} == {b.url}
+    # Concurrent record batches of six workers (engine path and REST) never deadlock.
+    assert [server.log_tail(10**7).count("deadlock detected") for server in (a, b)] == [0, 0]
     # No handle failed on any rank: a command re-sent after the kill never started a second
     # (doomed) handle, and nothing was re-sent for engine-path transfers.
     assert [s["errors"] for s in stats if s["failed"]] == []
