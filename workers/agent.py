@@ -319,7 +319,8 @@ class Worker:
             if worker_id is None:
                 self._stop.wait(OUTAGE_BACKOFF_S)
                 continue
-            url = self.client.url
+            # (getattr: an engine that embeds the worker may hand it a client of its own)
+            url = getattr(self.client, "url", None)
             try:
                 for command in self.client.stream_commands(
                         worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S):
@@ -340,7 +341,8 @@ class Worker:
             failures += 1
             # Another API process to try (the client failed over): at once, once per URL;
             # then back off, the control plane is down.
-            moved = self.client.url != url and failures < len(self.client.urls)
+            moved = (getattr(self.client, "url", None) != url
+                     and failures < len(getattr(self.client, "urls", ())))
             delay = FAILOVER_DELAY_S if moved else OUTAGE_BACKOFF_S
             self._stop.wait(delay if not self._stop.is_set() else 0)
 
