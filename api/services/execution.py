@@ -142,8 +142,8 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
     Engine-path transfers (rows created by their first record, running until every rank's
     record is in) are never dispatched, so nothing is owed for them. The worker may have the
     command already (it is running it, or its record is still on the way): workers drop a
-    command whose ``xid`` and side they have seen. ``timeout_s`` is what
-    is left of the attempt's deadline, so both sides still give up together.
+    command whose ``xid`` and side they have seen. ``timeout_s`` is what is left of the
+    attempt's deadline, so both sides still give up together.
     """
     running = [t for t in transfers if t.status in ACTIVE and t.execute and t.attempt > 0
                and t.deadline_at is not None and t.started_at is not None
@@ -175,11 +175,11 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
         command = _command(transfer, transfer.attempt, context, generation,
                            (transfer.deadline_at - now).total_seconds())
         senders, receivers = participants(transfer.summary)
-        for side, kind, ranks, live in (("send", "send", senders, senders_live),
-                                        ("receive", "receive", receivers, receivers_live)):
+        for side, ranks, live in (("send", senders, senders_live),
+                                  ("receive", receivers, receivers_live)):
             for rank in sorted(ranks):
                 target = live.get(rank)
-                if (target is None or (transfer.id, transfer.attempt, kind, rank) in reported
+                if (target is None or (transfer.id, transfer.attempt, side, rank) in reported
                         or target.registered_at > transfer.started_at
                         or (worker is not None and target.id != worker.id)):
                     continue
