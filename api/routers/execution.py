@@ -204,6 +204,9 @@ def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
         finished = stats.finished(session=session, transfer_ids=settled)
     completions: Completions = request.app.state.completions
     completions.settled(settled)
+    relay = hub_of(request).relay
+    if settled and relay is not None:  # waiters on the other API processes wake too
+        relay.publish_settled(settled)
     metrics.record_batches.inc()
     for record in body.records:
         metrics.part_results.labels(state=record.status).inc()

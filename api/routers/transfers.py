@@ -23,7 +23,8 @@ router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
-# Another API process may settle a transfer (its records went there): re-read this often.
+# Another API process may settle a transfer (its records went there): its NOTIFY wakes the
+# waiter here; re-read this often in case it was missed (a relay reconnecting, SQLite tests).
 CROSS_PROCESS_RECHECK_S = 1.0
 
 TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Transfer id")]
