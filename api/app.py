@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             register_demo_fleet(db)
         if db.engine.dialect.name == "postgresql":
             # Several API processes may share this database: relay commands between them.
-            hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub)
+            hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub, completions)
             # Ready only once commands pushed by other processes can reach this one.
             from fastapi.concurrency import run_in_threadpool
 

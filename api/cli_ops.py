@@ -24,7 +24,10 @@ TOKEN_ENV = "KVPLANE_TOKEN"
 
 ControlPlane = Annotated[
     str,
-    typer.Option("--control-plane", envvar=URL_ENV, show_envvar=True, help="Control-plane URL."),
+    typer.Option(
+        "--control-plane", envvar=URL_ENV, show_envvar=True,
+        help="Control-plane URL; several API processes: comma-separated, failed over in turn.",
+    ),
 ]
 Token = Annotated[
     str | None,

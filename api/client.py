@@ -4,6 +4,13 @@
   exponential backoff and full jitter, up to ``retries`` times; other answers are final.
   Retried calls are safe: every retried route is idempotent (a record batch whose first attempt
   landed is ignored the second time, never counted twice).
+- Several control-plane URLs (a list, or one comma-separated string such as ``KVPLANE_URL=
+  http://cp-a:8000,http://cp-b:8000``): the client uses one until a connection error, a 502/503/504
+  or a dropped command stream, then fails over to the next one, at once the first time in a call
+  and with the usual backoff after that. It stays on the URL that answers (no flapping back).
+- Creating a transfer always carries an ``Idempotency-Key`` (one is generated when the caller
+  gives none): a retry that reaches another API process returns the same transfer, never a
+  second one. The key is stored with the transfer in the database, so every process honours it.
 - Errors: problem+json answers become :class:`ApiError` subclasses carrying ``status``, the stable
   ``code``, ``detail`` and the field ``errors``.
 
@@ -14,12 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
+
+log = logging.getLogger("kvplane.client")
 
 DEFAULT_TIMEOUT_S = 30.0
 RETRY_STATUSES = (502, 503, 504)
@@ -147,8 +159,12 @@ class _Calls:
     # transfers --------------------------------------------------------------------------
     def create_transfer(self, body: Mapping[str, Any],
                         idempotency_key: str | None = None) -> Any:
-        headers = {} if idempotency_key is None else {"Idempotency-Key": idempotency_key}
-        return self._request("POST", "/v1/transfers", json=body, headers=headers)
+        """Plan (and with ``execute``, dispatch) a transfer. Without ``idempotency_key`` one is
+        generated, so a retry after a lost answer (or through another API process) returns
+        the transfer the first attempt created instead of a duplicate."""
+        key = idempotency_key or uuid.uuid4().hex
+        return self._request("POST", "/v1/transfers", json=body,
+                             headers={"Idempotency-Key": key})
 
     def get_transfer(self, transfer_id: str, wait_s: float = 0.0) -> Any:
         params = {"wait": wait_s} if wait_s else {}
@@ -218,6 +234,47 @@ def _decode(response: httpx.Response) -> Any:
     return response.json()
 
 
+def base_urls(base_url: str | Sequence[str]) -> list[str]:
+    """The control plane's URLs from a list or a comma-separated string (``KVPLANE_URL``)."""
+    items = base_url.split(",") if isinstance(base_url, str) else list(base_url)
+    urls = [item.strip().rstrip("/") for item in items if item.strip()]
+    if not urls:
+        raise ValueError(f"no control-plane URL in {base_url!r}")
+    return urls
+
+
+class _Endpoints:
+    """The control plane's base URLs: the one in use, and failing over to the next one.
+
+    Shared by every thread of a client (a worker's heartbeat, command stream and recorder):
+    whichever notices first that a process is gone moves all of them.
+    """
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self._index = 0
+        self._lock = threading.Lock()
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    def url(self, index: int, path: str) -> str:
+        return self.urls[index] + path
+
+    def fail_over(self, index: int, reason: object) -> bool:
+        """Leave URL ``index`` for the next one (unless another thread already left it);
+        False when there is no other URL."""
+        if len(self.urls) < 2:
+            return False
+        with self._lock:
+            if self._index == index:
+                self._index = (index + 1) % len(self.urls)
+                log.warning("control plane %s failed (%s); failing over to %s",
+                            self.urls[index], reason, self.urls[self._index])
+        return True
+
+
 class _Retry:
     """The retry policy shared by both clients: what to do after each attempt."""
 
@@ -238,49 +295,89 @@ class _Retry:
             raise _error_for(response)
         return _retry_delay(attempt, response, self.backoff_s, self.max_backoff_s)
 
+    def next_attempt(self, endpoints: _Endpoints, index: int, tried: set[int], attempt: int,
+                     response: httpx.Response | None, error: Exception | None) -> float:
+        """After a failed attempt on URL ``index``: fail over when the outcome says the process
+        may be gone, and return the delay before the next attempt (none before a URL this call
+        has not tried yet: every URL gets one try whatever ``retries`` says); raises when the
+        outcome is final."""
+        if error is not None or (response is not None
+                                 and response.status_code in RETRY_STATUSES):
+            reason = error if error is not None else (
+                f"HTTP {0 if response is None else response.status_code}")
+            if endpoints.fail_over(index, reason) and endpoints.index not in tried:
+                return 0.0
+        return self.delay_after(attempt, response, error)
+
 
 _NETWORK_ERRORS = (httpx.TransportError, httpx.TimeoutException)
 
 
 class Client(_Calls):
-    """Synchronous client; ``with Client(url) as c: c.get_instance("ctx")``."""
+    """Synchronous client; ``with Client(url) as c: c.get_instance("ctx")``.
 
-    def __init__(self, base_url: str, *, token: str | None = None, retries: int = 5,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+    ``base_url``: one URL, several (a list, or comma-separated), failed over in turn.
+    """
+
+    def __init__(self, base_url: str | Sequence[str], *, token: str | None = None,
+                 retries: int = 5, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s,
-                                  transport=transport)
+        self._endpoints = _Endpoints(base_urls(base_url))
+        self._http = httpx.Client(base_url=self._endpoints.urls[0], headers=headers,
+                                  timeout=timeout_s, transport=transport)
         self._retry = _Retry(retries, backoff_s, max_backoff_s)
+
+    @property
+    def url(self) -> str:
+        """The control-plane URL in use now."""
+        return self._endpoints.urls[self._endpoints.index]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every control-plane URL this client fails over between."""
+        return list(self._endpoints.urls)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         attempt = 0
+        tried: set[int] = set()
         while True:
+            index = self._endpoints.index
+            tried.add(index)
             response, error = None, None
             try:
-                response = self._http.request(method, path, **kwargs)
+                response = self._http.request(method, self._endpoints.url(index, path),
+                                              **kwargs)
             except _NETWORK_ERRORS as caught:
                 error = caught
             if response is not None and response.status_code < 400:
                 return _decode(response)
-            time.sleep(self._retry.delay_after(attempt, response, error))
+            time.sleep(self._retry.next_attempt(self._endpoints, index, tried, attempt,
+                                                response, error))
             attempt += 1
 
     def stream_commands(self, worker_id: str, *, read_timeout_s: float = 30.0) -> Iterator[Any]:
         """The worker's command stream: yields each JSON line as it arrives (no retries: the
-        caller reconnects). Raises :class:`ApiError` on an error answer."""
+        caller reconnects, and with several URLs a stream that could not open or that dropped
+        moves the client to the next one first). Raises :class:`ApiError` on an error answer."""
         timeout = httpx.Timeout(DEFAULT_TIMEOUT_S, read=read_timeout_s)
+        index = self._endpoints.index
         try:
-            with self._http.stream("GET", f"/v1/workers/{worker_id}/commands",
-                                   timeout=timeout) as response:
+            with self._http.stream(
+                "GET", self._endpoints.url(index, f"/v1/workers/{worker_id}/commands"),
+                timeout=timeout,
+            ) as response:
                 if response.status_code >= 400:
                     response.read()
+                    if response.status_code in RETRY_STATUSES:
+                        self._endpoints.fail_over(index, f"HTTP {response.status_code}")
                     raise _error_for(response)
                 for line in response.iter_lines():
                     if line.strip():
                         yield json.loads(line)
         except _NETWORK_ERRORS as error:
+            self._endpoints.fail_over(index, error)
             raise TransportError(0, "unreachable", str(error)) from error
 
     def close(self) -> None:
@@ -294,28 +391,40 @@ class Client(_Calls):
 
 
 class AsyncClient(_Calls):
-    """Asynchronous client with the same methods (each returns an awaitable)."""
+    """Asynchronous client with the same methods (each returns an awaitable) and the same
+    failover between several URLs."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, retries: int = 5,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+    def __init__(self, base_url: str | Sequence[str], *, token: str | None = None,
+                 retries: int = 5, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s,
-                                       transport=transport)
+        self._endpoints = _Endpoints(base_urls(base_url))
+        self._http = httpx.AsyncClient(base_url=self._endpoints.urls[0], headers=headers,
+                                       timeout=timeout_s, transport=transport)
         self._retry = _Retry(retries, backoff_s, max_backoff_s)
+
+    @property
+    def url(self) -> str:
+        """The control-plane URL in use now."""
+        return self._endpoints.urls[self._endpoints.index]
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> Any:
         attempt = 0
+        tried: set[int] = set()
         while True:
+            index = self._endpoints.index
+            tried.add(index)
             response, error = None, None
             try:
-                response = await self._http.request(method, path, **kwargs)
+                response = await self._http.request(method, self._endpoints.url(index, path),
+                                                    **kwargs)
             except _NETWORK_ERRORS as caught:
                 error = caught
             if response is not None and response.status_code < 400:
                 return _decode(response)
-            await asyncio.sleep(self._retry.delay_after(attempt, response, error))
+            await asyncio.sleep(self._retry.next_attempt(self._endpoints, index, tried,
+                                                         attempt, response, error))
             attempt += 1
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:

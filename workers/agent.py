@@ -13,12 +13,17 @@ Lifecycle of a :class:`Worker` (embedded in an engine, or as ``kvplane worker``)
    reaches the worker within one heartbeat interval; ``409 worker_stale`` re-attaches), the
    command stream (REST ``execute=true`` pushes commands here, which run through the same
    handover as the engine's own calls) and the recorder (``workers/records.py``, batched).
+   Commands arrive *at least once* (an API process that dies, or a stream that moves to another
+   process, makes the control plane send again what this rank has not recorded): a command
+   whose ``xid`` and side this worker has already seen is dropped.
 3. **per request**: :meth:`Worker.send` / :meth:`Worker.expect` (engine path) or a pushed command
    (REST path) → a :class:`~workers.handover.Handle`. No database, no control-plane round trip.
 4. **stop**: fail what is still pending, flush the record (bounded), deregister, close NIXL.
 
 The hot path keeps working while the control plane is down: the directory is cached, NIXL
-connects the workers directly, and records wait in the recorder until it returns.
+connects the workers directly, and records wait in the recorder until it returns. Given several
+control-plane URLs (``KVPLANE_URL=http://cp-a:8000,http://cp-b:8000``), the client moves the
+heartbeat, directory, records and command stream to the next API process when one dies.
 
 A worker started with ``fill`` fills its pools with the (rank, pool, byte) pattern. For every
 transfer it receives with ``verify``, it checks the bytes this transfer was meant to write (the
@@ -36,6 +41,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,7 +64,9 @@ log = logging.getLogger("kvplane.worker")
 
 DEFAULT_STAGING_BYTES = 256 << 20
 OUTAGE_BACKOFF_S = 2.0
+FAILOVER_DELAY_S = 0.05  # a stream that failed on one API process reconnects to the next at once
 STREAM_READ_TIMEOUT_S = 30.0  # the control plane sends a keep-alive every 10 s
+SEEN_COMMANDS = 65_536  # command ids remembered to drop a re-sent command
 
 
 class WorkerError(RuntimeError):
@@ -111,6 +119,9 @@ class Worker:
         self._attach_lock = threading.RLock()
         self._tensors: Mapping[int, torch.Tensor] | None = None
         self._touched: dict[int, np.ndarray] = {}  # fill mode: bytes some transfer targeted
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
+        self._seen_lock = threading.Lock()
+        self.duplicate_commands = 0
         # Fault injection for tests and chaos drills (see Handover.hold_s).
         self.hold_s = float(os.environ.get("KVPLANE_WORKER_HOLD_S", 0))
 
@@ -302,14 +313,18 @@ class Worker:
     # --- REST commands -------------------------------------------------------------------
 
     def _command_loop(self) -> None:
+        failures = 0  # streams in a row that failed before a line arrived
         while not self._stop.is_set():
             worker_id = self.worker_id
             if worker_id is None:
                 self._stop.wait(OUTAGE_BACKOFF_S)
                 continue
+            # (getattr: an engine that embeds the worker may hand it a client of its own)
+            url = getattr(self.client, "url", None)
             try:
                 for command in self.client.stream_commands(
                         worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S):
+                    failures = 0
                     if self._stop.is_set() or worker_id != self.worker_id:
                         break
                     if command.get("type") == "transfer":
@@ -320,14 +335,35 @@ class Worker:
                 if error.status in (401, 403):
                     log.error("command stream refused: %s", error)
                 elif error.status not in (404, 409):  # 404/409: the heartbeat re-attaches
-                    log.warning("command stream closed (%s); reconnecting in %.0f s", error,
-                                OUTAGE_BACKOFF_S)
+                    log.warning("command stream on %s closed (%s); reconnecting", url, error)
             except Exception:  # never lose the stream thread to one bad line
                 log.exception("command stream failed; reconnecting")
-            self._stop.wait(OUTAGE_BACKOFF_S if not self._stop.is_set() else 0)
+            failures += 1
+            # Another API process to try (the client failed over): at once, once per URL;
+            # then back off, the control plane is down.
+            moved = (getattr(self.client, "url", None) != url
+                     and failures < len(getattr(self.client, "urls", ())))
+            delay = FAILOVER_DELAY_S if moved else OUTAGE_BACKOFF_S
+            self._stop.wait(delay if not self._stop.is_set() else 0)
+
+    def _first_time(self, command: Mapping[str, Any]) -> bool:
+        """Whether this command (its ``xid`` and side) is new here; remembers it."""
+        key = (str(command["xid"]), str(command["side"]))
+        with self._seen_lock:
+            if key in self._seen:
+                self.duplicate_commands += 1
+                return False
+            self._seen[key] = None
+            while len(self._seen) > SEEN_COMMANDS:
+                self._seen.popitem(last=False)
+        return True
 
     def run_command(self, command: Mapping[str, Any]) -> Handle | None:
-        """Start this rank's side of a REST-dispatched transfer."""
+        """Start this rank's side of a REST-dispatched transfer (None: refused, or a command
+        this worker already had)."""
+        if not self._first_time(command):
+            log.debug("command %s (%s) arrived again; dropped", command["xid"], command["side"])
+            return None
         epochs = (command["context_epoch"], command["generation_epoch"])
         peer = command["generation"] if command["side"] == "send" else command["context"]
         entry = self.directory.plans.get((peer, command["context_dp_rank"],

@@ -274,9 +274,11 @@ class EngineRank:
     def run(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
             tag: str, arrival: str = "closed", rate: float = 100.0, verify: bool = False,
             mode: str = "auto", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
-            contiguous: bool = False) -> dict[str, Any]:
-        """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict."""
+            contiguous: bool = False, num_slots: int | None = None) -> dict[str, Any]:
+        """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict
+        (``num_slots``: use only block ids below it, leaving the rest to REST transfers)."""
         spec = self.spec
+        slots = min(num_slots or self.num_slots, self.num_slots)
         result = RunResult(rank=spec.rank, role=spec.role)
         side = 0 if spec.role == "context" else 1
         call = self.worker.send if spec.role == "context" else self.worker.expect
@@ -296,8 +298,7 @@ class EngineRank:
                     if time.time() < due:
                         wait_s = min(wait_s, due - time.time())
                         break
-                pairs = request_blocks(seed, nxt, blocks, self.num_slots,
-                                       contiguous=contiguous)
+                pairs = request_blocks(seed, nxt, blocks, slots, contiguous=contiguous)
                 mine = {g: ids[side] for g, ids in pairs.items()}
                 if not all(self.caches[g].available(ids) for g, ids in mine.items()):
                     break  # our cache has no room for it yet: wait for an outcome
@@ -487,7 +488,8 @@ class EngineRank:
                 "errors": list(w.stats.errors[-5:]),
                 "leaked": sum(c.leaked for c in self.caches.values()),
                 "records_pending": w.recorder.pending if w.recorder else None,
-                "records_posted": w.recorder.posted if w.recorder else None}
+                "records_posted": w.recorder.posted if w.recorder else None,
+                "duplicate_commands": w.duplicate_commands, "control_plane": w.client.url}
 
     def stop(self) -> None:
         self.worker.stop()
@@ -579,33 +581,49 @@ class ControlPlane:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=5)
 
+    def kill(self) -> None:
+        """SIGKILL (a crash: no shutdown hooks, open streams and requests cut)."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
     def log_tail(self, chars: int = 2000) -> str:
         path = self.workdir / f"server-{self.starts}.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
 class Fleet:
-    """A control plane, the demo fleet registered and paired, and one process per rank."""
+    """A control plane, the demo fleet registered and paired, and one process per rank.
+
+    ``servers``: several control-plane processes on one PostgreSQL database instead of the one
+    SQLite server; every client (ranks included) gets all their URLs and fails over between
+    them.
+    """
 
     def __init__(self, workdir: Path, *, num_slots: int = 64, device: str = "cpu",
                  fill: bool = False, staging_bytes: int = 64 << 20,
                  chunk_blocks: int | None = None, server_env: Mapping[str, str] | None = None,
                  database: Path | None = None, port: int | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", servers: Sequence[ControlPlane] = ()) -> None:
         self.workdir = workdir
         self.num_slots = num_slots
         self.device = device
         self.fill = fill
         self.staging_bytes = staging_bytes
         self.chunk_blocks = chunk_blocks
-        self.server = ControlPlane(workdir, port, env=server_env, database=database, host=host)
+        self.servers = list(servers) or [
+            ControlPlane(workdir, port, env=server_env, database=database, host=host)]
+        self.server = self.servers[0]
+        self.url = ",".join(server.url for server in self.servers)
         self.client: Client | None = None
         self.pairing: dict[str, Any] = {}
         self.ranks: list[tuple[RankSpec, Any, Connection]] = []
 
     def start(self) -> None:
-        self.server.start()
-        self.client = Client(self.server.url, retries=3, backoff_s=0.2)
+        for server in self.servers:
+            server.start()
+        self.client = Client(self.url, retries=3, backoff_s=0.2)
         context, generation = demo_bodies(num_slots=self.num_slots)
         self.client.register_instance(CONTEXT, context)
         self.client.register_instance(GENERATION, generation)
@@ -616,7 +634,7 @@ class Fleet:
         for instance, role, peer in ((CONTEXT, "context", GENERATION),
                                      (GENERATION, "generation", CONTEXT)):
             for rank in range(WORLD[instance]):
-                spec = RankSpec(url=self.server.url, instance=instance, rank=rank, role=role,
+                spec = RankSpec(url=self.url, instance=instance, rank=rank, role=role,
                                 peer=peer, device=self.device, fill=self.fill,
                                 staging_bytes=self.staging_bytes,
                                 chunk_blocks=self.chunk_blocks,
@@ -652,9 +670,8 @@ class Fleet:
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids: ``{"ranks": [...], "server": [...]}`` (for CPU accounting)."""
-        server = self.server.process
         return {"ranks": [process.pid for _, process, _ in self.ranks],
-                "server": [] if server is None else [server.pid]}
+                "server": [s.process.pid for s in self.servers if s.process is not None]}
 
     def run_engine(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
                    tag: str | None = None, start_delay_s: float = 0.3, **options: Any
@@ -688,7 +705,8 @@ class Fleet:
         self.ranks = []
         if self.client is not None:
             self.client.close()
-        self.server.stop()
+        for server in self.servers:
+            server.stop()
 
 
 # --- what a run tells -----------------------------------------------------------------------

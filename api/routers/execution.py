@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api import schemas_exec as wire
@@ -23,6 +25,8 @@ from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import execution, stats
 from api.services import workers as service
+
+log = logging.getLogger(__name__)
 
 workers_router = APIRouter(prefix="/v1/workers", tags=["workers"])
 records_router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
@@ -133,15 +137,29 @@ def get_worker_directory(worker_id: WorkerId, request: Request,
 )
 def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> StreamingResponse:
     """The push channel of REST `execute=true`: held open by the worker, one JSON line per
-    command (a newer stream of the same worker replaces this one)."""
+    command (a newer stream of the same worker replaces this one). A stream that opens first
+    re-sends the commands of running transfers its rank has not recorded yet."""
     with db.read() as session:
         service.current_worker(session=session, worker_id=worker_id)
     hub = hub_of(request)
+
+    def owed() -> list[tuple[str, dict[str, Any]]]:
+        try:
+            with db.read() as session:
+                return execution.commands_owed_to(session=session, worker_id=worker_id,
+                                                  now=now_of(request))
+        except Exception as error:  # the stream itself must not fail for it
+            log.warning("worker %s: cannot look up the commands it may have missed: %s",
+                        worker_id, error)
+            return []
 
     async def lines() -> AsyncIterator[bytes]:
         queue = hub.connect(worker_id)
         try:
             yield b'{"type":"hello"}\n'
+            # After connecting (a push from now on lands in this queue): what the worker may
+            # have missed while it held no stream here (see api/dispatch.py).
+            hub.deliver_now(await run_in_threadpool(owed))
             while True:
                 try:
                     message = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
@@ -186,6 +204,9 @@ def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
         finished = stats.finished(session=session, transfer_ids=settled)
     completions: Completions = request.app.state.completions
     completions.settled(settled)
+    relay = hub_of(request).relay
+    if settled and relay is not None:  # waiters on the other API processes wake too
+        relay.publish_settled(settled)
     metrics.record_batches.inc()
     for record in body.records:
         metrics.part_results.labels(state=record.status).inc()

@@ -23,7 +23,8 @@ router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
-# Another API process may settle a transfer (its records went there): re-read this often.
+# Another API process may settle a transfer (its records went there): its NOTIFY wakes the
+# waiter here; re-read this often in case it was missed (a relay reconnecting, SQLite tests).
 CROSS_PROCESS_RECHECK_S = 1.0
 
 TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Transfer id")]
@@ -57,7 +58,8 @@ def create_transfer(
     ] = None,
 ) -> schemas.TransferRead:
     """Plan one request's KV transfer from the pairing's templates and both block lists; with
-    `execute`, push it to the workers of every rank taking part (503 when one has none)."""
+    `execute`, push it to the workers of every rank taking part (503 when one has none). A
+    replay of a running transfer pushes again what no rank has recorded yet."""
     principal = getattr(request.state, "principal", None)
     commands: list[tuple[str, dict[str, Any]]] = []
     with db.write() as session:
@@ -68,6 +70,12 @@ def create_transfer(
             idempotency_scope=None if principal is None else principal.token_id,
             commands=commands,
         )
+        if not created and row.execute and row.status in ("queued", "running"):
+            # A replay: the first attempt may have died with the API process that took it,
+            # after its commit and before its push. Send again what no rank has recorded yet
+            # (a worker drops a command it already has).
+            commands = execution.commands_owed(session=session, now=request.app.state.clock(),
+                                               transfers=[row])
         result = service.transfer_read(row)
     _push(request, commands)
     if created:

@@ -30,7 +30,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
@@ -90,7 +89,26 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
             headers={"Retry-After": "2"},
         )
     attempt = transfer.attempt + 1
-    command = {
+    command = _command(transfer, attempt, context, generation, timeout_s)
+    commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
+                for r in sorted(senders)]
+    commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
+                 for r in sorted(receivers)]
+    transfer.attempt = attempt
+    transfer.status = "running" if commands else "done"
+    transfer.error = None
+    transfer.started_at = now
+    transfer.finished_at = None if commands else now
+    transfer.deadline_at = now + timedelta(seconds=timeout_s)
+    transfer.updated_at = now
+    session.flush()
+    return commands
+
+
+def _command(transfer: TransferRow, attempt: int, context: InstanceRow,
+             generation: InstanceRow, timeout_s: float) -> dict[str, Any]:
+    """What every rank of one attempt is told (``side`` and ``rank`` added per rank)."""
+    return {
         "type": "transfer",
         "transfer_id": transfer.id,
         "attempt": attempt,
@@ -107,19 +125,81 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
         "verify": transfer.verify,
         "timeout_s": timeout_s,
     }
-    commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
-                for r in sorted(senders)]
-    commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
-                 for r in sorted(receivers)]
-    transfer.attempt = attempt
-    transfer.status = "running" if commands else "done"
-    transfer.error = None
-    transfer.started_at = now
-    transfer.finished_at = None if commands else now
-    transfer.deadline_at = now + timedelta(seconds=timeout_s)
-    transfer.updated_at = now
-    session.flush()
-    return commands
+
+
+MIN_RESEND_S = 0.5  # a command with less time left than this would only fail at its worker
+RESEND_BATCH = 1000  # running transfers one stream (re)connection looks at, at most
+
+
+def commands_owed(*, session: Session, now: datetime, transfers: Sequence[TransferRow],
+                  worker: WorkerRow | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The commands of running ``transfers`` that may never have reached their workers:
+    ``[(worker_id, command)]`` for every rank taking part that has recorded no part of the
+    current attempt, sent to the rank's live worker if it attached before the attempt started
+    (so it is the worker the attempt was dispatched to); only to ``worker`` when given.
+
+    Engine-path transfers (rows created by their first record, running until every rank's
+    record is in) are never dispatched, so nothing is owed for them. The worker may have the
+    command already (it is running it, or its record is still on the way): workers drop a
+    command whose ``xid`` and side they have seen. ``timeout_s`` is what is left of the
+    attempt's deadline, so both sides still give up together.
+    """
+    running = [t for t in transfers if t.status in ACTIVE and t.execute and t.attempt > 0
+               and t.deadline_at is not None and t.started_at is not None
+               and (t.deadline_at - now).total_seconds() > MIN_RESEND_S]
+    if not running:
+        return []
+    reported = set(session.execute(
+        select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
+        .where(JobRow.transfer_id.in_([t.id for t in running]))).all())
+    instances: dict[str, tuple[InstanceRow, dict[int, WorkerRow]]] = {}
+
+    def ranks_of(name: str) -> tuple[InstanceRow, dict[int, WorkerRow]]:
+        if name not in instances:
+            instance = instance_by_name(session, name)
+            instances[name] = (instance, live_workers(session, instance, now))
+        return instances[name]
+
+    owed: list[tuple[str, dict[str, Any]]] = []
+    for transfer in running:
+        assert transfer.deadline_at is not None and transfer.started_at is not None
+        try:
+            context, senders_live = ranks_of(transfer.context_name)
+            generation, receivers_live = ranks_of(transfer.generation_name)
+        except NotFound:
+            continue  # an instance left: its transfers fail on their own
+        if transfer.pairing_id is not None and transfer.id == engine_transfer_id(
+                transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id):
+            continue  # an engine-path transfer: the engines started it, nobody dispatched it
+        command = _command(transfer, transfer.attempt, context, generation,
+                           (transfer.deadline_at - now).total_seconds())
+        senders, receivers = participants(transfer.summary)
+        for side, ranks, live in (("send", senders, senders_live),
+                                  ("receive", receivers, receivers_live)):
+            for rank in sorted(ranks):
+                target = live.get(rank)
+                if (target is None or (transfer.id, transfer.attempt, side, rank) in reported
+                        or target.registered_at > transfer.started_at
+                        or (worker is not None and target.id != worker.id)):
+                    continue
+                owed.append((target.id, {**command, "side": side, "rank": rank}))
+    return owed
+
+
+def commands_owed_to(*, session: Session, worker_id: str,
+                     now: datetime) -> list[tuple[str, dict[str, Any]]]:
+    """What a worker whose command stream just opened may have missed (see
+    :func:`commands_owed`): running transfers of its instance in which its rank takes part."""
+    worker = current_worker(session=session, worker_id=worker_id)
+    instance = worker.instance
+    column = (TransferRow.context_name if instance.role == "context"
+              else TransferRow.generation_name)
+    transfers = list(session.scalars(
+        select(TransferRow).where(TransferRow.status.in_(ACTIVE), column == instance.name,
+                                  TransferRow.execute.is_(True),
+                                  TransferRow.deadline_at > now)
+        .order_by(TransferRow.started_at).limit(RESEND_BATCH)))
+    return commands_owed(session=session, now=now, transfers=transfers, worker=worker)
 
 
 def retry_transfer(*, session: Session, transfer_id: str, now: datetime,
@@ -190,6 +270,7 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
             )
     records = sorted(body.records, key=_record_transfer_id)
     ids = sorted({_record_transfer_id(r) for r in records})
+    _insert_engine_rows(session, records, now)
     # Lock the batch's transfers first, in id order. Otherwise a part's insert takes a key-share
     # lock on its transfer and settling then waits for FOR UPDATE: two workers' batches over the
     # same transfers deadlock on PostgreSQL. The lock also makes the check-then-insert of parts
@@ -198,11 +279,9 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         select(TransferRow).where(TransferRow.id.in_(ids)).order_by(TransferRow.id)
         .with_for_update().execution_options(populate_existing=True))}
     for record in records:
-        if record.transfer_id is None:
-            tid = _record_transfer_id(record)
-            row = _engine_transfer(session, transfers.get(tid), tid, record, now)
-            if row is not None:
-                transfers[tid] = row
+        row = transfers.get(_record_transfer_id(record))
+        if record.transfer_id is None and row is not None and not row.blocks and record.blocks:
+            _describe(session, row, record)  # the first record(s) may come without block lists
     recorded = {tuple(row) for row in session.execute(
         select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
         .where(JobRow.transfer_id.in_(ids)))}
@@ -242,6 +321,50 @@ def _record_transfer_id(record: wire.TransferRecord) -> str:
                               record.request_id)
 
 
+def _insert_engine_rows(session: Session, records: Sequence[wire.TransferRecord],
+                        now: datetime) -> None:
+    """Create the rows of the batch's engine-path transfers that do not exist yet, before any
+    row lock is taken, in id order, each ``ON CONFLICT DO NOTHING``.
+
+    Created later, one by one among the locks (as before), a row that another batch inserted
+    after this one's ``FOR UPDATE`` is locked out of id order: two batches of different workers
+    over the same engine transfers then deadlock on PostgreSQL (a 503 the worker retries, but
+    its records come late). Here a batch only waits on another's uncommitted insert of the same
+    id, in id order, holding no row lock yet: no cycle.
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record.transfer_id is None:
+            tid = _record_transfer_id(record)
+            if tid not in rows:
+                rows[tid] = _engine_row(tid, record, now)
+    if not rows:
+        return
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(TransferRow).on_conflict_do_nothing(index_elements=["id"])
+    session.execute(statement, [rows[tid] for tid in sorted(rows)])
+
+
+def _engine_row(tid: str, record: wire.TransferRecord, now: datetime) -> dict[str, Any]:
+    """The row an engine-path transfer gets from its first record (no plan yet)."""
+    started = _unix(record.started_at)
+    return {
+        "id": tid, "pairing_id": None, "plan_id": None,
+        "context_name": record.context, "generation_name": record.generation,
+        "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
+        "generation_dp_rank": record.generation_dp_rank, "status": "running", "execute": True,
+        "blocks": {}, "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
+        "fragments": 0, "idempotency_key": None, "request_hash": "",
+        "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
+        "attempt": 1, "max_attempts": 1, "started_at": started,
+        # The other ranks' records may arrive a batch (or an outage) later than this one.
+        "deadline_at": max(started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
+                           now + timedelta(seconds=ENGINE_RECORD_GRACE_S)),
+    }
+
+
 def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
     """Records of a worker whose instance re-registered since are still the truth about what
     happened then: only an unknown worker is refused."""
@@ -251,38 +374,6 @@ def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
         row = session.get(WorkerRow, worker_id)
         assert row is not None
         return row
-
-
-def _engine_transfer(session: Session, row: TransferRow | None, tid: str,
-                     record: wire.TransferRecord, now: datetime) -> TransferRow | None:
-    """An engine-path transfer's row: created from its first record, described once a record
-    brings block lists."""
-    if row is None:
-        started = _unix(record.started_at)
-        values = {
-            "id": tid, "pairing_id": None, "plan_id": None,
-            "context_name": record.context, "generation_name": record.generation,
-            "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
-            "generation_dp_rank": record.generation_dp_rank, "status": "running",
-            "execute": True, "blocks": {},
-            "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
-            "fragments": 0, "idempotency_key": None, "request_hash": "",
-            "created_at": started, "updated_at": now, "mode": record.mode,
-            "verify": record.verify, "attempt": 1, "max_attempts": 1, "started_at": started,
-            # The other ranks' records may arrive a batch (or an outage) later than this one.
-            "deadline_at": max(
-                started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
-                now + timedelta(seconds=ENGINE_RECORD_GRACE_S)),
-        }
-        try:
-            with session.begin_nested():
-                session.add(TransferRow(**values))
-        except IntegrityError:
-            pass  # another process recorded the first part of the same transfer meanwhile
-        row = session.get(TransferRow, tid, with_for_update=True, populate_existing=True)
-    if row is not None and not row.blocks and record.blocks:
-        _describe(session, row, record)
-    return row
 
 
 def _describe(session: Session, row: TransferRow, record: wire.TransferRecord) -> None:

@@ -166,3 +166,82 @@ def test_a_connection_error_then_success_recovers() -> None:
     with Client("http://cp", transport=httpx.MockTransport(handler)) as api:
         assert api.stop_worker("w1") is None  # 204: no body
     assert len(seen) == 2
+
+
+def _by_host(**hosts: list[httpx.Response | Exception]) -> tuple[Handler, list[str]]:
+    """A transport answering per host from its own queue; ``seen`` lists the hosts asked."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        item = hosts[request.url.host].pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    return handler, seen
+
+
+def test_several_urls_fail_over_at_once_and_stay_on_the_one_that_answers(
+    _no_sleep: list[float],
+) -> None:
+    handler, seen = _by_host(
+        a=[httpx.ConnectError("refused")],
+        b=[httpx.Response(200, json={"n": 1}), httpx.Response(200, json={"n": 2})],
+    )
+    with Client("http://a:8000, http://b:8000", transport=httpx.MockTransport(handler)) as api:
+        assert api.urls == ["http://a:8000", "http://b:8000"]
+        assert api.get_instance("ctx") == {"n": 1}
+        assert api.url == "http://b:8000"
+        assert api.get_instance("ctx") == {"n": 2}  # no going back to the dead one
+    assert seen == ["a", "b", "b"]
+    assert _no_sleep == [0.0]  # the first failover waits for nothing
+
+
+def test_a_503_fails_over_and_every_url_gets_a_try_whatever_retries_says() -> None:
+    handler, seen = _by_host(
+        a=[_problem(503, "not_ready", "starting")], b=[httpx.Response(200, json={"items": []})]
+    )
+    with Client(["http://a", "http://b"], transport=httpx.MockTransport(handler), retries=0) as api:
+        assert api.list_workers() == {"items": []}
+    assert seen == ["a", "b"]
+
+
+def test_both_urls_down_backs_off_then_raises(_no_sleep: list[float]) -> None:
+    refused = httpx.ConnectError("refused")
+    handler, seen = _by_host(a=[refused] * 3, b=[refused] * 3)
+    with (
+        Client("http://a,http://b", transport=httpx.MockTransport(handler), retries=3) as api,
+        pytest.raises(TransportError),
+    ):
+        api.heartbeat("w1")
+    assert seen == ["a", "b", "a", "b"]
+    assert _no_sleep[0] == 0.0 and all(d >= 0 for d in _no_sleep[1:]) and len(_no_sleep) == 3
+
+
+def test_create_transfer_always_carries_an_idempotency_key_and_retries_reuse_it() -> None:
+    handler, seen = _sequence(
+        httpx.ReadError("the API process died mid-request"),
+        httpx.Response(200, json={"id": "t1"}),
+        httpx.Response(201, json={"id": "t2"}),
+    )
+    with Client("http://a,http://b", transport=httpx.MockTransport(handler)) as api:
+        assert api.create_transfer({"request_id": "r1"}) == {"id": "t1"}
+        assert api.create_transfer({"request_id": "r2"}, idempotency_key="mine") == {"id": "t2"}
+    keys = [r.headers.get("Idempotency-Key") for r in seen]
+    assert keys[0] and keys[0] == keys[1]  # the retry through b is the same request
+    assert [r.url.host for r in seen] == ["a", "b", "b"]
+    assert keys[2] == "mine"
+
+
+def test_a_dropped_command_stream_moves_the_client_to_the_next_url() -> None:
+    handler, seen = _by_host(
+        a=[httpx.RemoteProtocolError("peer closed connection")],
+        b=[httpx.Response(200, content=b'{"type":"hello"}\n')],
+    )
+    with Client("http://a,http://b", transport=httpx.MockTransport(handler)) as api:
+        with pytest.raises(TransportError):
+            list(api.stream_commands("w1"))
+        assert api.url == "http://b"
+        assert list(api.stream_commands("w1")) == [{"type": "hello"}]
+    assert seen == ["a", "b"]

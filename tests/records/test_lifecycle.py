@@ -12,7 +12,7 @@ from api.services import execution, instances, stats
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
 
-from .conftest import record, setup_fleet, status_of, submit
+from .conftest import attach_worker, record, setup_fleet, status_of, submit
 
 
 def test_dispatch_sends_one_command_per_rank_taking_part(db: Database) -> None:
@@ -196,3 +196,50 @@ def test_reaping_overdue_transfers_is_bounded_per_call(db: Database) -> None:
     assert (len(first), len(second), len(third)) == (3, 3, 1)
     assert sorted(first + second + third) == sorted(ids)
     assert all(status_of(db, tid)[0] == "failed" for tid in ids)
+
+
+def _owed_to(db: Database, worker_id: str) -> list:
+    with db.read() as session:
+        return execution.commands_owed_to(session=session, worker_id=worker_id, now=utcnow())
+
+
+def test_a_stream_that_opens_is_owed_the_commands_its_rank_has_not_recorded(
+    db: Database,
+) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    workers = fleet["workers"]
+    commands: list = []
+    transfer_id = submit(db, "r1", commands=commands)
+    sent = dict(commands)
+    for worker_id in workers.values():  # what dispatch sent, less the time already gone
+        (owed_worker, owed), = _owed_to(db, worker_id)
+        assert owed_worker == worker_id
+        assert {**owed, "timeout_s": 0} == {**sent[worker_id], "timeout_s": 0}
+        assert 0 < owed["timeout_s"] <= sent[worker_id]["timeout_s"]
+    record(db, workers[("ctx", 0)], transfer_id, side="send", rank=0)
+    assert _owed_to(db, workers[("ctx", 0)]) == []  # recorded: nothing owed
+    assert len(_owed_to(db, workers[("ctx", 1)])) == 1
+    # A replay is owed what no rank recorded yet.
+    with db.read() as session:
+        row = transfer_service.get_transfer(session=session, transfer_id=transfer_id)
+        owed = execution.commands_owed(session=session, now=utcnow(), transfers=[row])
+    assert sorted(c["rank"] for _, c in owed) == [0, 1] and len(owed) == 2
+    record(db, workers[("gen", 0)], transfer_id, side="receive", rank=0)
+    assert status_of(db, transfer_id)[0] == "done"
+    assert [_owed_to(db, w) for w in workers.values()] == [[], [], []]
+
+
+def test_nothing_is_owed_for_engine_path_transfers_or_to_a_newer_worker(db: Database) -> None:
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    workers = fleet["workers"]
+    # An engine-path transfer is running until every rank's record is in; nobody dispatched it.
+    later = utcnow().timestamp() + 5  # started after every worker attached
+    record(db, workers[("ctx", 0)], None, side="send", rank=0, request_id="engine-1",
+           blocks={"0": {"context": [0, 1], "generation": [2, 3]}}, started_at=later,
+           finished_at=later + 0.001)
+    assert [_owed_to(db, w) for w in workers.values()] == [[], [], []]
+    # A worker that attached after the dispatch (a restarted worker process) is not the one
+    # the command went to: it gets nothing.
+    submit(db, "r1")
+    restarted = attach_worker(db, "gen", 0, "gen.r0.new", utcnow() + timedelta(seconds=1))
+    assert _owed_to(db, restarted) == []

@@ -203,7 +203,9 @@ class FakeWorker:
     """One rank's worker on the control-plane side: command stream in, records out.
 
     Every ``transfer`` command it receives is answered with a record of its part (``done``, or
-    ``outcome``): the record a real worker's handle produces, without moving bytes.
+    ``outcome``): the record a real worker's handle produces, without moving bytes. Like the
+    real worker it drops a command whose ``xid`` and side it has seen (delivery is at least
+    once); ``duplicates`` counts them.
     """
 
     def __init__(
@@ -221,6 +223,8 @@ class FakeWorker:
         self.commands: list[dict[str, Any]] = []  # every transfer command received, in order
         self.held: list[dict[str, Any]] = []
         self.hellos = 0  # streams opened (one per connection, reconnects included)
+        self.duplicates = 0  # commands received again (and dropped)
+        self._seen: set[tuple[str, str]] = set()
         self.errors: list[str] = []
         self._pairings: dict[tuple[str, str], str] = {}
         self._cond = threading.Condition()
@@ -261,6 +265,11 @@ class FakeWorker:
 
     def _on_command(self, command: dict[str, Any]) -> None:
         with self._cond:
+            key = (command["xid"], command["side"])
+            if key in self._seen:
+                self.duplicates += 1
+                return
+            self._seen.add(key)
             self.commands.append(command)
             if self.hold:
                 self.held.append(command)

@@ -4,8 +4,9 @@ The workers hold their command streams on process A (and heartbeat and record th
 posts ``POST /v1/transfers`` with ``execute=true`` to process B. B has no stream of those
 workers: it relays the commands through ``LISTEN``/``NOTIFY`` (``api/dispatch.py``,
 ``PostgresRelay``), A pushes them into the streams, the workers' records settle the transfers on
-A, and a ``GET ?wait=`` long-poll on B wakes (B re-reads once a second for what another process
-settled). Also the mixed case: one worker's stream on each process.
+A, and a ``GET ?wait=`` long-poll on B wakes (A's records route notifies every process of what
+it settled; B would also re-read once a second). Also the mixed case: one worker's stream on each
+process.
 """
 
 from __future__ import annotations
