@@ -41,6 +41,14 @@ generation epochs the sender and receiver planned with, ``s``/``r`` the route's 
 - ``F|x|ce|ge|s|r|nbytes``: writer → receiver with the fragments WRITE;
 - ``X|x|ce|ge|s|r|reason``: either way, "this transfer failed here".
 
+A receiver whose granted route hears nothing for ``GRANT_RESEND_S`` sends its grant again (a
+writer ignores a grant it already has). Lost connections: when NIXL says the connection to a peer
+failed (a WRITE in its error state, ``nixlRemoteDisconnectError``), every handle using it fails as
+``peer_unreachable``, the peer is loaded again (a new connection: UCX loses whatever is sent over
+a failed one, silently) and the abort goes over the new one. The re-sent grant is what finds a
+connection that failed while it was idle, so the next transfer after a network outage works
+instead of waiting for its deadline.
+
 Staging areas of a failed receive stay quarantined for the grant's time to live plus a margin
 (a writer never starts a WRITE after its grant expired), so a late WRITE never lands in an area
 that another transfer owns.
@@ -73,7 +81,7 @@ from workers.executors import (
     scatter,
     staging_layout,
 )
-from workers.transport import TransportError
+from workers.transport import PeerUnreachable, TransportError
 
 if TYPE_CHECKING:
     from workers.transport.nixl import NixlTransport, _Pending
@@ -84,6 +92,7 @@ PENDING, ARRIVED, RELEASED, FAILED = "pending", "arrived", "released", "failed"
 DEFAULT_TIMEOUT_S = 30.0
 CHUNK_BLOCKS = 16
 QUARANTINE_MARGIN_S = 5.0
+GRANT_RESEND_S = 1.0  # a granted route that heard nothing this long sends its grant again
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
 BUSY_SLEEP_S = 0.00005  # while bytes are in flight (posted writes, granted receives)
@@ -270,6 +279,7 @@ class _RouteState:
     pending: list[_Pending] = field(default_factory=list)  # sender: posted WRITEs
     grant: tuple[str, int, int, int, float] | None = None  # agent, offset, nbytes, cb, write_by
     granted: bool = False
+    heard_at: float = 0.0  # receiver: when it granted or the last chunk arrived
     written: bool = False
     done: bool = False
     checksum: int | None = None
@@ -340,6 +350,7 @@ class Handover:
         self._retired: dict[str, PeerWorker] = {}
         self._finished: deque[Handle] = deque()
         self._loaded: set[str] = set()
+        self._next_resend = 0.0
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -536,6 +547,9 @@ class Handover:
                 self._poll_writes(state)
         if self._waiting:
             self._retry_waiting()
+        if self._recv and now > self._next_resend:
+            self._next_resend = now + GRANT_RESEND_S / 4
+            self._resend_grants(now)
         for op in list(self._ops.values()):
             if now > op.deadline:
                 self._fail(op, self._deadline_reason(op))
@@ -588,6 +602,8 @@ class Handover:
             try:
                 if self._advance(state):
                     still.append(state)
+            except PeerUnreachable as error:
+                self._on_unreachable(str(state.agent), error)
             except Exception as error:  # e.g. the peer vanished between two chunks
                 self._fail(op, f"{type(error).__name__}: {error}")
         self._waiting = [s for s in still if not s.op.handle.done]
@@ -635,34 +651,49 @@ class Handover:
 
     def _grant(self, state: _RouteState) -> bool:
         op = state.op
-        ce, ge = op.handle.entry.epochs()
         ttl_ms = max(1, int((op.deadline - time.monotonic()) * 1000))
         if op.mode == "fragments":
-            offset, nbytes = -1, state.layout.nbytes
+            offset = -1
         else:
             area = self.areas.alloc(state.layout.nbytes)
             if area is None:
                 return False
             state.area = area
-            offset, nbytes = area, state.layout.nbytes
+            offset = area
             state.chunk_blocks = self.chunk_blocks
             state.chunks = dict(enumerate(c for c in state.layout.chunks(self.chunk_blocks)
                                           if c.nbytes))
         state.granted = True
+        self._send_grant(state, offset, ttl_ms)
+        return True
+
+    def _send_grant(self, state: _RouteState, offset: int, ttl_ms: int) -> None:
+        op = state.op
+        ce, ge = op.handle.entry.epochs()
+        state.heard_at = time.monotonic()
         assert state.agent is not None
         try:
-            self.transport.send_notif(state.agent, _msg("G", op.xid, ce, ge, state.sender_rank,
-                                                        state.receiver_rank, offset, nbytes,
-                                                        state.chunk_blocks, ttl_ms))
+            self.transport.send_notif(state.agent, _msg(
+                "G", op.xid, ce, ge, state.sender_rank, state.receiver_rank, offset,
+                state.layout.nbytes, state.chunk_blocks, ttl_ms))
         except TransportError as error:
-            self._fail(op, f"cannot reach {op.peer} rank {state.peer_rank}: {error}",
-                       notify=False)
-        return True
+            self._fail(op, f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: "
+                           f"{error}", notify=False)
+
+    def _resend_grants(self, now: float) -> None:
+        """Granted routes that heard nothing for a while send their grant again: a grant lost on
+        a connection that failed while idle gets through, and a failed one shows."""
+        for state in list(self._recv.values()):
+            if (state.granted and not state.done and not state.op.handle.done
+                    and now - state.heard_at > GRANT_RESEND_S):
+                offset = -1 if state.op.mode == "fragments" else int(state.area or 0)
+                self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)))
 
     def _on_chunk(self, state: _RouteState, i: int, n: int) -> None:
         chunk = state.chunks.pop(i, None)
         if chunk is None:  # a duplicate or a chunk of another chunking: not ours
             return
+        state.heard_at = time.monotonic()
         assert state.area is not None
         scatter(state.route, self.transport.staging, self.transport.pools, state.dst,
                 offset=state.area, chunk=chunk)
@@ -783,8 +814,28 @@ class Handover:
             if all([self.transport.poll(p) for p in state.pending]):
                 state.pending.clear()
                 self._route_sent(state)
+        except PeerUnreachable as error:
+            self._on_unreachable(str(state.agent), error)
         except TransportError as error:
             self._fail(state.op, f"transport: {error}")
+
+    def _on_unreachable(self, agent: str, error: Exception) -> None:
+        """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``),
+        the peer is loaded again, and the aborts go over the new connection."""
+        victims: list[tuple[_Op, str]] = []
+        for op in list(self._ops.values()):
+            lost = next((s for s in op.routes if s.agent == agent and not s.done), None)
+            if lost is not None and not op.handle.done:
+                reason = (f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "
+                          f"failed: {error}")
+                self._fail(op, reason, notify=False)
+                victims.append((op, reason))
+        if agent in self._loaded and not self.transport.reset_peer(agent):
+            self._loaded.discard(agent)  # loaded again when a route needs it
+        for op, reason in victims:
+            for state in op.routes:
+                if not state.done:
+                    self._abort_notice(op, state, reason)
 
     def _route_sent(self, state: _RouteState) -> None:
         if state.area is not None:
@@ -832,8 +883,10 @@ class Handover:
             return
         try:
             if kind == "X":
-                self._fail(op, f"peer {op.peer} rank {state.peer_rank} aborted: "
-                               f"{'|'.join(fields[6:])}", notify=False)
+                told = "|".join(fields[6:])
+                cause = "peer_unreachable: " if told.startswith("peer_unreachable") else ""
+                self._fail(op, f"{cause}peer {op.peer} rank {state.peer_rank} aborted: {told}",
+                           notify=False)
             elif kind == "G" and op.side == "send" and state.grant is None:
                 self._on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
@@ -893,18 +946,25 @@ class Handover:
             for pending in state.pending:
                 self.transport.release(pending)
             state.pending.clear()
-            if notify and state.agent is not None and state.agent in self._loaded:
-                try:
-                    self.transport.send_notif(state.agent, _msg(
-                        "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
-                        reason[:200].replace("|", "/")))
-                except Exception as error:  # the peer may be gone: its deadline covers it
-                    log.debug("abort notification to %s failed: %s", state.agent, error)
+            if notify:
+                self._abort_notice(op, state, reason)
         op.handle.routes = self._route_results(op)
         self._ops.pop(id(op), None)
         self.stats["failed"] += 1
         log.warning("%s %s failed: %s", op.side, op.xid, reason)
         self._resolve(op.handle, FAILED, reason)
+
+    def _abort_notice(self, op: _Op, state: _RouteState, reason: str) -> None:
+        """Tell the other side of ``state`` that ``op`` failed here (best effort)."""
+        if state.agent is None or state.agent not in self._loaded:
+            return
+        ce, ge = op.handle.entry.epochs()
+        try:
+            self.transport.send_notif(state.agent, _msg(
+                "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
+                reason[:200].replace("|", "/")))
+        except Exception as error:  # the peer may be gone: its deadline covers it
+            log.debug("abort notification to %s failed: %s", state.agent, error)
 
     def _resolve(self, handle: Handle, state: str, reason: str | None) -> None:
         if handle._resolve(state, reason):
