@@ -488,6 +488,26 @@ class EngineRank:
             if time.monotonic() > give_up:
                 raise TimeoutError(f"raw: {len(out['arrived'])} of {requests} requests arrived")
 
+    def handover_state(self) -> dict[str, Any]:
+        """The handover's books, read on its progress thread: handles pending, staging bytes
+        free (quarantined areas of failed transfers reclaimed when due) of the total."""
+        handover = self.worker.handover
+        assert handover is not None
+        out: dict[str, Any] = {}
+        done = threading.Event()
+
+        def read() -> None:
+            handover.areas.reclaim(time.monotonic())
+            out.update(pending=handover.pending, staging_free=handover.areas.free_bytes,
+                       staging_total=handover.areas.nbytes,
+                       peers=list(handover.transport.peers))
+            done.set()
+
+        handover._call(read)
+        if not done.wait(10):
+            raise RuntimeError("the handover's progress thread did not answer")
+        return out
+
     def stats(self, sweep: bool = False) -> dict[str, Any]:
         """Counters; with ``sweep`` (fill mode) first check every untouched pool byte."""
         w = self.worker
@@ -756,11 +776,20 @@ class Fleet:
         path = Path(spec.log_path or "")
         return path.read_text(errors="replace")[-chars:] if path.is_file() else ""
 
-    def call_all(self, command: str, timeout_s: float = 300.0, **args: Any) -> list[Any]:
-        """Send one command to every rank, then collect the answers (rank order)."""
+    def call_all(self, command: str, wait_s: float = 300.0, **args: Any) -> list[Any]:
+        """Send one command to every rank, then collect the answers (rank order); ``args``
+        are the command's (``timeout_s`` included)."""
         for _, _, conn in self.ranks:
             conn.send((command, args))
-        return [self._answer(spec, conn, timeout_s) for spec, _, conn in self.ranks]
+        return [self._answer(spec, conn, wait_s) for spec, _, conn in self.ranks]
+
+    def call_role(self, role: str, command: str, wait_s: float = 300.0,
+                  **args: Any) -> list[Any]:
+        """:meth:`call_all`, for the ranks of one role only."""
+        mine = [(spec, conn) for spec, _, conn in self.ranks if spec.role == role]
+        for _, conn in mine:
+            conn.send((command, args))
+        return [self._answer(spec, conn, wait_s) for spec, conn in mine]
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids: ``{"ranks": [...], "server": [...]}`` (for CPU accounting)."""

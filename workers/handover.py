@@ -667,18 +667,23 @@ class Handover:
         self._send_grant(state, offset, ttl_ms)
         return True
 
-    def _send_grant(self, state: _RouteState, offset: int, ttl_ms: int) -> None:
+    def _send_grant(self, state: _RouteState, offset: int, ttl_ms: int,
+                    again: bool = False) -> None:
         op = state.op
         ce, ge = op.handle.entry.epochs()
         state.heard_at = time.monotonic()
         assert state.agent is not None
         try:
-            self.transport.send_notif(state.agent, _msg(
+            reconnected = self.transport.send_notif(state.agent, _msg(
                 "G", op.xid, ce, ge, state.sender_rank, state.receiver_rank, offset,
                 state.layout.nbytes, state.chunk_blocks, ttl_ms))
         except TransportError as error:
             self._fail(op, f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: "
                            f"{error}", notify=False)
+            return
+        if again and reconnected:  # the connection this route waited on had failed
+            self._on_unreachable(state.agent, PeerUnreachable(
+                "the connection failed while this rank waited for its bytes"), reload=False)
 
     def _resend_grants(self, now: float) -> None:
         """Granted routes that heard nothing for a while send their grant again: a grant lost on
@@ -687,7 +692,8 @@ class Handover:
             if (state.granted and not state.done and not state.op.handle.done
                     and now - state.heard_at > GRANT_RESEND_S):
                 offset = -1 if state.op.mode == "fragments" else int(state.area or 0)
-                self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)))
+                self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)),
+                                 again=True)
 
     def _on_chunk(self, state: _RouteState, i: int, n: int) -> None:
         chunk = state.chunks.pop(i, None)
@@ -819,7 +825,7 @@ class Handover:
         except TransportError as error:
             self._fail(state.op, f"transport: {error}")
 
-    def _on_unreachable(self, agent: str, error: Exception) -> None:
+    def _on_unreachable(self, agent: str, error: Exception, reload: bool = True) -> None:
         """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``),
         the peer is loaded again, and the aborts go over the new connection."""
         victims: list[tuple[_Op, str]] = []
@@ -830,7 +836,7 @@ class Handover:
                           f"failed: {error}")
                 self._fail(op, reason, notify=False)
                 victims.append((op, reason))
-        if agent in self._loaded and not self.transport.reset_peer(agent):
+        if reload and agent in self._loaded and not self.transport.reset_peer(agent):
             self._loaded.discard(agent)  # loaded again when a route needs it
         for op, reason in victims:
             for state in op.routes:

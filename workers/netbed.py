@@ -154,18 +154,27 @@ class Bed:
 
     # --- faults ------------------------------------------------------------------------------
 
+    def tcp_retries(self, host: str, retries: int) -> None:
+        """``net.ipv4.tcp_retries2`` of ``host`` (15 is Linux's default: about 15 minutes before
+        an established connection to a vanished peer fails; the bed uses 3)."""
+        self.exec(host, "sysctl", "-q", "-w", f"net.ipv4.tcp_retries2={retries}")
+
     def loss(self, host: str, percent: int) -> None:
         """Drop ``percent`` % of ``host``'s packets, in each direction (nftables)."""
         if not 0 <= percent <= 100:
             raise ValueError(f"loss {percent} %: between 0 and 100")
         self._nft_clear(host)
         rules = (
-            f"table inet kvp_loss {{\n"
-            f"  chain in {{ type filter hook input priority 0; policy accept;\n"
-            f'    iifname "{DEVICE}" numgen random mod 100 < {percent} drop }}\n'
-            f"  chain out {{ type filter hook output priority 0; policy accept;\n"
-            f'    oifname "{DEVICE}" numgen random mod 100 < {percent} drop }}\n'
-            f"}}\n"
+            "table inet kvp_loss {\n"
+            "  chain kvp_in {\n"
+            "    type filter hook input priority 0; policy accept;\n"
+            f'    iifname "{DEVICE}" numgen random mod 100 < {percent} drop\n'
+            "  }\n"
+            "  chain kvp_out {\n"
+            "    type filter hook output priority 0; policy accept;\n"
+            f'    oifname "{DEVICE}" numgen random mod 100 < {percent} drop\n'
+            "  }\n"
+            "}\n"
         )
         run("ip", "netns", "exec", self.ns(host), "nft", "-f", "-", input=rules)
 
@@ -200,6 +209,7 @@ class Bed:
         for name in [host] if host else list(self.hosts):
             self._nft_clear(name)
             self.exec(name, "tc", "qdisc", "del", "dev", DEVICE, "root", check=False)
+            self.tcp_retries(name, self.tcp_retries2)
             with contextlib.suppress(BedError):
                 self.reconnect(name)
 

@@ -499,12 +499,16 @@ class NixlTransport:
             if now > t_spin:
                 time.sleep(_POLL_SLEEP_S)
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
-        """A standalone notification (e.g. 'scatter done') to a known peer."""
+    def send_notif(self, peer: str, msg: bytes) -> bool:
+        """A standalone notification (e.g. 'scatter done') to a known peer.
+
+        When UCX already failed the connection to ``peer`` (and no WRITE to it is in flight),
+        the peer is reloaded and the message goes over a new connection: returns True then.
+        """
         self._peer(peer)
         try:
             self._agent.send_notif(peer, msg)
-            return
+            return False
         except Exception as e:  # e.g. nixlRemoteDisconnectError: the connection failed
             if not _disconnected(e):
                 raise TransportError(f"notification to {peer!r}: {type(e).__name__}: {e}") from e
@@ -513,7 +517,7 @@ class NixlTransport:
         if not self._outstanding.get(peer) and self.reset_peer(peer):
             try:
                 self._agent.send_notif(peer, msg)
-                return
+                return True
             except Exception as e:
                 error = e
         raise PeerUnreachable(

@@ -1,0 +1,131 @@
+"""The demo fleet across three hosts, and what the network does to its transfers.
+
+One fleet for the module: control plane on ``kvp-cp``, TP4 context on ``kvp-ctx``, TP2 generation
+on ``kvp-gen``, every worker on ``--ucx-tls tcp``. Every receive is verified byte for byte.
+
+- the bytes cross the bed's network (the context host's veth carries at least the transfers'
+  bytes) and ``GET /v1/workers`` says which UCX transports each worker runs with;
+- a lost connection (the context host cut off for longer than TCP's patience,
+  ``tcp_retries2=3``): NIXL raises ``nixlRemoteDisconnectError``; every handle fails on both
+  sides as ``peer_unreachable`` well before its deadline, and once the link is back the next
+  transfers between the same processes succeed;
+- a partition that outlasts the deadline while TCP keeps trying (``tcp_retries2=15``, Linux's
+  default: the WRITE stays in progress the whole outage): every handle fails at its deadline on
+  both sides, every staging byte comes back, and after the link heals the next transfers succeed
+  without restarting anything;
+- 1 % packet loss each way on the context host: every transfer completes and verifies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from workers.engine_loop import CONTEXT, Fleet
+from workers.netbed import Bed
+
+from .conftest import HOSTS, Background, assert_clean, payload_bytes, wait_released
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SLOW_LINK = "40mbit"  # 5 MB/s: a 16-block request (about 9 MB) stays in flight for seconds
+
+
+@pytest.fixture(scope="module")
+def fleet(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    running = Fleet(
+        tmp_path_factory.mktemp("network"),
+        num_slots=64,
+        fill=True,
+        staging_bytes=32 << 20,
+        ucx_tls="tcp",
+        host=bed.address("cp"),
+        hosts=HOSTS,
+    )
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fleet: Fleet) -> None:
+    assert fleet.server.url.startswith(f"http://{bed.address('cp')}:")
+    before = bed.counters("ctx")
+    run = fleet.run_engine(requests=4, blocks=16, in_flight=2, verify=True, timeout_s=60)
+    assert_clean(run)
+    sent = bed.counters("ctx")["tx_bytes"] - before["tx_bytes"]
+    # Every byte of the four requests left the context host through its NIC (UCX's default
+    # on one machine would have used shared memory / CMA: almost nothing on the veth).
+    assert sent >= 4 * payload_bytes(16), sent
+    assert fleet.client is not None
+    workers = [w for w in fleet.client.list_workers()["items"] if w["status"] == "alive"]
+    assert len(workers) == 6
+    for worker in workers:
+        assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "default"}
+
+
+def _engine_failures(run_failures: dict[str, str], role: str) -> list[str]:
+    return [reason for who, reason in run_failures.items() if who.startswith(role)]
+
+
+def test_lost_connection_fails_both_sides_as_peer_unreachable_then_reconnects(
+    bed: Bed, fleet: Fleet
+) -> None:
+    bed.rate("ctx", SLOW_LINK)
+    run = Background(fleet, requests=2, blocks=16, in_flight=2, verify=True, timeout_s=60)
+    time.sleep(1.5)  # the WRITEs are on the (slow) wire
+    bed.partition("ctx")
+    time.sleep(10)  # longer than TCP's patience (tcp_retries2=3): UCX fails the connection
+    bed.heal("ctx")
+    failed = run.join()
+    assert failed.complete, failed.stalled
+    context = _engine_failures(failed.failures, "context")
+    generation = _engine_failures(failed.failures, "generation")
+    assert context and generation, failed.failures
+    # Both sides say why, and neither waited for its 60 s deadline.
+    for reason in context + generation:
+        assert "peer_unreachable" in reason, failed.failures
+        assert "deadline" not in reason, failed.failures
+    assert failed.leaked == 0
+    wait_released(fleet)
+
+    again = fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=60)
+    assert_clean(again)
+
+
+def test_partition_outlasting_the_deadline_fails_both_sides_and_heals(
+    bed: Bed, fleet: Fleet
+) -> None:
+    for host in ("ctx", "gen"):
+        bed.tcp_retries(host, 15)  # Linux's default: TCP keeps trying for minutes
+    bed.rate("ctx", SLOW_LINK)
+    run = Background(fleet, requests=2, blocks=16, in_flight=2, verify=True, timeout_s=4)
+    time.sleep(1.0)
+    bed.partition("ctx")
+    failed = run.join()  # the deadline, not TCP, ends it: the link is still down
+    assert failed.complete, failed.stalled
+    context = _engine_failures(failed.failures, "context")
+    generation = _engine_failures(failed.failures, "generation")
+    assert context and generation, failed.failures
+    for reason in context + generation:
+        assert reason.startswith(("deadline", "peer ")), failed.failures
+    assert failed.leaked == 0
+    time.sleep(3)
+    bed.heal("ctx")
+    # Nothing stays behind: no handle pending, the quarantined staging of the failed
+    # receives (a late WRITE could still land there) returns when its time to live is over.
+    wait_released(fleet)
+
+    again = fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=60)
+    assert_clean(again)
+
+
+def test_one_percent_loss_each_way_completes_and_verifies(bed: Bed, fleet: Fleet) -> None:
+    bed.loss("ctx", 1)
+    run = fleet.run_engine(requests=12, blocks=16, in_flight=4, verify=True, timeout_s=120)
+    assert_clean(run)
+    assert fleet.client is not None
+    assert fleet.client.get_instance(CONTEXT)["status"] == "ready"
