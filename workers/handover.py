@@ -637,7 +637,7 @@ class Handover:
         return entry.generation_epoch if op.side == "send" else entry.context_epoch
 
     def _load_peer(self, peer: PeerWorker) -> bool:
-        if peer.agent in self._loaded:
+        if peer.agent in self._loaded and self.transport.has_peer(peer.agent):
             return True
         try:
             self.transport.add_peer(peer.info)

@@ -23,8 +23,13 @@ Faults, all on one host's ``eth0`` (undone by :meth:`Bed.heal`):
 - :meth:`Bed.rate`: ``tc tbf`` limits the host's egress bandwidth;
 - :meth:`Bed.partition`: the host's switch port goes down (``ip link set kvp-<host>-b down``):
   nothing reaches it or leaves it, established connections stay open until TCP gives up;
-- :meth:`Bed.delay`: a user-space relay (:class:`DelayRelay`) holds every packet between two
-  hosts' TUN devices for ``ms`` milliseconds (there is no netem here).
+- :meth:`Bed.delay`: traffic between two hosts takes a detour through a user-space relay that
+  holds every packet ``ms`` milliseconds (there is no netem here): each host gets a TUN device
+  ``kvp-dly`` and a host route to the other host through it; the relay (:func:`relay`, its own
+  process in the root namespace) reads IP packets from one TUN and writes them into the other
+  when they are due. The TUN MTU is 64 KiB, so TCP sends few, large segments and Python keeps up.
+  Everything else (the control plane) still goes over ``eth0`` undelayed. :meth:`Bed.loss`
+  applies to the detour as well.
 
 A database a control plane in ``kvp-cp`` uses: SQLite (a file: namespaces share the file system)
 or PostgreSQL through its Unix socket (``?host=/var/run/postgresql``): the server listens on the
@@ -36,9 +41,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import shutil
 import subprocess
 import sys
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +57,8 @@ DRIVER_ADDRESS = f"{SUBNET}.254"
 HOSTS = {"cp": 1, "ctx": 2, "gen": 3}
 DEVICE = "eth0"
 TCP_RETRIES2 = 3
+DELAY_DEVICE = "kvp-dly"
+DELAY_MTU = 65000
 
 
 class BedError(RuntimeError):
@@ -86,6 +96,7 @@ class Bed:
 
     hosts: Mapping[str, int] = field(default_factory=lambda: dict(HOSTS))
     tcp_retries2: int = TCP_RETRIES2
+    _relays: dict[tuple[str, str], subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def ns(self, host: str) -> str:
         return f"{PREFIX}{host}"
@@ -123,6 +134,7 @@ class Bed:
 
     def down(self) -> None:
         """Remove every namespace and link this bed (or an earlier one) created."""
+        self._stop_relays()
         for ns in run("ip", "netns", "list", check=False).split():
             if ns.startswith(PREFIX) and not ns.startswith(f"{PREFIX}probe"):
                 run("ip", "netns", "del", ns, check=False)  # its veths (and their peers) go too
@@ -168,11 +180,11 @@ class Bed:
             "table inet kvp_loss {\n"
             "  chain kvp_in {\n"
             "    type filter hook input priority 0; policy accept;\n"
-            f'    iifname "{DEVICE}" numgen random mod 100 < {percent} drop\n'
+            f'    iifname != "lo" numgen random mod 100 < {percent} drop\n'
             "  }\n"
             "  chain kvp_out {\n"
             "    type filter hook output priority 0; policy accept;\n"
-            f'    oifname "{DEVICE}" numgen random mod 100 < {percent} drop\n'
+            f'    oifname != "lo" numgen random mod 100 < {percent} drop\n'
             "  }\n"
             "}\n"
         )
@@ -204,8 +216,46 @@ class Bed:
     def reconnect(self, host: str) -> None:
         run("ip", "link", "set", self.port(host), "up")
 
+    def delay(self, a: str, b: str, ms: float) -> None:
+        """Delay every packet between hosts ``a`` and ``b`` by ``ms`` (each way)."""
+        self._stop_relays()
+        argv = [
+            sys.executable,
+            "-m",
+            "workers.netbed",
+            "relay",
+            "--ms",
+            str(ms),
+            self.ns(a),
+            self.address(a),
+            self.ns(b),
+            self.address(b),
+        ]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert process.stdout is not None
+        ready = process.stdout.readline()
+        if ready.strip() != b"ready":
+            process.kill()
+            _, err = process.communicate(timeout=10)
+            raise BedError(f"the delay relay did not start: {err.decode(errors='replace')}")
+        self._relays[(a, b)] = process
+
+    def _stop_relays(self) -> None:
+        for process in self._relays.values():
+            process.terminate()  # its TUN devices go with its file descriptors
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+            for pipe in (process.stdout, process.stderr):
+                if pipe is not None:
+                    pipe.close()
+        self._relays.clear()
+
     def heal(self, host: str | None = None) -> None:
-        """Undo every fault on ``host`` (every host when None)."""
+        """Undo every fault on ``host`` (every host when None; a delay always)."""
+        self._stop_relays()
         for name in [host] if host else list(self.hosts):
             self._nft_clear(name)
             self.exec(name, "tc", "qdisc", "del", "dev", DEVICE, "root", check=False)
@@ -217,12 +267,67 @@ class Bed:
         self.exec(host, "nft", "delete", "table", "inet", "kvp_loss", check=False)
 
 
+def _open_tun(name: str) -> int:
+    import fcntl
+    import struct
+
+    tunsetiff, iff_tun, iff_no_pi = 0x400454CA, 0x0001, 0x1000
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    fcntl.ioctl(fd, tunsetiff, struct.pack("16sH", name.encode(), iff_tun | iff_no_pi))
+    return fd
+
+
+def relay(ms: float, a: tuple[str, str], b: tuple[str, str]) -> None:
+    """Two TUN devices, one per namespace, each with a host route to the other side; every IP
+    packet read from one is written into the other ``ms`` later (FIFO: a constant delay keeps
+    the order). Runs until killed; prints ``ready`` once traffic flows through it."""
+    fds = []
+    for i, ((ns, address), (_, other)) in enumerate(((a, b), (b, a))):
+        name = f"{DELAY_DEVICE}{i}"
+        fds.append(_open_tun(name))
+        run("ip", "link", "set", name, "netns", ns)
+        in_ns = ("ip", "netns", "exec", ns)
+        run(*in_ns, "ip", "link", "set", name, "name", DELAY_DEVICE)
+        run(*in_ns, "ip", "link", "set", DELAY_DEVICE, "mtu", str(DELAY_MTU), "up")
+        run(*in_ns, "ip", "route", "replace", f"{other}/32", "dev", DELAY_DEVICE, "src", address)
+        for key in (f"net.ipv4.conf.{DELAY_DEVICE}.rp_filter", "net.ipv4.conf.all.rp_filter"):
+            run(*in_ns, "sysctl", "-q", "-w", f"{key}=0")
+    print("ready", flush=True)
+    delay = ms / 1000.0
+    queue: deque[tuple[float, int, bytes]] = deque()
+    peer = {fds[0]: fds[1], fds[1]: fds[0]}
+    while True:
+        timeout = max(0.0, queue[0][0] - time.monotonic()) if queue else None
+        readable, _, _ = select.select(fds, [], [], timeout)
+        now = time.monotonic()
+        for fd in readable:
+            for _ in range(64):  # drain a burst, without starving the other direction
+                try:
+                    packet = os.read(fd, DELAY_MTU + 64)
+                except BlockingIOError:
+                    break
+                queue.append((now + delay, peer[fd], packet))
+                if not select.select([fd], [], [], 0)[0]:
+                    break
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, out, packet = queue.popleft()
+            with contextlib.suppress(OSError):  # a full queue drops, like a wire
+                os.write(out, packet)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m workers.netbed", description="Network-namespace hosts for kvplane tests."
     )
-    parser.add_argument("action", choices=["up", "down", "status"])
-    args = parser.parse_args(argv)
+    parser.add_argument("action", choices=["up", "down", "status", "relay"])
+    parser.add_argument("--ms", type=float, default=5.0, help="relay: the delay each way")
+    parser.add_argument("relay_args", nargs="*", help="relay: NS_A ADDR_A NS_B ADDR_B")
+    args = parser.parse_intermixed_args(argv)
+    if args.action == "relay":
+        ns_a, addr_a, ns_b, addr_b = args.relay_args
+        relay(args.ms, (ns_a, addr_a), (ns_b, addr_b))
+        return 0
     bed = Bed()
     if args.action == "up":
         why = available()

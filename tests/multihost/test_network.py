@@ -13,7 +13,8 @@ on ``kvp-gen``, every worker on ``--ucx-tls tcp``. Every receive is verified byt
   default: the WRITE stays in progress the whole outage): every handle fails at its deadline on
   both sides, every staging byte comes back, and after the link heals the next transfers succeed
   without restarting anything;
-- 1 % packet loss each way on the context host: every transfer completes and verifies.
+- 1 % packet loss each way on the context host and 5 ms of delay each way between the two
+  hosts: every transfer completes and verifies.
 """
 
 from __future__ import annotations
@@ -123,9 +124,13 @@ def test_partition_outlasting_the_deadline_fails_both_sides_and_heals(
     assert_clean(again)
 
 
-def test_one_percent_loss_each_way_completes_and_verifies(bed: Bed, fleet: Fleet) -> None:
+def test_one_percent_loss_and_5_ms_delay_complete_and_verify(bed: Bed, fleet: Fleet) -> None:
     bed.loss("ctx", 1)
-    run = fleet.run_engine(requests=12, blocks=16, in_flight=4, verify=True, timeout_s=120)
+    bed.delay("ctx", "gen", 5)  # each way: a 10 ms round trip between the two hosts
+    before = bed.counters("ctx")
+    run = fleet.run_engine(requests=8, blocks=16, in_flight=4, verify=True, timeout_s=120)
     assert_clean(run)
+    # The bytes took the delayed detour, not eth0.
+    assert bed.counters("ctx")["tx_bytes"] - before["tx_bytes"] < payload_bytes(16)
     assert fleet.client is not None
     assert fleet.client.get_instance(CONTEXT)["status"] == "ready"

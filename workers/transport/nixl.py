@@ -325,6 +325,10 @@ class NixlTransport:
             self._inbox[agent] = inbox
         return True
 
+    def has_peer(self, agent: str) -> bool:
+        """Whether ``agent``'s metadata is loaded (a failed :meth:`reset_peer` drops it)."""
+        return agent in self._peers
+
     @property
     def peers(self) -> tuple[str, ...]:
         return tuple(self._peers)
