@@ -23,7 +23,8 @@ control plane in ``kvp-cp``, the context ranks in ``kvp-ctx``, the generation ra
 every worker on ``--ucx-tls`` (default ``tcp``: the bytes cross the veths instead of shared
 memory). Adds GB/s (bytes/request × transfers/s) and the megabytes that left the context host's
 NIC per cell; ``--loss N`` drops N % of the context host's packets each way (nftables),
-``--rate`` limits its egress (``tc tbf``).
+``--rate`` limits its egress (``tc tbf``), ``--delay-ms`` delays every packet between the
+context and generation hosts (a user-space TUN relay).
 
 transfers/s = requests / (first issue → last outcome). CPU ms/request: user + system CPU time
 of the six rank processes and of the control plane during the measurement (read 1.2 s after the
@@ -127,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the workers' UCX transports (default with --hosts: tcp)")
     parser.add_argument("--loss", type=int, default=0, help="--hosts: %% packets dropped")
     parser.add_argument("--rate", default=None, help="--hosts: context egress limit (1gbit)")
+    parser.add_argument("--delay-ms", type=float, default=0.0,
+                        help="--hosts: delay each way between kvp-ctx and kvp-gen (TUN relay)")
     args = parser.parse_args(argv)
-    if (args.loss or args.rate) and not args.hosts:
-        parser.error("--loss and --rate need --hosts")
+    if (args.loss or args.rate or args.delay_ms) and not args.hosts:
+        parser.error("--loss, --rate and --delay-ms need --hosts")
     block_counts = [int(x) for x in args.blocks.split(",")]
     flights = [int(x) for x in args.in_flight.split(",")]
     paths = args.paths.split(",")
@@ -157,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                   **hosts)
     rows: list[dict[str, Any]] = []
 
-    def nic_mb() -> float:
-        return bed.counters("ctx")["tx_bytes"] / 1e6 if bed is not None else 0.0
+    def nic_mb() -> float:  # what left kvp-ctx: its NIC, and the delay relay's TUN if any
+        if bed is None:
+            return 0.0
+        sent = bed.counters("ctx")["tx_bytes"]
+        if args.delay_ms:
+            sent += int(bed.exec("ctx", "cat", "/sys/class/net/kvp-dly/statistics/tx_bytes"))
+        return sent / 1e6
 
     try:
         fleet.start()
@@ -166,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             bed.loss("ctx", args.loss)
         if bed is not None and args.rate:
             bed.rate("ctx", args.rate)
+        if bed is not None and args.delay_ms:
+            bed.delay("ctx", "gen", args.delay_ms)
         print(f"fleet up in {time.time() - started:.0f} s (logs in {workdir})", file=sys.stderr)
         # Warm-up: NIXL connections, the REST command streams.
         fleet.run_engine(requests=4, blocks=4, in_flight=2, tag="warm")
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows, "cpu": cpu_model(), "cpus": os.cpu_count(), "device": args.device,
             "load_before": load_before, "load_after": load_after, "hosts": args.hosts,
             "ucx_tls": args.ucx_tls or ("tcp" if args.hosts else None), "loss": args.loss,
-            "rate": args.rate}, indent=1))
+            "rate": args.rate, "delay_ms": args.delay_ms}, indent=1))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
@@ -241,7 +251,9 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
         print(f"Across hosts kvp-cp / kvp-ctx / kvp-gen (veths on a bridge), UCX_TLS="
               f"{args.ucx_tls or 'tcp'}" + (f", {args.loss} % loss each way on kvp-ctx"
                                             if args.loss else "")
-              + (f", kvp-ctx egress {args.rate}" if args.rate else ""))
+              + (f", kvp-ctx egress {args.rate}" if args.rate else "")
+              + (f", {args.delay_ms:g} ms each way kvp-ctx <-> kvp-gen" if args.delay_ms
+                 else ""))
     print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); device {args.device}; "
           f"load average before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.2f}' for x in load_after)}; {seconds:.0f} s"
