@@ -4,7 +4,8 @@ One fleet for the module: control plane on ``kvp-cp``, TP4 context on ``kvp-ctx`
 on ``kvp-gen``, every worker on ``--ucx-tls tcp``. Every receive is verified byte for byte.
 
 - the bytes cross the bed's network (the context host's veth carries at least the transfers'
-  bytes) and ``GET /v1/workers`` says which UCX transports each worker runs with;
+  bytes), REST transfers run from the root namespace, and ``GET /v1/workers`` says which UCX
+  transports each worker runs with;
 - a lost connection (the context host cut off for longer than TCP's patience,
   ``tcp_retries2=3``): NIXL raises ``nixlRemoteDisconnectError``; every handle fails on both
   sides as ``peer_unreachable`` well before its deadline, and once the link is back the next
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.engine_loop import CONTEXT, Fleet
+from workers.engine_loop import CONTEXT, Fleet, run_rest
 from workers.netbed import Bed
 
 from .conftest import HOSTS, Background, assert_clean, payload_bytes, wait_released
@@ -61,6 +62,19 @@ def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fl
     # Every byte of the four requests left the context host through its NIC (UCX's default
     # on one machine would have used shared memory / CMA: almost nothing on the veth).
     assert sent >= 4 * payload_bytes(16), sent
+    # REST from the driver's namespace: the control plane pushes to the workers' command
+    # streams across the bed, and the transfer is recorded done.
+    rest = run_rest(
+        fleet.server.url,
+        requests=2,
+        blocks=4,
+        in_flight=1,
+        num_slots=64,
+        seed=3,
+        tag="rest-hosts",
+        verify=True,
+    )
+    assert rest["errors"] == [] and len(rest["latencies"]) == 2
     assert fleet.client is not None
     workers = [w for w in fleet.client.list_workers()["items"] if w["status"] == "alive"]
     assert len(workers) == 6
