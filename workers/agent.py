@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from api.client import ApiError, Client, ConflictError, NotFoundError
+from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
 from workers.directory import Directory, HandoverError
 from workers.executors import expand_fragments
 from workers.handover import CHUNK_BLOCKS, FAILED, BlockMap, Finished, Handle, Handover
@@ -167,15 +167,24 @@ class Worker:
             self.transport = NixlTransport(agent, self.pools, staging_bytes=self.staging_bytes,
                                            progress_thread=False, ucx_tls=self.ucx_tls,
                                            ucx_net_devices=self.ucx_net_devices)
-            attached = self.client.register_worker({
+            peer = self.transport.peer_info().to_json()
+            body: dict[str, Any] = {
                 "instance": self.instance,
                 "rank": self.rank,
                 "device": self.device,
                 "transport": "nixl",
-                "peer": self.transport.peer_info().to_json(),
+                "peer": peer,
                 "host": socket.gethostname()[:256],
                 "pid": os.getpid(),
-            })
+            }
+            try:
+                attached = self.client.register_worker(body)
+            except BadRequestError as error:
+                if "peer.ucx" not in str(error):
+                    raise
+                # A control plane older than this worker: attach without the UCX report.
+                peer.pop("ucx", None)
+                attached = self.client.register_worker(body)
             self.worker_id = str(attached["id"])
             self.heartbeat_interval_s = float(attached["heartbeat_interval_s"])
             self.handover = Handover(self.transport, instance=self.instance, rank=self.rank,
