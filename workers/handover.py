@@ -47,7 +47,11 @@ failed (a WRITE in its error state, ``nixlRemoteDisconnectError``), every handle
 ``peer_unreachable``, the peer is loaded again (a new connection: UCX loses whatever is sent over
 a failed one, silently) and the abort goes over the new one. The re-sent grant is what finds a
 connection that failed while it was idle, so the next transfer after a network outage works
-instead of waiting for its deadline.
+instead of waiting for its deadline. A writer that gets a grant again for a route it already
+wrote (UCX completes a TCP WRITE once the bytes are in the socket) probes the connection with a
+``P`` notification; when that finds the connection failed, the bytes were lost with it and the
+receiver gets a ``peer_unreachable`` abort over a new one. On a merely slow link the probe is
+harmless and the bytes arrive.
 
 Staging areas of a failed receive stay quarantined for the grant's time to live plus a margin
 (a writer never starts a WRITE after its grant expired), so a late WRITE never lands in an area
@@ -351,6 +355,7 @@ class Handover:
         self._finished: deque[Handle] = deque()
         self._loaded: set[str] = set()
         self._next_resend = 0.0
+        self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -843,6 +848,19 @@ class Handover:
                 if not state.done:
                     self._abort_notice(op, state, reason)
 
+    def _probe(self, agent: str, fields: list[str]) -> None:
+        """A grant again for a route this rank wrote: were its bytes lost with a connection?"""
+        if agent not in self._loaded:
+            return
+        head = fields[1:6]
+        try:
+            if self.transport.send_notif(agent, _msg("P", *head)):  # had to reconnect
+                self.transport.send_notif(agent, _msg(
+                    "X", *head, "peer_unreachable: the connection failed after this rank's "
+                    "WRITE completed; its bytes were lost with it"))
+        except TransportError as error:
+            log.debug("probe of %s failed: %s", agent, error)
+
     def _route_sent(self, state: _RouteState) -> None:
         if state.area is not None:
             self.areas.free(state.area, state.layout.nbytes)
@@ -850,6 +868,10 @@ class Handover:
         state.done = True
         if self._send.get(state.key) is state:
             del self._send[state.key]
+        if state.agent is not None:
+            self._written[state.key] = state.agent
+            if len(self._written) > 4096:
+                del self._written[next(iter(self._written))]
         self._maybe_complete(state.op)
 
     # --- notifications -----------------------------------------------------------------------
@@ -865,6 +887,9 @@ class Handover:
                                               self.directory.role == "context") else self._recv
         state = index.get(key)
         if state is None:
+            if kind == "G" and self._written.get(key) == agent:
+                self._probe(agent, fields)
+                return
             if kind == "X" or (kind == "G" and self.directory.role == "context"):
                 # send()/expect() not called yet: a grant, or an abort, waits for it
                 self._early[key] = (agent, fields, time.monotonic())

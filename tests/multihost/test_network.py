@@ -103,9 +103,10 @@ def test_lost_connection_fails_both_sides_as_peer_unreachable_then_reconnects(
     # A sender whose WRITE was on the wire learns from NIXL, well before its deadline.
     for reason in context:
         assert reason.startswith("peer_unreachable"), failed.failures
-    # A receiver learns from the sender's abort or from its own re-sent grant. Known gap: a
-    # WRITE that UCX had completed locally (the bytes in the sender's socket buffer) before the
-    # link broke leaves a released sender and a receiver that only its deadline ends.
+    # A receiver learns from the sender's abort or from its own re-sent grant. A WRITE that UCX
+    # had completed locally (the bytes still in the sender's socket buffer) when the link broke
+    # leaves a released sender; the receiver's re-sent grant makes it probe the connection and
+    # abort over a new one once the link is back, or the receiver's deadline ends it.
     assert any(r.startswith("peer_unreachable") for r in generation), failed.failures
     for reason in generation:
         assert reason.startswith(("peer_unreachable", "deadline: 30 s passed")), failed.failures
