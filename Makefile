@@ -9,7 +9,7 @@ PORT ?= 8000
 NODE_DIR := tests/contract/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed-stamp
 
-.PHONY: install node-tools run demo serve test lint bench clean
+.PHONY: install node-tools run demo serve test lint bench clean hosts-up hosts-down
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ lint: install
 
 bench: install
 	$(PY) bench/plan.py
+
+# Three hosts on this machine (root): network namespaces kvp-cp 10.77.0.1, kvp-ctx 10.77.0.2 and
+# kvp-gen 10.77.0.3 on the bridge kvp-br0 (10.77.0.254 here). Run processes on a host with
+# `ip netns exec kvp-ctx ...` (docs/operators.md, "Several hosts"); tests/multihost builds its own.
+hosts-up: install
+	$(PY) -m workers.netbed up
+
+hosts-down:
+	$(PY) -m workers.netbed down
 
 clean:
 	rm -rf $(VENV) var $(NODE_DIR)/node_modules

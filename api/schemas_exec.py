@@ -39,6 +39,18 @@ class Staging(_Request):
     bytes: int = Field(ge=0, le=MAX_BYTES)
 
 
+class UcxSettings(_Request):
+    """The UCX settings a worker's NIXL endpoint was created with (``default``: UCX chooses,
+    i.e. every transport or device it finds; on one machine that means shared memory / CMA)."""
+
+    backend: Literal["UCX"] = "UCX"
+    tls: str = Field(default="default", min_length=1, max_length=256,
+                     description="UCX transports (UCX_TLS), e.g. tcp; `kvplane worker --ucx-tls`")
+    net_devices: str = Field(default="default", min_length=1, max_length=256,
+                             description="Network devices UCX may use (UCX_NET_DEVICES), e.g. "
+                             "eth0; `kvplane worker --ucx-net-devices`")
+
+
 class PeerInfo(_Request):
     """What other workers need to reach this one over NIXL (opaque metadata is base64)."""
 
@@ -49,6 +61,7 @@ class PeerInfo(_Request):
     device_id: int = Field(ge=0, le=1024)
     pools: list[PeerPool] = Field(min_length=1, max_length=1024)
     staging: Staging
+    ucx: UcxSettings | None = Field(default=None, description="Absent from older workers")
 
 
 class WorkerCreate(_Request):
@@ -84,6 +97,9 @@ class WorkerRead(BaseModel):
     connected: bool = Field(default=False, description="Holds the command stream open to "
                             "this API process (REST execute=true reaches it)")
     directory_revision: str | None = None
+    ucx: UcxSettings | None = Field(default=None, description="The UCX transports and devices "
+                                    "the worker's NIXL endpoint runs with (null: an older "
+                                    "worker that did not say)")
 
 
 class WorkerList(BaseModel):

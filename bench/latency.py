@@ -18,6 +18,14 @@ flight (closed loop), three paths between the same six processes:
   from ``in flight`` client threads; the same workers serve it through their command stream.
   Latency = POST sent → GET answered ``done``.
 
+``--hosts``: the same three paths across three hosts (``workers/netbed.py``, root only): the
+control plane in ``kvp-cp``, the context ranks in ``kvp-ctx``, the generation ranks in ``kvp-gen``,
+every worker on ``--ucx-tls`` (default ``tcp``: the bytes cross the veths instead of shared
+memory). Adds GB/s (bytes/request × transfers/s) and the megabytes that left the context host's
+NIC per cell; ``--loss N`` drops N % of the context host's packets each way (nftables),
+``--rate`` limits its egress (``tc tbf``), ``--delay-ms`` delays every packet between the
+context and generation hosts (a user-space TUN relay).
+
 transfers/s = requests / (first issue → last outcome). CPU ms/request: user + system CPU time
 of the six rank processes and of the control plane during the measurement (read 1.2 s after the
 engine path's last outcome, so its batched records are in), per request. Prints a markdown
@@ -114,7 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="raw,engine,rest")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--workdir", type=Path, help="logs and database (default: a temp dir)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="across network namespaces kvp-cp / kvp-ctx / kvp-gen (root)")
+    parser.add_argument("--ucx-tls", default=None,
+                        help="the workers' UCX transports (default with --hosts: tcp)")
+    parser.add_argument("--loss", type=int, default=0, help="--hosts: %% packets dropped")
+    parser.add_argument("--rate", default=None, help="--hosts: context egress limit (1gbit)")
+    parser.add_argument("--delay-ms", type=float, default=0.0,
+                        help="--hosts: delay each way between kvp-ctx and kvp-gen (TUN relay)")
     args = parser.parse_args(argv)
+    if (args.loss or args.rate or args.delay_ms) and not args.hosts:
+        parser.error("--loss, --rate and --delay-ms need --hosts")
     block_counts = [int(x) for x in args.blocks.split(",")]
     flights = [int(x) for x in args.in_flight.split(",")]
     paths = args.paths.split(",")
@@ -124,10 +142,40 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvplane-latency-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    fleet = Fleet(workdir, num_slots=num_slots, device=args.device, staging_bytes=128 << 20)
+    bed = None
+    hosts: dict[str, Any] = {}
+    if args.hosts:
+        from workers import netbed
+
+        why = netbed.available()
+        if why:
+            print(f"--hosts: {why}", file=sys.stderr)
+            return 2
+        bed = netbed.Bed().up()
+        hosts = {"host": bed.address("cp"), "ucx_tls": args.ucx_tls or "tcp",
+                 "hosts": {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"}}
+    elif args.ucx_tls:
+        hosts = {"ucx_tls": args.ucx_tls}
+    fleet = Fleet(workdir, num_slots=num_slots, device=args.device, staging_bytes=128 << 20,
+                  **hosts)
     rows: list[dict[str, Any]] = []
+
+    def nic_mb() -> float:  # what left kvp-ctx: its NIC, and the delay relay's TUN if any
+        if bed is None:
+            return 0.0
+        sent = bed.counters("ctx")["tx_bytes"]
+        if args.delay_ms:
+            sent += int(bed.exec("ctx", "cat", "/sys/class/net/kvp-dly/statistics/tx_bytes"))
+        return sent / 1e6
+
     try:
         fleet.start()
+        if bed is not None and args.loss:
+            bed.loss("ctx", args.loss)
+        if bed is not None and args.rate:
+            bed.rate("ctx", args.rate)
+        if bed is not None and args.delay_ms:
+            bed.delay("ctx", "gen", args.delay_ms)
         print(f"fleet up in {time.time() - started:.0f} s (logs in {workdir})", file=sys.stderr)
         # Warm-up: NIXL connections, the REST command streams.
         fleet.run_engine(requests=4, blocks=4, in_flight=2, tag="warm")
@@ -142,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             requests = requests_for(blocks, in_flight, args.quick)
             extra = (blocks, in_flight) == REST_EXTRA and in_flight not in flights
             if "raw" in paths and not extra:
-                meter = CpuMeter(fleet)
+                meter, nic = CpuMeter(fleet), nic_mb()
                 raw = fleet.run_raw(requests=requests, blocks=blocks, in_flight=in_flight,
                                     seed=seed)
                 if raw.errors:
@@ -150,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                 lat = raw.latencies_s()
                 rows.append(row("raw", blocks, in_flight, nbytes, lat, raw.throughput(),
                                 requests - len(lat), meter.per_request_ms(requests)))
+                rows[-1]["nic_mb"] = nic_mb() - nic
             if "engine" in paths and not extra:
-                meter = CpuMeter(fleet)
+                meter, nic = CpuMeter(fleet), nic_mb()
                 run = fleet.run_engine(requests=requests, blocks=blocks, in_flight=in_flight,
                                        seed=seed)
                 if run.failures or run.leaked or run.stalled:
@@ -161,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(RECORD_SETTLE_S)  # the batched records belong to this measurement
                 rows.append(row("engine", blocks, in_flight, nbytes, lat, run.throughput(),
                                 requests - len(lat), meter.per_request_ms(requests)))
+                rows[-1]["nic_mb"] = nic_mb() - nic
             if "rest" in paths:
-                meter = CpuMeter(fleet)
+                meter, nic = CpuMeter(fleet), nic_mb()
                 requests = requests_for(blocks, in_flight, args.quick, "REST")
                 rest = run_rest(fleet.server.url, requests=requests, blocks=blocks,
                                 in_flight=in_flight, num_slots=num_slots, seed=seed,
@@ -173,18 +223,23 @@ def main(argv: list[str] | None = None) -> int:
                                 rest["throughput"], len(rest["errors"]),
                                 meter.per_request_ms(requests)))
                 rows[-1]["retries_503"] = len(rest["retries"])
+                rows[-1]["nic_mb"] = nic_mb() - nic
             print(f"  {blocks} blocks x {in_flight} in flight: "
                   + ", ".join(f"{r['path']} p50 {r['p50_ms']:.1f} ms" for r in rows
                               if r["blocks"] == blocks and r["in_flight"] == in_flight),
                   file=sys.stderr)
     finally:
         fleet.stop()
+        if bed is not None:
+            bed.down()
     load_after = os.getloadavg()
     print_report(rows, args, load_before, load_after, time.time() - started)
     if args.json:
         args.json.write_text(json.dumps({
             "rows": rows, "cpu": cpu_model(), "cpus": os.cpu_count(), "device": args.device,
-            "load_before": load_before, "load_after": load_after}, indent=1))
+            "load_before": load_before, "load_after": load_after, "hosts": args.hosts,
+            "ucx_tls": args.ucx_tls or ("tcp" if args.hosts else None), "loss": args.loss,
+            "rate": args.rate, "delay_ms": args.delay_ms}, indent=1))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
@@ -192,14 +247,24 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
                  load_before: tuple[float, ...], load_after: tuple[float, ...],
                  seconds: float) -> None:
     raw = {(r["blocks"], r["in_flight"]): r for r in rows if r["path"] == "raw"}
+    if args.hosts:
+        print(f"Across hosts kvp-cp / kvp-ctx / kvp-gen (veths on a bridge), UCX_TLS="
+              f"{args.ucx_tls or 'tcp'}" + (f", {args.loss} % loss each way on kvp-ctx"
+                                            if args.loss else "")
+              + (f", kvp-ctx egress {args.rate}" if args.rate else "")
+              + (f", {args.delay_ms:g} ms each way kvp-ctx <-> kvp-gen" if args.delay_ms
+                 else ""))
     print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); device {args.device}; "
           f"load average before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.2f}' for x in load_after)}; {seconds:.0f} s"
           + (" (--quick)" if args.quick else ""))
     print()
+    hosts = bool(args.hosts)
     print("| path | blocks | in flight | bytes/request | n | p50 ms | p99 ms | transfers/s "
-          "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          + ("| GB/s | MB out of kvp-ctx " if hosts else "")
+          + "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if hosts else "")
+          + "---:|---:|---:|")
     order = {"raw": 0, "engine": 1, "REST": 2}
     for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"], order[r["path"]])):
         base = raw.get((r["blocks"], r["in_flight"]))
@@ -212,9 +277,11 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
         if r.get("retries_503"):
             failed += f" ({r['retries_503']} × 503)"
         cpu = r["cpu_ms"]
+        net = (f"{r['bytes'] * r['per_s'] / 1e9:.3f} | {r.get('nic_mb', 0):.0f} | "
+               if hosts else "")
         print(f"| {r['path']} | {r['blocks']} | {r['in_flight']} | {r['bytes']:,} | "
               f"{r['n']}{failed} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['per_s']:.1f} | "
-              f"{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |")
+              f"{net}{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |")
     print()
     print("Goals (issue 11):")
     for goal, met in goals(rows):

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from api.client import ApiError, Client, ConflictError, NotFoundError
+from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
 from workers.directory import Directory, HandoverError
 from workers.executors import expand_fragments
 from workers.handover import CHUNK_BLOCKS, FAILED, BlockMap, Finished, Handle, Handover
@@ -97,6 +97,8 @@ class Worker:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         fill: bool = False,
         chunk_blocks: int | None = None,
+        ucx_tls: str | None = None,
+        ucx_net_devices: str | None = None,
     ) -> None:
         self.client = client
         self.instance = instance
@@ -105,6 +107,10 @@ class Worker:
         self.staging_bytes = staging_bytes
         self.fill = fill
         self.chunk_blocks = chunk_blocks
+        # UCX transports / devices of the NIXL endpoint (None: the process's UCX_TLS and
+        # UCX_NET_DEVICES, else UCX's defaults); see workers/transport/nixl.py.
+        self.ucx_tls = ucx_tls
+        self.ucx_net_devices = ucx_net_devices
         self.pools: dict[int, Pool] = {}
         self.transport: NixlTransport | None = None
         self.handover: Handover | None = None
@@ -127,15 +133,23 @@ class Worker:
 
     # --- attach --------------------------------------------------------------------------
 
-    def attach(self, tensors: Mapping[int, torch.Tensor] | None = None) -> str:
+    def attach(self, tensors: Mapping[int, torch.Tensor] | None = None, *,
+               ucx_tls: str | None = None, ucx_net_devices: str | None = None) -> str:
         """Open the rank's pools and NIXL endpoint and register them; returns the worker id.
 
+        ``ucx_tls`` / ``ucx_net_devices`` override the worker's UCX settings (e.g. ``"tcp"`` so
+        that two workers of one machine talk over its network rather than shared memory); the
+        registration reports what the endpoint runs with (``GET /v1/workers``: ``ucx``).
         Attaching again (after a re-registration) fails every handle still pending on the old
         endpoint and starts a new one over the same engine tensors.
         """
         from workers.transport.nixl import NixlTransport
 
         with self._attach_lock:
+            if ucx_tls is not None:
+                self.ucx_tls = ucx_tls
+            if ucx_net_devices is not None:
+                self.ucx_net_devices = ucx_net_devices
             instance = self.client.get_instance(self.instance)
             rank_body = next((r for r in instance.get("ranks", []) if r["rank"] == self.rank),
                              None)
@@ -162,16 +176,26 @@ class Worker:
                 self.transport.close()
             agent = f"{self.instance}.r{self.rank}.{uuid.uuid4().hex[:8]}"
             self.transport = NixlTransport(agent, self.pools, staging_bytes=self.staging_bytes,
-                                           progress_thread=False)
-            attached = self.client.register_worker({
+                                           progress_thread=False, ucx_tls=self.ucx_tls,
+                                           ucx_net_devices=self.ucx_net_devices)
+            peer = self.transport.peer_info().to_json()
+            body: dict[str, Any] = {
                 "instance": self.instance,
                 "rank": self.rank,
                 "device": self.device,
                 "transport": "nixl",
-                "peer": self.transport.peer_info().to_json(),
+                "peer": peer,
                 "host": socket.gethostname()[:256],
                 "pid": os.getpid(),
-            })
+            }
+            try:
+                attached = self.client.register_worker(body)
+            except BadRequestError as error:
+                if "peer.ucx" not in str(error):
+                    raise
+                # A control plane older than this worker: attach without the UCX report.
+                peer.pop("ucx", None)
+                attached = self.client.register_worker(body)
             self.worker_id = str(attached["id"])
             self.heartbeat_interval_s = float(attached["heartbeat_interval_s"])
             self.handover = Handover(self.transport, instance=self.instance, rank=self.rank,
@@ -180,8 +204,9 @@ class Worker:
                                      check=self._check_filled if self.fill else None,
                                      chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
                                      hold_s=self.hold_s)
-            log.info("worker %s attached to %s rank %d (%s, agent %s)", self.worker_id,
-                     self.instance, self.rank, self.device, agent)
+            log.info("worker %s attached to %s rank %d (%s, agent %s, UCX tls=%s devices=%s)",
+                     self.worker_id, self.instance, self.rank, self.device, agent,
+                     self.transport.ucx.tls, self.transport.ucx.net_devices)
             if self._threads:  # already started: the new endpoint needs a fresh directory
                 self._refresh_quietly()
             return self.worker_id

@@ -38,6 +38,13 @@ one result list back. The rank processes also serve REST ``execute=true`` comman
 command stream), and :meth:`EngineRank.raw` measures plain NIXL WRITEs between the same processes
 (see ``bench/latency.py``).
 
+Several hosts. With ``hosts`` (role → network namespace, see ``workers/netbed.py``) the control
+plane and each role's rank processes start inside their namespaces with ``ip netns exec`` (a
+fresh interpreter, ``python -m workers.engine_loop``, talking to the driver over an inherited
+socket), the control plane listens on its host's address and every worker reaches it and its
+peers over the bed's network; ``ucx_tls`` (e.g. ``"tcp"``) is every worker's UCX transport list.
+:meth:`Fleet.kill_role` and :meth:`Fleet.restart_role` play a host dying and coming back.
+
 No pytest in here: ``tests/workers/test_engine_loop.py``, ``bench/latency.py`` and ``kvplane demo``
 import it.
 """
@@ -200,6 +207,9 @@ class RankSpec:
     staging_bytes: int = 64 << 20
     chunk_blocks: int | None = None
     log_path: str | None = None
+    ucx_tls: str | None = None
+    ucx_net_devices: str | None = None
+    netns: str | None = None  # the host (network namespace) this rank runs on
 
 
 @dataclass
@@ -243,7 +253,8 @@ class EngineRank:
         self.num_slots = min(groups.values())
         self.worker = Worker(self.client, spec.instance, spec.rank, device=spec.device,
                              staging_bytes=spec.staging_bytes, fill=spec.fill,
-                             chunk_blocks=spec.chunk_blocks)
+                             chunk_blocks=spec.chunk_blocks, ucx_tls=spec.ucx_tls,
+                             ucx_net_devices=spec.ucx_net_devices)
         self.worker.attach(tensors=self.tensors)
         self.worker.start()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -478,6 +489,26 @@ class EngineRank:
             if time.monotonic() > give_up:
                 raise TimeoutError(f"raw: {len(out['arrived'])} of {requests} requests arrived")
 
+    def handover_state(self) -> dict[str, Any]:
+        """The handover's books, read on its progress thread: handles pending, staging bytes
+        free (quarantined areas of failed transfers reclaimed when due) of the total."""
+        handover = self.worker.handover
+        assert handover is not None
+        out: dict[str, Any] = {}
+        done = threading.Event()
+
+        def read() -> None:
+            handover.areas.reclaim(time.monotonic())
+            out.update(pending=handover.pending, staging_free=handover.areas.free_bytes,
+                       staging_total=handover.areas.nbytes,
+                       peers=list(handover.transport.peers))
+            done.set()
+
+        handover._call(read)
+        if not done.wait(10):
+            raise RuntimeError("the handover's progress thread did not answer")
+        return out
+
     def stats(self, sweep: bool = False) -> dict[str, Any]:
         """Counters; with ``sweep`` (fill mode) first check every untouched pool byte."""
         w = self.worker
@@ -527,6 +558,47 @@ def _rank_main(spec: RankSpec, conn: Connection) -> None:
             conn.send(("ok", "stopped"))
 
 
+class _HostProcess:
+    """A rank process started with ``ip netns exec`` (the ``multiprocessing.Process`` calls the
+    driver uses)."""
+
+    def __init__(self, spec: RankSpec, conn_fd: int) -> None:
+        import json
+
+        argv = [sys.executable, "-m", "workers.engine_loop", "--rank-fd", str(conn_fd),
+                "--spec", json.dumps(asdict(spec))]
+        if spec.netns:
+            argv = ["ip", "netns", "exec", spec.netns, *argv]
+        log_file = open(spec.log_path or os.devnull, "ab")  # noqa: SIM115 - closed on exit
+        self.process = subprocess.Popen(argv, pass_fds=[conn_fd], cwd=REPO, stdout=log_file,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        log_file.close()
+        self.pid = self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def _host_main(argv: Sequence[str]) -> None:
+    """``python -m workers.engine_loop --rank-fd N --spec JSON``: a rank process on a host."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank-fd", type=int, required=True)
+    parser.add_argument("--spec", required=True)
+    args = parser.parse_args(argv)
+    _rank_main(RankSpec(**json.loads(args.spec)), Connection(args.rank_fd))
+
+
 # --- the driver side: control plane, rank processes ------------------------------------------
 
 
@@ -541,10 +613,11 @@ class ControlPlane:
 
     def __init__(self, workdir: Path, port: int | None = None,
                  env: Mapping[str, str] | None = None, *, database: Path | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", netns: str | None = None) -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.host = host
+        self.netns = netns  # run inside this network namespace (``host``: its address)
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.database = database or workdir / "kvplane.db"
         self.env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{self.database.resolve()}",
@@ -555,9 +628,14 @@ class ControlPlane:
     def start(self, timeout_s: float = 60.0) -> None:
         self.starts += 1
         with (self.workdir / f"server-{self.starts}.log").open("wb") as log_file:
+            argv = [sys.executable, "-m", "api.cli", "serve", "--host", self.host,
+                    "--port", str(self.port)]
+            if self.netns and self.env.get("KVPLANE_AUTH") == "false":
+                argv.append("--insecure")  # the bed's private bridge, no tokens (tests, benches)
+            if self.netns:
+                argv = ["ip", "netns", "exec", self.netns, *argv]
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "serve", "--host", self.host,
-                 "--port", str(self.port)],
+                argv,
                 stdout=log_file, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
                 start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -605,47 +683,104 @@ class Fleet:
                  fill: bool = False, staging_bytes: int = 64 << 20,
                  chunk_blocks: int | None = None, server_env: Mapping[str, str] | None = None,
                  database: Path | None = None, port: int | None = None,
-                 host: str = "127.0.0.1", servers: Sequence[ControlPlane] = ()) -> None:
+                 host: str = "127.0.0.1", hosts: Mapping[str, str] | None = None,
+                 ucx_tls: str | None = None, ucx_net_devices: str | None = None,
+                 servers: Sequence[ControlPlane] = ()) -> None:
+        """``hosts``: network namespace per role (``"control"``, ``"context"``,
+        ``"generation"``); the control plane then listens on ``host`` inside its namespace.
+        ``servers``: several control planes (API processes on one PostgreSQL) instead of one of
+        its own."""
         self.workdir = workdir
+        self.hosts = dict(hosts or {})
+        self.ucx_tls = ucx_tls
+        self.ucx_net_devices = ucx_net_devices
         self.num_slots = num_slots
         self.device = device
         self.fill = fill
         self.staging_bytes = staging_bytes
         self.chunk_blocks = chunk_blocks
         self.servers = list(servers) or [
-            ControlPlane(workdir, port, env=server_env, database=database, host=host)]
+            ControlPlane(workdir, port, env=server_env, database=database, host=host,
+                         netns=self.hosts.get("control"))]
         self.server = self.servers[0]
         self.url = ",".join(server.url for server in self.servers)
         self.client: Client | None = None
         self.pairing: dict[str, Any] = {}
         self.ranks: list[tuple[RankSpec, Any, Connection]] = []
+        self.registrations = 0
 
     def start(self) -> None:
         for server in self.servers:
             server.start()
         self.client = Client(self.url, retries=3, backoff_s=0.2)
-        context, generation = demo_bodies(num_slots=self.num_slots)
-        self.client.register_instance(CONTEXT, context)
-        self.client.register_instance(GENERATION, generation)
+        self.register()
+        started = self._spawn("context") + self._spawn("generation")
+        for spec, _, conn in started:
+            self._answer(spec, conn, START_TIMEOUT_S)
+        self.call_all("sync")
+
+    def register(self, role: str | None = None) -> None:
+        """Register the demo instances (or one role's) and pair them. Each registration
+        reports other pool base addresses, so a repeated one is a new epoch (as a restarted
+        engine's would be)."""
+        assert self.client is not None
+        self.registrations += 1
+        bodies = dict(zip(("context", "generation"), demo_bodies(num_slots=self.num_slots),
+                          strict=True))
+        for name, body in ((CONTEXT, bodies["context"]), (GENERATION, bodies["generation"])):
+            if role is not None and name != (CONTEXT if role == "context" else GENERATION):
+                continue
+            for rank_body in body["ranks"]:
+                for pool in rank_body["pools"]:
+                    if self.registrations > 1:
+                        pool["base_address"] = self.registrations << 40
+            self.client.register_instance(name, body)
         self.pairing = self.client.create_pairing(CONTEXT, GENERATION)
         if not self.pairing["compatible"]:
             raise RuntimeError(f"pairing refused: {self.pairing['errors']}")
+
+    def _spawn(self, role: str) -> list[tuple[RankSpec, Any, Connection]]:
+        """Start one process per rank of ``role`` (on its host when the fleet has hosts)."""
+        instance, peer = (CONTEXT, GENERATION) if role == "context" else (GENERATION, CONTEXT)
         ctx = mp.get_context("spawn")
-        for instance, role, peer in ((CONTEXT, "context", GENERATION),
-                                     (GENERATION, "generation", CONTEXT)):
-            for rank in range(WORLD[instance]):
-                spec = RankSpec(url=self.url, instance=instance, rank=rank, role=role,
-                                peer=peer, device=self.device, fill=self.fill,
-                                staging_bytes=self.staging_bytes,
-                                chunk_blocks=self.chunk_blocks,
-                                log_path=str(self.workdir / f"{instance}-{rank}.log"))
-                mine, theirs = ctx.Pipe()
+        started = []
+        for rank in range(WORLD[instance]):
+            spec = RankSpec(url=self.url, instance=instance, rank=rank, role=role,
+                            peer=peer, device=self.device, fill=self.fill,
+                            staging_bytes=self.staging_bytes,
+                            chunk_blocks=self.chunk_blocks,
+                            log_path=str(self.workdir / f"{instance}-{rank}.log"),
+                            ucx_tls=self.ucx_tls, ucx_net_devices=self.ucx_net_devices,
+                            netns=self.hosts.get(role))
+            mine, theirs = ctx.Pipe()
+            process: Any
+            if spec.netns:
+                process = _HostProcess(spec, theirs.fileno())
+            else:
                 process = ctx.Process(target=_rank_main, args=(spec, theirs), daemon=True,
                                       name=f"engine-{instance}-{rank}")
                 process.start()
-                theirs.close()
-                self.ranks.append((spec, process, mine))
-        for spec, _, conn in self.ranks:
+            theirs.close()
+            started.append((spec, process, mine))
+        self.ranks.extend(started)
+        return started
+
+    def kill_role(self, role: str) -> list[int]:
+        """SIGKILL every rank process of ``role`` (a host dies); their pids."""
+        killed = [(spec, process, conn) for spec, process, conn in self.ranks
+                  if spec.role == role]
+        for _, process, conn in killed:
+            process.kill()
+            process.join(timeout=10)
+            conn.close()
+        self.ranks = [r for r in self.ranks if r[0].role != role]
+        return [process.pid for _, process, _ in killed]
+
+    def restart_role(self, role: str) -> None:
+        """A host comes back: its engine registers again (a new epoch), pairs, and every rank
+        process starts; returns once every rank has its peers."""
+        self.register(role)
+        for spec, _, conn in self._spawn(role):
             self._answer(spec, conn, START_TIMEOUT_S)
         self.call_all("sync")
 
@@ -662,11 +797,20 @@ class Fleet:
         path = Path(spec.log_path or "")
         return path.read_text(errors="replace")[-chars:] if path.is_file() else ""
 
-    def call_all(self, command: str, timeout_s: float = 300.0, **args: Any) -> list[Any]:
-        """Send one command to every rank, then collect the answers (rank order)."""
+    def call_all(self, command: str, wait_s: float = 300.0, **args: Any) -> list[Any]:
+        """Send one command to every rank, then collect the answers (rank order); ``args``
+        are the command's (``timeout_s`` included)."""
         for _, _, conn in self.ranks:
             conn.send((command, args))
-        return [self._answer(spec, conn, timeout_s) for spec, _, conn in self.ranks]
+        return [self._answer(spec, conn, wait_s) for spec, _, conn in self.ranks]
+
+    def call_role(self, role: str, command: str, wait_s: float = 300.0,
+                  **args: Any) -> list[Any]:
+        """:meth:`call_all`, for the ranks of one role only."""
+        mine = [(spec, conn) for spec, _, conn in self.ranks if spec.role == role]
+        for _, conn in mine:
+            conn.send((command, args))
+        return [self._answer(spec, conn, wait_s) for spec, conn in mine]
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids: ``{"ranks": [...], "server": [...]}`` (for CPU accounting)."""
@@ -859,6 +1003,10 @@ class RawRun:
         starts = [t for role, r in self.ranks if role == "context" for t in r["issued"].values()]
         ends = [t for role, r in self.ranks if role != "context" for t in r["arrived"].values()]
         return self.requests / max(max(ends) - min(starts), 1e-9)
+
+
+if __name__ == "__main__":
+    _host_main(sys.argv[1:])
 
 
 __all__ = ["CONTEXT", "GENERATION", "BlockCache", "CacheError", "ControlPlane", "EngineRank",

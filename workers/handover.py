@@ -43,6 +43,18 @@ generation epochs the sender and receiver planned with, ``s``/``r`` the route's 
 - ``F|x|ce|ge|s|r|nbytes``: writer → receiver with the fragments WRITE;
 - ``X|x|ce|ge|s|r|reason``: either way, "this transfer failed here".
 
+A receiver whose granted route hears nothing for ``GRANT_RESEND_S`` sends its grant again (a
+writer ignores a grant it already has). Lost connections: when NIXL says the connection to a peer
+failed (a WRITE in its error state, ``nixlRemoteDisconnectError``), every handle using it fails as
+``peer_unreachable``, the peer is loaded again (a new connection: UCX loses whatever is sent over
+a failed one, silently) and the abort goes over the new one. The re-sent grant is what finds a
+connection that failed while it was idle, so the next transfer after a network outage works
+instead of waiting for its deadline. A writer that gets a grant again for a route it already
+wrote (UCX completes a TCP WRITE once the bytes are in the socket) probes the connection with a
+``P`` notification; when that finds the connection failed, the bytes were lost with it and the
+receiver gets a ``peer_unreachable`` abort over a new one. On a merely slow link the probe is
+harmless and the bytes arrive.
+
 Staging areas of a failed receive stay quarantined for the grant's time to live plus a margin
 (a writer never starts a WRITE after its grant expired), so a late WRITE never lands in an area
 that another transfer owns.
@@ -76,7 +88,7 @@ from workers.executors import (
     scatter,
     staging_layout,
 )
-from workers.transport import TransportError
+from workers.transport import PeerUnreachable, TransportError
 
 if TYPE_CHECKING:
     from workers.transport.nixl import NixlTransport, _Pending
@@ -87,6 +99,7 @@ PENDING, ARRIVED, RELEASED, FAILED = "pending", "arrived", "released", "failed"
 DEFAULT_TIMEOUT_S = 30.0
 CHUNK_BLOCKS = 16
 QUARANTINE_MARGIN_S = 5.0
+GRANT_RESEND_S = 1.0  # a granted route that heard nothing this long sends its grant again
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
 # While a handle is pending, the loop polls NIXL every BUSY_SLEEP_S: a notification (a grant,
@@ -285,6 +298,7 @@ class _RouteState:
     pending: list[_Pending] = field(default_factory=list)  # sender: posted WRITEs
     grant: tuple[str, int, int, int, float] | None = None  # agent, offset, nbytes, cb, write_by
     granted: bool = False
+    heard_at: float = 0.0  # receiver: when it granted or the last chunk arrived
     written: bool = False
     done: bool = False
     checksum: int | None = None
@@ -358,6 +372,8 @@ class Handover:
         self._retired: dict[str, PeerWorker] = {}
         self._finished: deque[Handle] = deque()
         self._loaded: set[str] = set()
+        self._next_resend = 0.0
+        self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -593,6 +609,9 @@ class Handover:
                 self._poll_writes(state)
         if self._waiting:
             self._retry_waiting()
+        if self._recv and now > self._next_resend:
+            self._next_resend = now + GRANT_RESEND_S / 4
+            self._resend_grants(now)
         for op in list(self._ops.values()):
             if now > op.deadline:
                 self._fail(op, self._deadline_reason(op))
@@ -637,6 +656,8 @@ class Handover:
             try:
                 if self._advance(state):
                     still.append(state)
+            except PeerUnreachable as error:
+                self._on_unreachable(str(state.agent), error)
             except Exception as error:  # e.g. the peer vanished between two chunks
                 self._fail(op, f"{type(error).__name__}: {error}")
         self._waiting = [s for s in still if not s.op.handle.done]
@@ -670,7 +691,7 @@ class Handover:
         return entry.generation_epoch if op.side == "send" else entry.context_epoch
 
     def _load_peer(self, peer: PeerWorker) -> bool:
-        if peer.agent in self._loaded:
+        if peer.agent in self._loaded and self.transport.has_peer(peer.agent):
             return True
         try:
             self.transport.add_peer(peer.info)
@@ -684,34 +705,55 @@ class Handover:
 
     def _grant(self, state: _RouteState) -> bool:
         op = state.op
-        ce, ge = op.handle.entry.epochs()
         ttl_ms = max(1, int((op.deadline - time.monotonic()) * 1000))
         if op.mode == "fragments":
-            offset, nbytes = -1, state.layout.nbytes
+            offset = -1
         else:
             area = self.areas.alloc(state.layout.nbytes)
             if area is None:
                 return False
             state.area = area
-            offset, nbytes = area, state.layout.nbytes
+            offset = area
             state.chunk_blocks = self.chunk_blocks
             state.chunks = dict(enumerate(c for c in state.layout.chunks(self.chunk_blocks)
                                           if c.nbytes))
         state.granted = True
+        self._send_grant(state, offset, ttl_ms)
+        return True
+
+    def _send_grant(self, state: _RouteState, offset: int, ttl_ms: int,
+                    again: bool = False) -> None:
+        op = state.op
+        ce, ge = op.handle.entry.epochs()
+        state.heard_at = time.monotonic()
         assert state.agent is not None
         try:
-            self.transport.send_notif(state.agent, _msg("G", op.xid, ce, ge, state.sender_rank,
-                                                        state.receiver_rank, offset, nbytes,
-                                                        state.chunk_blocks, ttl_ms))
+            reconnected = self.transport.send_notif(state.agent, _msg(
+                "G", op.xid, ce, ge, state.sender_rank, state.receiver_rank, offset,
+                state.layout.nbytes, state.chunk_blocks, ttl_ms))
         except TransportError as error:
-            self._fail(op, f"cannot reach {op.peer} rank {state.peer_rank}: {error}",
-                       notify=False)
-        return True
+            self._fail(op, f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: "
+                           f"{error}", notify=False)
+            return
+        if again and reconnected:  # the connection this route waited on had failed
+            self._on_unreachable(state.agent, PeerUnreachable(
+                "the connection failed while this rank waited for its bytes"), reload=False)
+
+    def _resend_grants(self, now: float) -> None:
+        """Granted routes that heard nothing for a while send their grant again: a grant lost on
+        a connection that failed while idle gets through, and a failed one shows."""
+        for state in list(self._recv.values()):
+            if (state.granted and not state.done and not state.op.handle.done
+                    and now - state.heard_at > GRANT_RESEND_S):
+                offset = -1 if state.op.mode == "fragments" else int(state.area or 0)
+                self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)),
+                                 again=True)
 
     def _on_chunk(self, state: _RouteState, i: int, n: int) -> None:
         chunk = state.chunks.pop(i, None)
         if chunk is None:  # a duplicate or a chunk of another chunking: not ours
             return
+        state.heard_at = time.monotonic()
         assert state.area is not None
         scatter(state.route, self.transport.staging, self.transport.pools, state.dst,
                 offset=state.area, chunk=chunk)
@@ -832,8 +874,41 @@ class Handover:
             if all([self.transport.poll(p) for p in state.pending]):
                 state.pending.clear()
                 self._route_sent(state)
+        except PeerUnreachable as error:
+            self._on_unreachable(str(state.agent), error)
         except TransportError as error:
             self._fail(state.op, f"transport: {error}")
+
+    def _on_unreachable(self, agent: str, error: Exception, reload: bool = True) -> None:
+        """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``),
+        the peer is loaded again, and the aborts go over the new connection."""
+        victims: list[tuple[_Op, str]] = []
+        for op in list(self._ops.values()):
+            lost = next((s for s in op.routes if s.agent == agent and not s.done), None)
+            if lost is not None and not op.handle.done:
+                reason = (f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "
+                          f"failed: {error}")
+                self._fail(op, reason, notify=False)
+                victims.append((op, reason))
+        if reload and agent in self._loaded and not self.transport.reset_peer(agent):
+            self._loaded.discard(agent)  # loaded again when a route needs it
+        for op, reason in victims:
+            for state in op.routes:
+                if not state.done:
+                    self._abort_notice(op, state, reason)
+
+    def _probe(self, agent: str, fields: list[str]) -> None:
+        """A grant again for a route this rank wrote: were its bytes lost with a connection?"""
+        if agent not in self._loaded:
+            return
+        head = fields[1:6]
+        try:
+            if self.transport.send_notif(agent, _msg("P", *head)):  # had to reconnect
+                self.transport.send_notif(agent, _msg(
+                    "X", *head, "peer_unreachable: the connection failed after this rank's "
+                    "WRITE completed; its bytes were lost with it"))
+        except TransportError as error:
+            log.debug("probe of %s failed: %s", agent, error)
 
     def _route_sent(self, state: _RouteState) -> None:
         if state.area is not None:
@@ -842,6 +917,10 @@ class Handover:
         state.done = True
         if self._send.get(state.key) is state:
             del self._send[state.key]
+        if state.agent is not None:
+            self._written[state.key] = state.agent
+            if len(self._written) > 4096:
+                del self._written[next(iter(self._written))]
         self._maybe_complete(state.op)
 
     # --- notifications -----------------------------------------------------------------------
@@ -857,6 +936,9 @@ class Handover:
                                               self.directory.role == "context") else self._recv
         state = index.get(key)
         if state is None:
+            if kind == "G" and self._written.get(key) == agent:
+                self._probe(agent, fields)
+                return
             if kind == "X" or (kind == "G" and self.directory.role == "context"):
                 # send()/expect() not called yet: a grant, or an abort, waits for it
                 self._early[key] = (agent, fields, time.monotonic())
@@ -881,8 +963,10 @@ class Handover:
             return
         try:
             if kind == "X":
-                self._fail(op, f"peer {op.peer} rank {state.peer_rank} aborted: "
-                               f"{'|'.join(fields[6:])}", notify=False)
+                told = "|".join(fields[6:])
+                cause = "peer_unreachable: " if told.startswith("peer_unreachable") else ""
+                self._fail(op, f"{cause}peer {op.peer} rank {state.peer_rank} aborted: {told}",
+                           notify=False)
             elif kind == "G" and op.side == "send" and state.grant is None:
                 self._on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
@@ -942,18 +1026,25 @@ class Handover:
             for pending in state.pending:
                 self.transport.release(pending)
             state.pending.clear()
-            if notify and state.agent is not None and state.agent in self._loaded:
-                try:
-                    self.transport.send_notif(state.agent, _msg(
-                        "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
-                        reason[:200].replace("|", "/")))
-                except Exception as error:  # the peer may be gone: its deadline covers it
-                    log.debug("abort notification to %s failed: %s", state.agent, error)
+            if notify:
+                self._abort_notice(op, state, reason)
         op.handle.routes = self._route_results(op)
         self._ops.pop(id(op), None)
         self.stats["failed"] += 1
         log.warning("%s %s failed: %s", op.side, op.xid, reason)
         self._resolve(op.handle, FAILED, reason)
+
+    def _abort_notice(self, op: _Op, state: _RouteState, reason: str) -> None:
+        """Tell the other side of ``state`` that ``op`` failed here (best effort)."""
+        if state.agent is None or state.agent not in self._loaded:
+            return
+        ce, ge = op.handle.entry.epochs()
+        try:
+            self.transport.send_notif(state.agent, _msg(
+                "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
+                reason[:200].replace("|", "/")))
+        except Exception as error:  # the peer may be gone: its deadline covers it
+            log.debug("abort notification to %s failed: %s", state.agent, error)
 
     def _resolve(self, handle: Handle, state: str, reason: str | None) -> None:
         if handle._resolve(state, reason):

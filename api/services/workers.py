@@ -170,6 +170,7 @@ def worker_read(row: WorkerRow, now: datetime, *, connected: bool = False,
         heartbeat_age_s=max(0.0, (now - row.heartbeat_at).total_seconds()),
         connected=connected,
         directory_revision=revision,
+        ucx=(row.peer or {}).get("ucx"),
     )
 
 

@@ -229,7 +229,8 @@ def test_a_sender_killed_mid_transfer_fails_it_on_both_sides_and_the_rank_recove
     fleet.kill(doomed)
     done = fleet.client.get_transfer(created["id"], wait_s=30)
     assert done["status"] == "failed"
-    assert "did not write" in done["error"] or "deadline" in done["error"], done["error"]
+    assert any(why in done["error"] for why in ("did not write", "deadline", "peer_unreachable")), (
+        done["error"])
     # The receiver gave its staging back: a new sender on the same rank moves the next one.
     fleet.start_worker("ctx", 0, "-standby")
 

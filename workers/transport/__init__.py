@@ -15,5 +15,11 @@ class TransferTimeout(TransportError):
     """A transfer or an awaited notification did not complete in time."""
 
 
+class PeerUnreachable(TransportError):
+    """The connection to the peer failed (its host died, the network broke): NIXL's error state
+    or ``nixlRemoteDisconnectError``. Reload the peer (``NixlTransport.reset_peer``) before
+    talking to it again."""
+
+
 class TransferCancelled(TransportError):
     """The control plane withdrew the job (lease lost, transfer failed or retried): stop."""

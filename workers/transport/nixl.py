@@ -16,6 +16,20 @@ Lifecycle of a worker's :class:`NixlTransport`:
 5. a restarted peer comes back with a new agent: :meth:`remove_peer` the old one, add the new;
 6. :meth:`close` releases handles, drops peers and deregisters memory.
 
+UCX settings are explicit options, never a hidden environment: ``ucx_tls`` (UCX's transport list,
+e.g. ``"tcp"`` so that bytes between two processes of one machine cross its network instead of
+shared memory / CMA) and ``ucx_net_devices`` (the network devices UCX may use, e.g. ``"eth0"``;
+NIXL's ``ucx_devices`` backend parameter). Unset, the process's ``UCX_TLS`` / ``UCX_NET_DEVICES``
+apply, and without those UCX's defaults (every transport, every device). :attr:`ucx` says what
+this endpoint runs with; a worker reports it to the control plane.
+
+A peer that disappears (its host died, the network broke) shows in two ways: a WRITE to it ends
+in NIXL's error state or ``check_xfer_state`` raises (``nixlRemoteDisconnectError``), both a
+:class:`PeerUnreachable`; or, while the link is merely down, the WRITE stays in progress until
+TCP gives up (``net.ipv4.tcp_retries2``), so every wait has a deadline. Once UCX failed a
+connection, every later WRITE and notification over it fails or is lost silently: :meth:`reset_peer`
+drops and reloads the peer so the next transfer opens a new connection.
+
 Every wait has a deadline and raises :class:`~workers.transport.TransferTimeout`; a transfer in
 NIXL's error state raises :class:`~workers.transport.TransportError`.
 """
@@ -47,7 +61,12 @@ from workers.executors import (
     staging_layout,
 )
 from workers.pools import Pool, PoolSpec
-from workers.transport import TransferCancelled, TransferTimeout, TransportError
+from workers.transport import (
+    PeerUnreachable,
+    TransferCancelled,
+    TransferTimeout,
+    TransportError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +75,26 @@ DEFAULT_TIMEOUT_S = 30.0
 _SPIN_S = 0.002  # busy-poll this long before sleeping between polls: small transfers finish fast
 _POLL_SLEEP_S = 0.0002
 INBOX_LIMIT = 1 << 16  # notifications kept per peer (a staged route sends one per chunk)
+UCX_DEFAULT = "default"  # what :attr:`NixlTransport.ucx` says for a setting UCX chooses itself
+# UCX reads UCX_TLS when a backend is created: one creation at a time may change it.
+_UCX_ENV_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class UcxSettings:
+    """The UCX settings an endpoint was created with (``default``: UCX chooses)."""
+
+    tls: str = UCX_DEFAULT
+    net_devices: str = UCX_DEFAULT
+
+    def to_json(self) -> dict[str, str]:
+        return {"backend": "UCX", "tls": self.tls, "net_devices": self.net_devices}
+
+
+def _disconnected(error: BaseException) -> bool:
+    """Whether a NIXL exception says the peer is gone (``nixlRemoteDisconnectError`` & co.)."""
+    text = f"{type(error).__name__} {error}".lower()
+    return "disconnect" in text or "unreach" in text or "connection reset" in text
 
 
 @dataclass(frozen=True)
@@ -81,6 +120,7 @@ class PeerInfo:
     pools: Mapping[int, PeerPool]
     staging_address: int
     staging_bytes: int
+    ucx: UcxSettings | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form; the agent metadata is base64."""
@@ -101,6 +141,7 @@ class PeerInfo:
                 for p in self.pools.values()
             ],
             "staging": {"address": self.staging_address, "bytes": self.staging_bytes},
+            **({"ucx": self.ucx.to_json()} if self.ucx is not None else {}),
         }
 
     @classmethod
@@ -117,6 +158,9 @@ class PeerInfo:
             pools=pools,
             staging_address=int(d["staging"]["address"]),
             staging_bytes=int(d["staging"]["bytes"]),
+            ucx=UcxSettings(str(d["ucx"]["tls"]), str(d["ucx"]["net_devices"]))
+            if d.get("ucx")
+            else None,
         )
 
 
@@ -126,6 +170,7 @@ class _Pending:
     what: str
     nbytes: int = 0
     done: bool = field(default=False)
+    agent: str = ""
 
 
 def _device_of(t: torch.Tensor) -> tuple[str, int]:
@@ -153,6 +198,8 @@ class NixlTransport:
         backends: Iterable[str] = ("UCX",),
         num_threads: int = 0,
         progress_thread: bool = True,
+        ucx_tls: str | None = None,
+        ucx_net_devices: str | None = None,
     ) -> None:
         import torch
         from nixl._api import nixl_agent, nixl_agent_config
@@ -172,18 +219,52 @@ class NixlTransport:
         # writer is done; without the thread such a WRITE times out, see test_nixl.py). It polls
         # without sleeping, which costs a core: on the 2-core dev host a raw WRITE ran at 2.0
         # GB/s without it, 0.8 with it (bench/transfer.py --no-progress-thread).
+        backends = list(backends)
         cfg = nixl_agent_config(
-            enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
+            enable_prog_thread=progress_thread,
+            backends=[b for b in backends if b != "UCX"],
+            num_threads=num_threads,
         )
         self._agent = nixl_agent(name, cfg)
+        self.ucx = UcxSettings()
+        if "UCX" in backends:
+            self.ucx = self._create_ucx(ucx_tls, ucx_net_devices, num_threads)
         self._regs = [self._agent.register_memory(p.tensor) for p in self.pools.values()]
         self._regs.append(self._agent.register_memory(self.staging))
         self._peers: dict[str, PeerInfo] = {}
         self._inbox: dict[str, list[bytes]] = {}
+        self._outstanding: dict[str, int] = {}  # posted WRITEs not yet released, per peer
         self._closed = False
         # Set by the owner (the worker) when the control plane withdrew the current job: every
         # wait then stops at its next poll instead of running into its deadline.
         self.cancel = threading.Event()
+
+    def _create_ucx(
+        self, tls: str | None, net_devices: str | None, num_threads: int
+    ) -> UcxSettings:
+        import os
+
+        init: dict[str, str] = {}
+        if num_threads > 0:
+            init["num_threads"] = str(num_threads)
+        if net_devices:
+            init["ucx_devices"] = net_devices
+        with _UCX_ENV_LOCK:
+            before = os.environ.get("UCX_TLS")
+            if tls:
+                os.environ["UCX_TLS"] = tls
+            try:
+                self._agent.create_backend("UCX", init)
+            finally:
+                if tls:
+                    if before is None:
+                        os.environ.pop("UCX_TLS", None)
+                    else:
+                        os.environ["UCX_TLS"] = before
+        return UcxSettings(
+            tls=tls or before or UCX_DEFAULT,
+            net_devices=net_devices or os.environ.get("UCX_NET_DEVICES") or UCX_DEFAULT,
+        )
 
     # --- peers ---------------------------------------------------------------------------
 
@@ -197,6 +278,7 @@ class NixlTransport:
             pools={pid: PeerPool(p.spec, p.base_address) for pid, p in self.pools.items()},
             staging_address=int(self.staging.data_ptr()),
             staging_bytes=int(self.staging.numel()),
+            ucx=self.ucx,
         )
 
     def add_peer(self, info: PeerInfo | Mapping[str, Any]) -> str:
@@ -225,6 +307,28 @@ class NixlTransport:
                 raise TransportError(f"cannot drop peer {agent!r}: {e}") from e
         self._inbox.pop(agent, None)
 
+    def reset_peer(self, agent: str) -> bool:
+        """Drop and reload a known peer: the next WRITE or notification to it opens a new
+        connection (after UCX failed the old one, everything sent over it is lost). False when
+        the peer is unknown or its metadata cannot be loaded again."""
+        info = self._peers.get(agent)
+        if info is None:
+            return False
+        inbox = self._inbox.get(agent)
+        with contextlib.suppress(TransportError):
+            self.remove_peer(agent)
+        try:
+            self.add_peer(info)
+        except TransportError:
+            return False
+        if inbox:
+            self._inbox[agent] = inbox
+        return True
+
+    def has_peer(self, agent: str) -> bool:
+        """Whether ``agent``'s metadata is loaded (a failed :meth:`reset_peer` drops it)."""
+        return agent in self._peers
+
     @property
     def peers(self) -> tuple[str, ...]:
         return tuple(self._peers)
@@ -240,6 +344,18 @@ class NixlTransport:
     def _post(
         self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
     ) -> _Pending:
+        try:
+            return self._post_once(peer, local, remote, notif, what)
+        except PeerUnreachable:
+            # A connection UCX already failed refuses every post. Nothing of this WRITE left,
+            # and with nothing else in flight to the peer a new connection costs nothing lost.
+            if self._outstanding.get(peer.agent) or not self.reset_peer(peer.agent):
+                raise
+            return self._post_once(peer, local, remote, notif, what)
+
+    def _post_once(
+        self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
+    ) -> _Pending:
         h = None
         try:
             ld = self._agent.get_xfer_descs(local, self.mem_type)
@@ -250,11 +366,14 @@ class NixlTransport:
             if h is not None:
                 with contextlib.suppress(Exception):
                     h.release()
-            raise TransportError(f"{what}: NIXL refused the WRITE to {peer.agent!r}: {e}") from e
+            kind = PeerUnreachable if _disconnected(e) else TransportError
+            raise kind(f"{what}: NIXL refused the WRITE to {peer.agent!r}: {e}") from e
         if state == "ERR":
-            h.release()
+            with contextlib.suppress(Exception):
+                h.release()
             raise TransportError(f"{what}: NIXL WRITE to {peer.agent!r} failed on post")
-        return _Pending(h, what, int(local[:, 1].sum()))
+        self._outstanding[peer.agent] = self._outstanding.get(peer.agent, 0) + 1
+        return _Pending(h, what, int(local[:, 1].sum()), agent=peer.agent)
 
     def _poll(self, p: _Pending) -> bool:
         if p.done:
@@ -263,10 +382,10 @@ class NixlTransport:
             state = self._agent.check_xfer_state(p.handle)
         except Exception as e:  # e.g. nixlRemoteDisconnectError: NIXL raises instead of "ERR"
             self._release(p)
-            raise TransportError(f"{p.what}: {type(e).__name__}: {e}") from e
+            raise PeerUnreachable(f"{p.what}: {type(e).__name__}: {e}") from e
         if state == "ERR":
             self._release(p)
-            raise TransportError(f"{p.what}: transfer entered NIXL's error state")
+            raise PeerUnreachable(f"{p.what}: transfer entered NIXL's error state")
         if state == "DONE":
             self._release(p)
             return True
@@ -275,6 +394,10 @@ class NixlTransport:
     def _release(self, p: _Pending) -> None:
         if not p.done:
             p.done = True
+            if self._outstanding.get(p.agent, 0) > 1:
+                self._outstanding[p.agent] -= 1
+            else:
+                self._outstanding.pop(p.agent, None)
             # An in-flight handle NIXL cannot cancel is leaked rather than masking the real error.
             with contextlib.suppress(Exception):
                 p.handle.release()
@@ -380,13 +503,30 @@ class NixlTransport:
             if now > t_spin:
                 time.sleep(_POLL_SLEEP_S)
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
-        """A standalone notification (e.g. 'scatter done') to a known peer."""
+    def send_notif(self, peer: str, msg: bytes) -> bool:
+        """A standalone notification (e.g. 'scatter done') to a known peer.
+
+        When UCX already failed the connection to ``peer`` (and no WRITE to it is in flight),
+        the peer is reloaded and the message goes over a new connection: returns True then.
+        """
         self._peer(peer)
         try:
             self._agent.send_notif(peer, msg)
-        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
-            raise TransportError(f"notification to {peer!r}: {type(e).__name__}: {e}") from e
+            return False
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the connection failed
+            if not _disconnected(e):
+                raise TransportError(f"notification to {peer!r}: {type(e).__name__}: {e}") from e
+            error: Exception = e
+        # Over a new connection when nothing else is in flight to the peer (see _post).
+        if not self._outstanding.get(peer) and self.reset_peer(peer):
+            try:
+                self._agent.send_notif(peer, msg)
+                return True
+            except Exception as e:
+                error = e
+        raise PeerUnreachable(
+            f"notification to {peer!r}: {type(error).__name__}: {error}"
+        ) from error
 
     # --- staged path ---------------------------------------------------------------------
 

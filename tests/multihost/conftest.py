@@ -1,0 +1,171 @@
+"""Several hosts on one machine (``workers/netbed.py``): the bed, and the demo fleet across it.
+
+- ``bed`` (session): namespaces ``kvp-cp`` (10.77.0.1), ``kvp-ctx`` (10.77.0.2), ``kvp-gen``
+  (10.77.0.3) on the bridge ``kvp-br0``, ``tcp_retries2=3`` in each; removed at the end, also
+  after a failure. Where namespaces cannot be built (not root, no ``ip``/``nft``) the tier is
+  skipped loudly, except under ``CI=true`` where that is a failure.
+- Every test leaves the network healed (``heal`` after it, whatever happened).
+- ``make_fleet``: the demo fleet (TP4 context → TP2 generation) with the control plane in
+  ``kvp-cp`` (SQLite in the test's directory: namespaces share the file system), the context
+  ranks in ``kvp-ctx``, the generation ranks in ``kvp-gen``, every worker on ``UCX_TLS=tcp``
+  (``--ucx-tls tcp``), so every byte crosses the bed's veths. Pools are pattern-filled and every
+  receive is verified.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl")
+pytest.importorskip("torch")
+from workers import netbed  # noqa: E402 (after the importorskips)
+from workers.engine_loop import EngineRun, Fleet  # noqa: E402
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+HOSTS = {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"}
+NUM_SLOTS = 64
+WAIT_S = 60.0  # how long a helper waits for something that must happen
+
+_skip_reason: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _skip_reason:
+        terminalreporter.write_sep(
+            "!", "multi-host tier SKIPPED: " + _skip_reason[0], red=True, bold=True
+        )
+
+
+@pytest.fixture(scope="session")
+def bed() -> Iterator[netbed.Bed]:
+    """The three-host bed, built once; torn down at the end of the session."""
+    why = netbed.available()
+    if why is not None:
+        if IN_CI:
+            pytest.fail(f"CI=true requires the multi-host bed: {why}")
+        if not _skip_reason:
+            _skip_reason.append(why)
+        pytest.skip(f"multi-host tier SKIPPED: {why}")
+    built = netbed.Bed()
+    try:
+        built.up()
+        yield built
+    finally:
+        built.down()
+
+
+@pytest.fixture(autouse=True)
+def healed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Whatever a test broke in the network is repaired after it."""
+    yield
+    if "bed" in request.fixturenames:
+        request.getfixturevalue("bed").heal()
+
+
+@pytest.fixture
+def make_fleet(
+    bed: netbed.Bed, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., Fleet]]:
+    """Start the demo fleet across the bed's hosts (stopped at the end of the test)."""
+    fleets: list[Fleet] = []
+
+    def make(**options: Any) -> Fleet:
+        options = {
+            "num_slots": NUM_SLOTS,
+            "fill": True,
+            "staging_bytes": 32 << 20,
+            "ucx_tls": "tcp",
+            **options,
+        }
+        fleet = Fleet(
+            tmp_path_factory.mktemp("multihost"),
+            host=bed.address("cp"),
+            hosts=HOSTS,
+            **options,
+        )
+        fleets.append(fleet)
+        fleet.start()
+        return fleet
+
+    try:
+        yield make
+    finally:
+        for fleet in fleets:
+            fleet.stop()
+
+
+class Background:
+    """``fleet.run_engine(...)`` on a thread, so a test can break the network meanwhile."""
+
+    def __init__(self, fleet: Fleet, **options: Any) -> None:
+        self.result: EngineRun | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fleet, options), daemon=True)
+        self._thread.start()
+
+    def _run(self, fleet: Fleet, options: dict[str, Any]) -> None:
+        try:
+            self.result = fleet.run_engine(**options)
+        except BaseException as error:  # handed to the test in join()
+            self.error = error
+
+    def join(self, timeout_s: float = 300.0) -> EngineRun:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError("the engine run did not finish")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+    """Poll ``check`` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def assert_clean(run: EngineRun) -> None:
+    """Every request arrived, verified, and every block went back to its cache."""
+    assert run.complete, run.stalled
+    assert run.failures == {}
+    assert run.leaked == 0
+    for rank in run.ranks:
+        assert rank.verify_errors == []
+        assert rank.double_allocations == 0
+
+
+def payload_bytes(blocks: int, num_slots: int = NUM_SLOTS) -> int:
+    """Bytes one demo request of ``blocks`` blocks moves (all routes)."""
+    from api.geometry import compile_plan, expand, parse_instance
+    from workers.engine_loop import CONTEXT, GENERATION, demo_bodies, request_blocks
+
+    context, generation = demo_bodies(num_slots=num_slots)
+    plan = compile_plan(parse_instance(context, CONTEXT), parse_instance(generation, GENERATION))
+    return int(expand(plan, request_blocks(1, 0, blocks, num_slots)).bytes)
+
+
+def wait_released(fleet: Fleet) -> list[dict[str, Any]]:
+    """Wait until no rank holds a handle and every staging byte is free again (failed
+    transfers' areas leave quarantine); the ranks' books."""
+
+    def released() -> list[dict[str, Any]] | None:
+        books = fleet.call_all("handover_state")
+        if all(b["pending"] == 0 and b["staging_free"] == b["staging_total"] for b in books):
+            return books
+        return None
+
+    books: list[dict[str, Any]] = wait_until("handles and staging released", released)
+    return books

@@ -1,0 +1,114 @@
+"""The operators' walkthrough (docs/operators.md, "Several hosts"): ``kvplane serve`` in
+``kvp-cp``, ``kvplane worker --ucx-tls tcp --ucx-net-devices eth0`` in ``kvp-ctx`` and
+``kvp-gen``; a REST transfer (``execute=true``, verified) moves across the bed, and
+``GET /v1/workers`` reports each worker's UCX settings and host."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.client import Client
+from api.geometry.builders import ViewSpec, instance_body
+from workers.engine_loop import REPO, ControlPlane
+from workers.netbed import Bed
+
+from .conftest import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=64)]
+
+
+@pytest.fixture
+def server(bed: Bed, tmp_path: Path) -> Iterator[ControlPlane]:
+    running = ControlPlane(tmp_path, host=bed.address("cp"), netns=bed.ns("cp"))
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path) -> None:
+    client = Client(server.url, retries=3, backoff_s=0.2)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, role, tp in (("ctx", "context", 2), ("gen", "generation", 1)):
+            body = instance_body(role=role, views=VIEWS, tp=tp, tokens_per_block=8, num_slots=32)
+            client.register_instance(name, body)
+            for rank in range(tp):
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "api.cli",
+                    "worker",
+                    "--control-plane",
+                    server.url,
+                    "--instance",
+                    name,
+                    "--rank",
+                    str(rank),
+                    "--fill-pattern",
+                    "--staging-mib",
+                    "16",
+                    "--ucx-tls",
+                    "tcp",
+                    "--ucx-net-devices",
+                    "eth0",
+                ]
+                with (tmp_path / f"{name}-{rank}.log").open("wb") as log:
+                    processes.append(
+                        subprocess.Popen(
+                            bed.command(name, argv),
+                            cwd=REPO,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env={**os.environ, "KVPLANE_AUTH": "false"},
+                            start_new_session=True,
+                        )
+                    )
+        assert client.create_pairing("ctx", "gen")["compatible"]
+
+        def serving() -> list[dict[str, Any]] | None:
+            items = client.list_workers()["items"]
+            alive = [w for w in items if w["status"] == "alive" and w["connected"]]
+            return alive if len(alive) == 3 else None
+
+        workers = wait_until("three workers serving", serving)
+        for worker in workers:
+            assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "eth0"}
+        before = bed.counters("ctx")["tx_bytes"]
+        created = client.create_transfer(
+            {
+                "context": "ctx",
+                "generation": "gen",
+                "request_id": "across",
+                "blocks": {"0": {"context": [0, 1, 2, 3], "generation": [7, 8, 9, 10]}},
+                "execute": True,
+                "verify": True,
+                "timeout_s": 30,
+            }
+        )
+        done = client.get_transfer(created["id"], wait_s=60)
+        assert done["status"] == "done", done["error"]
+        assert bed.counters("ctx")["tx_bytes"] - before >= done["bytes"]
+    finally:
+        client.close()
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)

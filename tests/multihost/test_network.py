@@ -1,0 +1,158 @@
+"""The demo fleet across three hosts, and what the network does to its transfers.
+
+One fleet for the module: control plane on ``kvp-cp``, TP4 context on ``kvp-ctx``, TP2 generation
+on ``kvp-gen``, every worker on ``--ucx-tls tcp``. Every receive is verified byte for byte.
+
+- the bytes cross the bed's network (the context host's veth carries at least the transfers'
+  bytes), REST transfers run from the root namespace, and ``GET /v1/workers`` says which UCX
+  transports each worker runs with;
+- a lost connection (the context host cut off for longer than TCP's patience,
+  ``tcp_retries2=3``): NIXL raises ``nixlRemoteDisconnectError``; every handle fails on both
+  sides as ``peer_unreachable`` well before its deadline, and once the link is back the next
+  transfers between the same processes succeed;
+- a partition that outlasts the deadline while TCP keeps trying (``tcp_retries2=15``, Linux's
+  default: the WRITE stays in progress the whole outage): every handle fails at its deadline on
+  both sides, every staging byte comes back, and after the link heals the next transfers succeed
+  without restarting anything;
+- 1 % packet loss each way on the context host and 5 ms of delay each way between the two
+  hosts: every transfer completes and verifies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from workers.engine_loop import CONTEXT, Fleet, run_rest
+from workers.netbed import Bed
+
+from .conftest import HOSTS, Background, assert_clean, payload_bytes, wait_released
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SLOW_LINK = "40mbit"  # 5 MB/s: a 16-block request (about 9 MB) stays in flight for seconds
+
+
+@pytest.fixture(scope="module")
+def fleet(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    running = Fleet(
+        tmp_path_factory.mktemp("network"),
+        num_slots=64,
+        fill=True,
+        staging_bytes=32 << 20,
+        ucx_tls="tcp",
+        host=bed.address("cp"),
+        hosts=HOSTS,
+    )
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fleet: Fleet) -> None:
+    assert fleet.server.url.startswith(f"http://{bed.address('cp')}:")
+    before = bed.counters("ctx")
+    run = fleet.run_engine(requests=4, blocks=16, in_flight=2, verify=True, timeout_s=60)
+    assert_clean(run)
+    sent = bed.counters("ctx")["tx_bytes"] - before["tx_bytes"]
+    # Every byte of the four requests left the context host through its NIC (UCX's default
+    # on one machine would have used shared memory / CMA: almost nothing on the veth).
+    assert sent >= 4 * payload_bytes(16), sent
+    # REST from the driver's namespace: the control plane pushes to the workers' command
+    # streams across the bed, and the transfer is recorded done.
+    rest = run_rest(
+        fleet.server.url,
+        requests=2,
+        blocks=4,
+        in_flight=1,
+        num_slots=64,
+        seed=3,
+        tag="rest-hosts",
+        verify=True,
+    )
+    assert rest["errors"] == [] and len(rest["latencies"]) == 2
+    assert fleet.client is not None
+    workers = [w for w in fleet.client.list_workers()["items"] if w["status"] == "alive"]
+    assert len(workers) == 6
+    for worker in workers:
+        assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "default"}
+
+
+def _engine_failures(run_failures: dict[str, str], role: str) -> list[str]:
+    return [reason for who, reason in run_failures.items() if who.startswith(role)]
+
+
+def test_lost_connection_fails_both_sides_as_peer_unreachable_then_reconnects(
+    bed: Bed, fleet: Fleet
+) -> None:
+    bed.rate("ctx", SLOW_LINK)
+    run = Background(fleet, requests=2, blocks=16, in_flight=2, verify=True, timeout_s=30)
+    time.sleep(1.5)  # the WRITEs are on the (slow) wire
+    bed.partition("ctx")
+    time.sleep(10)  # longer than TCP's patience (tcp_retries2=3): UCX fails the connection
+    bed.heal("ctx")
+    failed = run.join()
+    assert failed.complete, failed.stalled
+    context = _engine_failures(failed.failures, "context")
+    generation = _engine_failures(failed.failures, "generation")
+    assert context and generation, failed.failures
+    # A sender whose WRITE was on the wire learns from NIXL, well before its deadline.
+    for reason in context:
+        assert reason.startswith("peer_unreachable"), failed.failures
+    # A receiver learns from the sender's abort or from its own re-sent grant. A WRITE that UCX
+    # had completed locally (the bytes still in the sender's socket buffer) when the link broke
+    # leaves a released sender; the receiver's re-sent grant makes it probe the connection and
+    # abort over a new one once the link is back, or the receiver's deadline ends it.
+    assert any(r.startswith("peer_unreachable") for r in generation), failed.failures
+    for reason in generation:
+        assert reason.startswith(("peer_unreachable", "deadline: 30 s passed")), failed.failures
+        if reason.startswith("deadline"):
+            assert "did not write" in reason, failed.failures
+    assert failed.leaked == 0
+    wait_released(fleet)
+
+    again = fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=60)
+    assert_clean(again)
+
+
+def test_partition_outlasting_the_deadline_fails_both_sides_and_heals(
+    bed: Bed, fleet: Fleet
+) -> None:
+    for host in ("ctx", "gen"):
+        bed.tcp_retries(host, 15)  # Linux's default: TCP keeps trying for minutes
+    bed.rate("ctx", SLOW_LINK)
+    run = Background(fleet, requests=2, blocks=16, in_flight=2, verify=True, timeout_s=4)
+    time.sleep(1.0)
+    bed.partition("ctx")
+    failed = run.join()  # the deadline, not TCP, ends it: the link is still down
+    assert failed.complete, failed.stalled
+    context = _engine_failures(failed.failures, "context")
+    generation = _engine_failures(failed.failures, "generation")
+    assert context and generation, failed.failures
+    for reason in context + generation:
+        assert reason.startswith(("deadline", "peer ")), failed.failures
+    assert failed.leaked == 0
+    time.sleep(3)
+    bed.heal("ctx")
+    # Nothing stays behind: no handle pending, the quarantined staging of the failed
+    # receives (a late WRITE could still land there) returns when its time to live is over.
+    wait_released(fleet)
+
+    again = fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=60)
+    assert_clean(again)
+
+
+def test_one_percent_loss_and_5_ms_delay_complete_and_verify(bed: Bed, fleet: Fleet) -> None:
+    bed.loss("ctx", 1)
+    bed.delay("ctx", "gen", 5)  # each way: a 10 ms round trip between the two hosts
+    before = bed.counters("ctx")
+    run = fleet.run_engine(requests=8, blocks=16, in_flight=4, verify=True, timeout_s=120)
+    assert_clean(run)
+    # The bytes took the delayed detour, not eth0.
+    assert bed.counters("ctx")["tx_bytes"] - before["tx_bytes"] < payload_bytes(16)
+    assert fleet.client is not None
+    assert fleet.client.get_instance(CONTEXT)["status"] == "ready"
