@@ -13,7 +13,14 @@ import torch
 
 from api import geometry
 from api.geometry.builders import ViewSpec, instance_body
-from workers.executors import align_blocks, copy_local, gather, scatter, staging_layout
+from workers.executors import (
+    align_blocks,
+    copy_local,
+    expand_fragments,
+    gather,
+    scatter,
+    staging_layout,
+)
 from workers.pools import PoolSpec, allocate_pools, fill_pattern
 
 CASES = [
@@ -28,6 +35,13 @@ CASES = [
     ("HND", 3, 2, 6),
     ("NHD>HND", 2, 3, 12),
 ]
+# Different tokens_per_block (HND): (context tpb, generation tpb) → one large block, r small ones
+RATIO_CASES = [
+    ("HND", 4, 2, 8, (8, 2)),
+    ("HND", 2, 4, 8, (2, 8)),
+    ("HND", 8, 2, 4, (4, 2)),
+    ("HND", 3, 2, 6, (2, 6)),
+]
 
 
 def _fleet(body, rank_offset: int):
@@ -41,14 +55,17 @@ def _fleet(body, rank_offset: int):
     return out
 
 
-@pytest.mark.parametrize(("layout", "ctx_tp", "gen_tp", "heads"), CASES)
-def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads):
+@pytest.mark.parametrize(
+    ("layout", "ctx_tp", "gen_tp", "heads", "tpb"),
+    [(*case, (8, 8)) for case in CASES] + RATIO_CASES,
+)
+def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads, tpb):
     ctx_layout, _, gen_layout = layout.partition(">")
     ctx_view = [ViewSpec("target", layers=3, kv_heads=heads, head_dim=16, layout=ctx_layout)]
     gen_view = [ViewSpec("target", 3, heads, 16, layout=gen_layout or ctx_layout)]
-    ctx_body = instance_body(role="context", views=ctx_view, tp=ctx_tp, tokens_per_block=8,
+    ctx_body = instance_body(role="context", views=ctx_view, tp=ctx_tp, tokens_per_block=tpb[0],
                              num_slots=24, slot_padding_bytes=32)  # fmt: skip
-    gen_body = instance_body(role="generation", views=gen_view, tp=gen_tp, tokens_per_block=8,
+    gen_body = instance_body(role="generation", views=gen_view, tp=gen_tp, tokens_per_block=tpb[1],
                              num_slots=20)  # fmt: skip
     plan = geometry.compile_plan(
         geometry.parse_instance(ctx_body, "ctx"), geometry.parse_instance(gen_body, "gen")
@@ -76,8 +93,9 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
         bs, bd = align_blocks(route, blocks)
         copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
         recv = next(r for r in plan.receivers if r.rank == route["receiver_rank"])
-        offset = recv.staging_offsets[recv.writers.index(route["sender_rank"])] * bs[0].size
-        assert staging_layout(route, bs).nbytes == route["bytes_per_block"] * bs[0].size
+        pairs = bs[0].shape[0]  # with a ratio: large blocks (the small side is [n, r])
+        offset = recv.staging_offsets[recv.writers.index(route["sender_rank"])] * pairs
+        assert staging_layout(route, bs).nbytes == route["bytes_per_block"] * pairs
         gather(route, senders[route["sender_rank"]], bs, out=staging[recv.rank], offset=offset)
         scatter(route, staging[recv.rank], staged[route["receiver_rank"]], bd, offset=offset)
 
@@ -90,6 +108,46 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
             assert torch.equal(staged[rank][pid].tensor, pool.tensor), f"staged rank {rank}"
     assert moved > 0
     assert expansion.bytes == sum(
-        r["bytes_per_block"] * align_blocks(r, blocks)[0][0].size for r in routes
+        r["bytes_per_block"] * align_blocks(r, blocks)[0][0].shape[0] for r in routes
     )
     assert np.all([s.numel() for s in staging.values()])
+
+
+@pytest.mark.parametrize(("layout", "ctx_tp", "gen_tp", "heads", "tpb"), RATIO_CASES)
+def test_ratio_fragments_of_the_nixl_path_match_the_planning_core(
+    layout, ctx_tp, gen_tp, heads, tpb
+):
+    """``expand_fragments`` (the per-fragment NIXL WRITE) over ``align_blocks``' ``[n, r]`` small
+    side lists exactly the fragments the planning core expands."""
+    bodies = [
+        instance_body(
+            role=role,
+            views=[ViewSpec("target", 2, heads, 16)],
+            tp=tp,
+            tokens_per_block=t,
+            num_slots=24,
+        )  # fmt: skip
+        for role, tp, t in (("context", ctx_tp, tpb[0]), ("generation", gen_tp, tpb[1]))
+    ]
+    ctx, gen = (geometry.parse_instance(b, b["role"][:3]) for b in bodies)
+    plan = geometry.compile_plan(ctx, gen)
+    blocks = {0: ([5, 6, 7, 8, 9, 1, 2, 3, 23, 0], [19, 4, 5, 6, 0, 11, 12, 13, 14])}
+    expansion = geometry.expand(plan, blocks)
+    pools = {
+        side: {r["rank"]: {p["id"]: PoolSpec.from_dict(p) for p in r["pools"]} for r in b["ranks"]}
+        for side, b in zip(("context", "generation"), bodies, strict=True)
+    }
+    for expanded in expansion.routes:
+        route = expanded.route.to_dict()
+        bs, bd = align_blocks(route, blocks)
+        frags = expand_fragments(
+            route, pools["context"][route["sender_rank"]],
+            pools["generation"][route["receiver_rank"]], bs, bd,
+        )  # fmt: skip
+        got = sorted(
+            (sp, int(s), dp, int(d), int(n))
+            for (sp, dp), arrays in frags.items()
+            for s, d, n in zip(*arrays, strict=True)
+        )
+        assert got == sorted(map(tuple, expanded.fragment_rows().tolist()))
+        assert got
