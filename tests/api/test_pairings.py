@@ -198,6 +198,15 @@ def test_block_size_ratio_is_compatible_with_a_warning_and_plans(client: TestCli
     fragments = client.get(f"/v1/transfers/{transfer['id']}/fragments").json()
     rows = [row for r in fragments["routes"] for row in r["fragments"]]
     assert sum(row[4] for row in rows) == transfer["bytes"]
+    # the dashboard's head-slice picture draws one large block as 4 small ones
+    page = client.get(f"/ui/pairings/{pairing['id']}?receiver=1")
+    assert page.status_code == 200
+    html = page.text
+    assert 'class="block-ratio" data-ratio="4"' in html
+    assert "generation block k (64 tokens)" in html
+    assert html.count("context 4k+") == 3 and "context 4k<" in html
+    assert "one generation block (64 tokens) = 4 context blocks (16 tokens each)" in html
+    assert "per head 4 runs of 16 tokens per generation block, one per context block" in html
 
 
 def test_refused_block_size_ratio_is_a_report_never_a_500(client: TestClient) -> None:
