@@ -207,6 +207,7 @@ def test_block_size_ratio_is_compatible_with_a_warning_and_plans(client: TestCli
     assert html.count("context 4k+") == 3 and "context 4k<" in html
     assert "one generation block (64 tokens) = 4 context blocks (16 tokens each)" in html
     assert "per head 4 runs of 16 tokens per generation block, one per context block" in html
+    assert "Bytes / generation block (64 tokens)" in html
 
 
 def test_refused_block_size_ratio_is_a_report_never_a_500(client: TestClient) -> None:

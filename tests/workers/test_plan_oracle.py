@@ -84,6 +84,7 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
 
     direct = _fleet(gen_body, 100)
     staged = _fleet(gen_body, 100)
+    indexed = _fleet(gen_body, 100)  # the CUDA default path (index_select), run on CPU
     routes = [r.to_dict() for r in plan.routes]
     staging = {}
     for recv in plan.receivers:
@@ -92,6 +93,8 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
     for route in routes:
         bs, bd = align_blocks(route, blocks)
         copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
+        copy_local(route, senders[route["sender_rank"]], indexed[route["receiver_rank"]], bs, bd,
+                   method="index")  # fmt: skip
         recv = next(r for r in plan.receivers if r.rank == route["receiver_rank"])
         pairs = bs[0].shape[0]  # with a ratio: large blocks (the small side is [n, r])
         offset = recv.staging_offsets[recv.writers.index(route["sender_rank"])] * pairs
@@ -105,6 +108,7 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
             initial = _fleet(gen_body, 100)[rank][pid].tensor
             moved += int(torch.count_nonzero(pool.tensor != initial))
             assert torch.equal(direct[rank][pid].tensor, pool.tensor), f"direct rank {rank}"
+            assert torch.equal(indexed[rank][pid].tensor, pool.tensor), f"indexed rank {rank}"
             assert torch.equal(staged[rank][pid].tensor, pool.tensor), f"staged rank {rank}"
     assert moved > 0
     assert expansion.bytes == sum(
