@@ -87,12 +87,10 @@ def demo_bodies(num_slots: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The demo fleet: Llama-like 8-head target (4 layers) + 2-head one-layer draft, bf16, HND,
     TP4 context → TP2 generation."""
     views = [ViewSpec("target", 4, 8, 128), ViewSpec("draft", 1, 2, 128)]
-    context = instance_body(
-        role="context", views=views, tp=4, num_slots=num_slots, model="demo-llama"
-    )
-    generation = instance_body(
-        role="generation", views=views, tp=2, num_slots=num_slots, model="demo-llama"
-    )
+    context = instance_body(role="context", views=views, tp=4, num_slots=num_slots,
+                            model="demo-llama")
+    generation = instance_body(role="generation", views=views, tp=2, num_slots=num_slots,
+                               model="demo-llama")
     return context, generation
 
 
@@ -157,9 +155,8 @@ class BlockCache:
         return len(self._free)
 
 
-def request_blocks(
-    seed: int, index: int, blocks: int, num_slots: int, *, contiguous: bool = False
-) -> dict[int, tuple[list[int], list[int]]]:
+def request_blocks(seed: int, index: int, blocks: int, num_slots: int, *,
+                   contiguous: bool = False) -> dict[int, tuple[list[int], list[int]]]:
     """Request ``index``'s ``{group: (context_ids, generation_ids)}``: the same on every rank
     (``contiguous``: each lane's ids in order, as in a fresh cache)."""
     lanes = num_slots // blocks
@@ -169,7 +166,7 @@ def request_blocks(
     sides = []
     for side in (0, 1):  # the two instances' caches are scattered differently
         perm = list(range(num_slots)) if contiguous else _permutation(seed, side, num_slots)
-        sides.append(perm[lane * blocks : (lane + 1) * blocks])
+        sides.append(perm[lane * blocks:(lane + 1) * blocks])
     return {0: (sides[0], sides[1])}
 
 
@@ -238,23 +235,15 @@ class EngineRank:
         self.tensors = {
             int(p["id"]): torch.zeros(
                 (int(p["num_slots"]), int(p.get("slot_stride_bytes") or p["slot_bytes"]) // 2),
-                dtype=torch.bfloat16,
-                device=spec.device,
-            )
+                dtype=torch.bfloat16, device=spec.device)
             for p in self.pool_specs
         }
         groups = {int(p.get("layer_group", 0)): int(p["num_slots"]) for p in self.pool_specs}
         self.caches = {g: BlockCache(n) for g, n in groups.items()}
         self.num_slots = min(groups.values())
-        self.worker = Worker(
-            self.client,
-            spec.instance,
-            spec.rank,
-            device=spec.device,
-            staging_bytes=spec.staging_bytes,
-            fill=spec.fill,
-            chunk_blocks=spec.chunk_blocks,
-        )
+        self.worker = Worker(self.client, spec.instance, spec.rank, device=spec.device,
+                             staging_bytes=spec.staging_bytes, fill=spec.fill,
+                             chunk_blocks=spec.chunk_blocks)
         self.worker.attach(tensors=self.tensors)
         self.worker.start()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -276,31 +265,16 @@ class EngineRank:
             if len(have) == world and directory.plans:
                 return {"rank": self.spec.rank, "peers": len(have)}
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.spec.instance} rank {self.spec.rank}: peers {have} "
-                    f"of {world} after {timeout_s:.0f} s"
-                )
+                raise TimeoutError(f"{self.spec.instance} rank {self.spec.rank}: peers {have} "
+                                   f"of {world} after {timeout_s:.0f} s")
             time.sleep(0.2)
 
     # --- the engine loop ---------------------------------------------------------------------
 
-    def run(
-        self,
-        *,
-        requests: int,
-        blocks: int,
-        in_flight: int,
-        seed: int,
-        start_at: float,
-        tag: str,
-        arrival: str = "closed",
-        rate: float = 100.0,
-        verify: bool = False,
-        mode: str = "staged",
-        timeout_s: float = 30.0,
-        run_timeout_s: float = 300.0,
-        contiguous: bool = False,
-    ) -> dict[str, Any]:
+    def run(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
+            tag: str, arrival: str = "closed", rate: float = 100.0, verify: bool = False,
+            mode: str = "staged", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
+            contiguous: bool = False) -> dict[str, Any]:
         """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict."""
         spec = self.spec
         result = RunResult(rank=spec.rank, role=spec.role)
@@ -322,7 +296,8 @@ class EngineRank:
                     if time.time() < due:
                         wait_s = min(wait_s, due - time.time())
                         break
-                pairs = request_blocks(seed, nxt, blocks, self.num_slots, contiguous=contiguous)
+                pairs = request_blocks(seed, nxt, blocks, self.num_slots,
+                                       contiguous=contiguous)
                 mine = {g: ids[side] for g, ids in pairs.items()}
                 if not all(self.caches[g].available(ids) for g, ids in mine.items()):
                     break  # our cache has no room for it yet: wait for an outcome
@@ -336,21 +311,13 @@ class EngineRank:
                     continue
                 issued = time.time()
                 try:
-                    handle = call(
-                        f"{tag}-{nxt}",
-                        spec.peer,
-                        pairs,
-                        timeout_s=timeout_s,
-                        verify=verify,
-                        mode=mode,
-                        context={"engine_index": nxt},
-                    )
+                    handle = call(f"{tag}-{nxt}", spec.peer, pairs, timeout_s=timeout_s,
+                                  verify=verify, mode=mode, context={"engine_index": nxt})
                 except Exception as error:  # the request could not start: blocks back
                     for g, ids in mine.items():
                         self.caches[g].free(ids)
-                    result.records.append(
-                        (nxt, issued, time.time(), "failed", f"{type(error).__name__}: {error}")
-                    )
+                    result.records.append((nxt, issued, time.time(), "failed",
+                                           f"{type(error).__name__}: {error}"))
                     nxt += 1
                     continue
                 outstanding[nxt] = (handle, mine, issued)
@@ -368,18 +335,16 @@ class EngineRank:
                 if entry is not None and entry[0] is handle:
                     for g, ids in entry[1].items():
                         self.caches[g].free(ids)  # released / arrived / failed: blocks back
-                    result.records.append(
-                        (index, entry[2], float(handle.finished_at), handle.state, handle.reason)
-                    )
+                    result.records.append((index, entry[2], float(handle.finished_at),
+                                           handle.state, handle.reason))
                 try:
                     handle = self._done.get_nowait()
                 except queue.Empty:
                     break
         result.records.sort()
         result.failed = sum(1 for r in result.records if r[3] == "failed")
-        result.verify_errors = [
-            r[4] for r in result.records if r[4] and "verification failed" in r[4]
-        ]
+        result.verify_errors = [r[4] for r in result.records
+                                if r[4] and "verification failed" in r[4]]
         result.leaked = sum(c.leaked for c in self.caches.values())
         result.cache_high_water = max(c.high_water for c in self.caches.values())
         result.verified_bytes = self.worker.stats.verified_bytes - verified_before
@@ -387,16 +352,8 @@ class EngineRank:
 
     # --- raw NIXL, the same processes --------------------------------------------------------
 
-    def raw(
-        self,
-        *,
-        requests: int,
-        blocks: int,
-        in_flight: int,
-        seed: int,
-        start_at: float,
-        run_timeout_s: float = 120.0,
-    ) -> dict[str, Any]:
+    def raw(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
+            run_timeout_s: float = 120.0) -> dict[str, Any]:
         """Plain NIXL WRITEs of this rank's routes (staging → peer staging, one notification per
         route), closed loop over ``in_flight`` requests, with the handover paused meanwhile.
 
@@ -449,16 +406,9 @@ class EngineRank:
             resume.set()
         return out
 
-    def _raw_send(
-        self,
-        out: dict[str, Any],
-        mine: list[tuple[int, int]],
-        agents: Mapping[int, tuple[str, Any]],
-        requests: int,
-        in_flight: int,
-        start_at: float,
-        run_timeout_s: float,
-    ) -> None:
+    def _raw_send(self, out: dict[str, Any], mine: list[tuple[int, int]],
+                  agents: Mapping[int, tuple[str, Any]], requests: int, in_flight: int,
+                  start_at: float, run_timeout_s: float) -> None:
         tp = self.worker.transport
         assert tp is not None
         local_bytes = max((n for _, n in mine), default=0)
@@ -482,18 +432,10 @@ class EngineRank:
                 offset = self.spec.rank * nbytes
                 if offset + nbytes > info.staging_bytes:
                     offset = 0
-                remote = tp.desc(
-                    np.array([info.staging_address + offset]), np.array([nbytes]), info.device_id
-                )
-                posted.append(
-                    tp.post_write(
-                        agent,
-                        tp.local_staging_desc(0, nbytes),
-                        remote,
-                        f"R|{i}|{self.spec.rank}".encode(),
-                        "raw",
-                    )
-                )
+                remote = tp.desc(np.array([info.staging_address + offset]), np.array([nbytes]),
+                                 info.device_id)
+                posted.append(tp.post_write(agent, tp.local_staging_desc(0, nbytes), remote,
+                                            f"R|{i}|{self.spec.rank}".encode(), "raw"))
             pending.append((i, posted))
         while pending:
             if not self._raw_reap(pending):
@@ -512,9 +454,8 @@ class EngineRank:
                 pending.append((i, posted))
         return len(pending) < before
 
-    def _raw_receive(
-        self, out: dict[str, Any], expected: int, requests: int, run_timeout_s: float
-    ) -> None:
+    def _raw_receive(self, out: dict[str, Any], expected: int, requests: int,
+                     run_timeout_s: float) -> None:
         tp = self.worker.transport
         assert tp is not None
         counts: dict[int, int] = {}
@@ -540,18 +481,13 @@ class EngineRank:
         """Counters; with ``sweep`` (fill mode) first check every untouched pool byte."""
         w = self.worker
         swept = w.verify_untouched() if sweep and w.fill else 0
-        return {
-            "swept_bytes": swept,
-            "rank": self.spec.rank,
-            "sent": w.stats.sent,
-            "received": w.stats.received,
-            "failed": w.stats.failed,
-            "verified_bytes": w.stats.verified_bytes,
-            "errors": list(w.stats.errors[-5:]),
-            "leaked": sum(c.leaked for c in self.caches.values()),
-            "records_pending": w.recorder.pending if w.recorder else None,
-            "records_posted": w.recorder.posted if w.recorder else None,
-        }
+        return {"swept_bytes": swept, "rank": self.spec.rank, "sent": w.stats.sent,
+                "received": w.stats.received, "failed": w.stats.failed,
+                "verified_bytes": w.stats.verified_bytes,
+                "errors": list(w.stats.errors[-5:]),
+                "leaked": sum(c.leaked for c in self.caches.values()),
+                "records_pending": w.recorder.pending if w.recorder else None,
+                "records_posted": w.recorder.posted if w.recorder else None}
 
     def stop(self) -> None:
         self.worker.stop()
@@ -560,11 +496,8 @@ class EngineRank:
 def _rank_main(spec: RankSpec, conn: Connection) -> None:
     """A rank process: build the engine, then serve the driver's commands until ``stop``."""
     if spec.log_path:
-        logging.basicConfig(
-            filename=spec.log_path,
-            level=logging.INFO,
-            format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        )
+        logging.basicConfig(filename=spec.log_path, level=logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us
     engine = None
     try:
@@ -604,26 +537,16 @@ def free_port() -> int:
 class ControlPlane:
     """``kvplane serve`` on a SQLite file, as its own process; can be stopped and restarted."""
 
-    def __init__(
-        self,
-        workdir: Path,
-        port: int | None = None,
-        env: Mapping[str, str] | None = None,
-        *,
-        database: Path | None = None,
-        host: str = "127.0.0.1",
-    ) -> None:
+    def __init__(self, workdir: Path, port: int | None = None,
+                 env: Mapping[str, str] | None = None, *, database: Path | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.host = host
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.database = database or workdir / "kvplane.db"
-        self.env = {
-            **os.environ,
-            "KVPLANE_DATABASE_URL": f"sqlite:///{self.database.resolve()}",
-            "KVPLANE_AUTH": "false",
-            **(env or {}),
-        }
+        self.env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{self.database.resolve()}",
+                    "KVPLANE_AUTH": "false", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -631,22 +554,10 @@ class ControlPlane:
         self.starts += 1
         with (self.workdir / f"server-{self.starts}.log").open("wb") as log_file:
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "api.cli",
-                    "serve",
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(self.port),
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=REPO,
-                start_new_session=True,
-            )
+                [sys.executable, "-m", "api.cli", "serve", "--host", self.host,
+                 "--port", str(self.port)],
+                stdout=log_file, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -676,20 +587,11 @@ class ControlPlane:
 class Fleet:
     """A control plane, the demo fleet registered and paired, and one process per rank."""
 
-    def __init__(
-        self,
-        workdir: Path,
-        *,
-        num_slots: int = 64,
-        device: str = "cpu",
-        fill: bool = False,
-        staging_bytes: int = 64 << 20,
-        chunk_blocks: int | None = None,
-        server_env: Mapping[str, str] | None = None,
-        database: Path | None = None,
-        port: int | None = None,
-        host: str = "127.0.0.1",
-    ) -> None:
+    def __init__(self, workdir: Path, *, num_slots: int = 64, device: str = "cpu",
+                 fill: bool = False, staging_bytes: int = 64 << 20,
+                 chunk_blocks: int | None = None, server_env: Mapping[str, str] | None = None,
+                 database: Path | None = None, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.workdir = workdir
         self.num_slots = num_slots
         self.device = device
@@ -711,30 +613,17 @@ class Fleet:
         if not self.pairing["compatible"]:
             raise RuntimeError(f"pairing refused: {self.pairing['errors']}")
         ctx = mp.get_context("spawn")
-        for instance, role, peer in (
-            (CONTEXT, "context", GENERATION),
-            (GENERATION, "generation", CONTEXT),
-        ):
+        for instance, role, peer in ((CONTEXT, "context", GENERATION),
+                                     (GENERATION, "generation", CONTEXT)):
             for rank in range(WORLD[instance]):
-                spec = RankSpec(
-                    url=self.server.url,
-                    instance=instance,
-                    rank=rank,
-                    role=role,
-                    peer=peer,
-                    device=self.device,
-                    fill=self.fill,
-                    staging_bytes=self.staging_bytes,
-                    chunk_blocks=self.chunk_blocks,
-                    log_path=str(self.workdir / f"{instance}-{rank}.log"),
-                )
+                spec = RankSpec(url=self.server.url, instance=instance, rank=rank, role=role,
+                                peer=peer, device=self.device, fill=self.fill,
+                                staging_bytes=self.staging_bytes,
+                                chunk_blocks=self.chunk_blocks,
+                                log_path=str(self.workdir / f"{instance}-{rank}.log"))
                 mine, theirs = ctx.Pipe()
-                process = ctx.Process(
-                    target=_rank_main,
-                    args=(spec, theirs),
-                    daemon=True,
-                    name=f"engine-{instance}-{rank}",
-                )
+                process = ctx.Process(target=_rank_main, args=(spec, theirs), daemon=True,
+                                      name=f"engine-{instance}-{rank}")
                 process.start()
                 theirs.close()
                 self.ranks.append((spec, process, mine))
@@ -744,10 +633,8 @@ class Fleet:
 
     def _answer(self, spec: RankSpec, conn: Connection, timeout_s: float) -> Any:
         if not conn.poll(timeout_s):
-            raise TimeoutError(
-                f"{spec.instance} rank {spec.rank} did not answer in "
-                f"{timeout_s:.0f} s; log: {self.rank_log(spec)}"
-            )
+            raise TimeoutError(f"{spec.instance} rank {spec.rank} did not answer in "
+                               f"{timeout_s:.0f} s; log: {self.rank_log(spec)}")
         status, value = conn.recv()
         if status != "ok":
             raise RuntimeError(f"{spec.instance} rank {spec.rank}: {value}")
@@ -766,56 +653,25 @@ class Fleet:
     def pids(self) -> dict[str, list[int]]:
         """Process ids: ``{"ranks": [...], "server": [...]}`` (for CPU accounting)."""
         server = self.server.process
-        return {
-            "ranks": [process.pid for _, process, _ in self.ranks],
-            "server": [] if server is None else [server.pid],
-        }
+        return {"ranks": [process.pid for _, process, _ in self.ranks],
+                "server": [] if server is None else [server.pid]}
 
-    def run_engine(
-        self,
-        *,
-        requests: int,
-        blocks: int,
-        in_flight: int,
-        seed: int = 1,
-        tag: str | None = None,
-        start_delay_s: float = 0.3,
-        **options: Any,
-    ) -> EngineRun:
+    def run_engine(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
+                   tag: str | None = None, start_delay_s: float = 0.3, **options: Any
+                   ) -> EngineRun:
         """Every rank runs the engine loop over the same requests; the combined account."""
         tag = tag or f"e{seed}-{blocks}x{in_flight}-{time.time_ns() % 10**9}"
-        results = self.call_all(
-            "run",
-            requests=requests,
-            blocks=blocks,
-            in_flight=in_flight,
-            seed=seed,
-            tag=tag,
-            start_at=time.time() + start_delay_s,
-            **options,
-        )
+        results = self.call_all("run", requests=requests, blocks=blocks, in_flight=in_flight,
+                                seed=seed, tag=tag, start_at=time.time() + start_delay_s,
+                                **options)
         return EngineRun(tag, requests, [RunResult(**r) for r in results])
 
-    def run_raw(
-        self,
-        *,
-        requests: int,
-        blocks: int,
-        in_flight: int,
-        seed: int = 1,
-        start_delay_s: float = 0.3,
-    ) -> RawRun:
-        results = self.call_all(
-            "raw",
-            requests=requests,
-            blocks=blocks,
-            in_flight=in_flight,
-            seed=seed,
-            start_at=time.time() + start_delay_s,
-        )
-        return RawRun(
-            requests, [(spec.role, r) for (spec, _, _), r in zip(self.ranks, results, strict=True)]
-        )
+    def run_raw(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
+                start_delay_s: float = 0.3) -> RawRun:
+        results = self.call_all("raw", requests=requests, blocks=blocks, in_flight=in_flight,
+                                seed=seed, start_at=time.time() + start_delay_s)
+        return RawRun(requests, [(spec.role, r) for (spec, _, _), r in zip(self.ranks, results,
+                                                                               strict=True)])
 
     def stop(self) -> None:
         for _, _, conn in self.ranks:
@@ -855,17 +711,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
-def run_rest(
-    url: str,
-    *,
-    requests: int,
-    blocks: int,
-    in_flight: int,
-    num_slots: int,
-    seed: int,
-    tag: str,
-    verify: bool = False,
-) -> dict[str, Any]:
+def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots: int,
+             seed: int, tag: str, verify: bool = False) -> dict[str, Any]:
     """The REST path as a router drives it: ``in_flight`` client threads, each ``POST
     /v1/transfers`` (``execute``) and then ``GET ?wait=`` in turn, over its own block lane."""
     latencies: list[float] = []
@@ -888,17 +735,10 @@ def run_rest(
                 t0 = time.time()
                 try:
                     for attempt in range(REST_RETRIES + 1):
-                        created = http.post(
-                            "/v1/transfers",
-                            json={
-                                "context": CONTEXT,
-                                "generation": GENERATION,
-                                "request_id": f"{tag}-{k}",
-                                "blocks": body_blocks,
-                                "execute": True,
-                                "verify": verify,
-                            },
-                        )
+                        created = http.post("/v1/transfers", json={
+                            "context": CONTEXT, "generation": GENERATION,
+                            "request_id": f"{tag}-{k}", "blocks": body_blocks,
+                            "execute": True, "verify": verify})
                         if created.status_code != 503 or attempt == REST_RETRIES:
                             break
                         # As a client should: 503 (SQLite busy) says when to come back.
@@ -906,7 +746,8 @@ def run_rest(
                             retries.append(created.json().get("code", "503"))
                         time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
                     created.raise_for_status()
-                    done = http.get(f"/v1/transfers/{created.json()['id']}", params={"wait": 30})
+                    done = http.get(f"/v1/transfers/{created.json()['id']}",
+                                    params={"wait": 30})
                     done.raise_for_status()
                     status = done.json()["status"]
                     if status != "done":
@@ -927,12 +768,8 @@ def run_rest(
         thread.start()
     for thread in threads:
         thread.join()
-    return {
-        "latencies": latencies,
-        "errors": errors,
-        "retries": retries,
-        "throughput": requests / max(max(ends) - min(starts), 1e-9),
-    }
+    return {"latencies": latencies, "errors": errors, "retries": retries,
+            "throughput": requests / max(max(ends) - min(starts), 1e-9)}
 
 
 @dataclass
@@ -950,12 +787,8 @@ class EngineRun:
     @property
     def failures(self) -> dict[str, str]:
         """``{f"{role} rank {r} request {i}": reason}`` of every failed handle."""
-        return {
-            f"{r.role} rank {r.rank} request {rec[0]}": str(rec[4])
-            for r in self.ranks
-            for rec in r.records
-            if rec[3] == "failed"
-        }
+        return {f"{r.role} rank {r.rank} request {rec[0]}": str(rec[4])
+                for r in self.ranks for rec in r.records if rec[3] == "failed"}
 
     @property
     def stalled(self) -> dict[str, list[int]]:
@@ -1010,23 +843,6 @@ class RawRun:
         return self.requests / max(max(ends) - min(starts), 1e-9)
 
 
-__all__ = [
-    "CONTEXT",
-    "GENERATION",
-    "BlockCache",
-    "CacheError",
-    "ControlPlane",
-    "EngineRank",
-    "EngineRun",
-    "Fleet",
-    "RankSpec",
-    "RawRun",
-    "RunResult",
-    "arrivals",
-    "cpu_seconds",
-    "demo_bodies",
-    "free_port",
-    "percentile",
-    "request_blocks",
-    "run_rest",
-]
+__all__ = ["CONTEXT", "GENERATION", "BlockCache", "CacheError", "ControlPlane", "EngineRank",
+           "EngineRun", "Fleet", "RankSpec", "RawRun", "RunResult", "arrivals", "cpu_seconds",
+           "demo_bodies", "free_port", "percentile", "request_blocks", "run_rest"]

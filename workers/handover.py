@@ -101,27 +101,24 @@ def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[list[int], list[int]]]
         try:
             g = int(group)
         except (TypeError, ValueError):
-            raise HandoverError(
-                f"layer group {group!r} is not an integer", code="invalid_blocks"
-            ) from None
+            raise HandoverError(f"layer group {group!r} is not an integer",
+                                code="invalid_blocks") from None
         if isinstance(lists, Mapping):
             pair = (lists.get("context"), lists.get("generation"))
         elif isinstance(lists, Sequence) and len(lists) == 2:
             pair = (lists[0], lists[1])
         else:
-            raise HandoverError(
-                f"layer group {g}: expected (context_ids, generation_ids)", code="invalid_blocks"
-            )
+            raise HandoverError(f"layer group {g}: expected (context_ids, generation_ids)",
+                                code="invalid_blocks")
         ids = []
         for side, raw in zip(("context", "generation"), pair, strict=True):
             if raw is None:
-                raise HandoverError(f"layer group {g}: no {side} block list", code="invalid_blocks")
+                raise HandoverError(f"layer group {g}: no {side} block list",
+                                    code="invalid_blocks")
             arr = np.asarray(raw.detach().cpu().numpy() if hasattr(raw, "detach") else raw)
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-                raise HandoverError(
-                    f"layer group {g}: {side} block ids must be a flat list of integers",
-                    code="invalid_blocks",
-                )
+                raise HandoverError(f"layer group {g}: {side} block ids must be a flat list of "
+                                    "integers", code="invalid_blocks")
             ids.append([int(x) for x in arr.tolist()])
         out[g] = (ids[0], ids[1])
     return out
@@ -130,9 +127,8 @@ def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[list[int], list[int]]]
 class Handle:
     """One rank's side of one request's handover; resolves exactly once."""
 
-    def __init__(
-        self, request_id: str, side: str, peer: str, entry: PlanEntry, timeout_s: float
-    ) -> None:
+    def __init__(self, request_id: str, side: str, peer: str, entry: PlanEntry,
+                 timeout_s: float) -> None:
         self.request_id = request_id
         self.side = side  # "send" | "receive"
         self.peer = peer
@@ -346,26 +342,16 @@ class Handover:
         self._loaded: set[str] = set()
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
-        self._thread = threading.Thread(
-            target=self._loop, daemon=True, name=f"kvplane-handover-{instance}-{rank}"
-        )
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"kvplane-handover-{instance}-{rank}")
         self._thread.start()
 
     # --- engine API --------------------------------------------------------------------------
 
-    def send(
-        self,
-        request_id: str,
-        peer: str,
-        blocks: BlockMap,
-        *,
-        context_dp_rank: int | None = None,
-        generation_dp_rank: int | None = None,
-        timeout_s: float | None = None,
-        mode: str = "staged",
-        verify: bool = False,
-        context: Mapping[str, Any] | None = None,
-    ) -> Handle:
+    def send(self, request_id: str, peer: str, blocks: BlockMap, *,
+             context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
+             timeout_s: float | None = None, mode: str = "staged", verify: bool = False,
+             context: Mapping[str, Any] | None = None) -> Handle:
         """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
 
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged`` or
@@ -373,46 +359,17 @@ class Handover:
         ``context``: the caller's extras, kept on ``handle.context``. Raises
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
-        return self._start(
-            "send",
-            request_id,
-            peer,
-            blocks,
-            context_dp_rank,
-            generation_dp_rank,
-            timeout_s,
-            mode,
-            verify,
-            context,
-        )
+        return self._start("send", request_id, peer, blocks, context_dp_rank,
+                           generation_dp_rank, timeout_s, mode, verify, context)
 
-    def expect(
-        self,
-        request_id: str,
-        peer: str,
-        blocks: BlockMap,
-        *,
-        context_dp_rank: int | None = None,
-        generation_dp_rank: int | None = None,
-        timeout_s: float | None = None,
-        mode: str = "staged",
-        verify: bool = False,
-        context: Mapping[str, Any] | None = None,
-    ) -> Handle:
+    def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
+               context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
+               timeout_s: float | None = None, mode: str = "staged", verify: bool = False,
+               context: Mapping[str, Any] | None = None) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
         (same options as :meth:`send`; the handle becomes ``arrived``)."""
-        return self._start(
-            "receive",
-            request_id,
-            peer,
-            blocks,
-            context_dp_rank,
-            generation_dp_rank,
-            timeout_s,
-            mode,
-            verify,
-            context,
-        )
+        return self._start("receive", request_id, peer, blocks, context_dp_rank,
+                           generation_dp_rank, timeout_s, mode, verify, context)
 
     def get_finished(self) -> Finished:
         """Request ids whose handles resolved since the last call (connector-style poll)."""
@@ -458,36 +415,24 @@ class Handover:
 
     # --- starting a handle (caller's thread: validation only) --------------------------------
 
-    def _start(
-        self,
-        side: str,
-        request_id: str,
-        peer: str,
-        blocks: BlockMap,
-        context_dp_rank: int | None,
-        generation_dp_rank: int | None,
-        timeout_s: float | None,
-        mode: str,
-        verify: bool,
-        context: Mapping[str, Any] | None,
-    ) -> Handle:
+    def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
+               context_dp_rank: int | None, generation_dp_rank: int | None,
+               timeout_s: float | None, mode: str, verify: bool,
+               context: Mapping[str, Any] | None) -> Handle:
         if self._closed:
             raise HandoverError("this worker's handover is closed", code="closed")
         if not isinstance(request_id, str) or not _ID.match(request_id):
             raise HandoverError(
                 f"request id {request_id!r}: 1-200 characters of letters, digits and ._:@/+=-",
-                code="invalid_request_id",
-            )
+                code="invalid_request_id")
         if mode not in ("staged", "fragments"):
             raise HandoverError(f"mode {mode!r}: staged or fragments", code="invalid_mode")
         directory = self.directory
         role = "context" if side == "send" else "generation"
         if directory.role and directory.role != role:
-            raise HandoverError(
-                f"{self.instance} is a {directory.role} instance: it can only "
-                f"{'send' if directory.role == 'context' else 'expect'}",
-                code="wrong_role",
-            )
+            raise HandoverError(f"{self.instance} is a {directory.role} instance: it can only "
+                                f"{'send' if directory.role == 'context' else 'expect'}",
+                                code="wrong_role")
         entry = directory.plan(peer, context_dp_rank, generation_dp_rank)
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         if not 0 < timeout <= 3600:
@@ -497,47 +442,26 @@ class Handover:
         handle.context.update(context or {})
         handle.context.update(blocks=blocks_of(pairs), mode=mode, verify=verify)
         now = time.monotonic()
-        op = _Op(
-            handle,
-            request_id,
-            side,
-            peer,
-            mode,
-            verify,
-            now + timeout,
-            hold_until=now + self.hold_s,
-        )
+        op = _Op(handle, request_id, side, peer, mode, verify, now + timeout,
+                 hold_until=now + self.hold_s)
         for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
             mine = route.sender_rank if side == "send" else route.receiver_rank
             if mine != self.rank:
                 continue
             missing = [g for g in route.layer_groups if g not in pairs]
             if missing:
-                raise HandoverError(
-                    f"no block lists for layer group(s) {missing}", code="invalid_blocks"
-                )
+                raise HandoverError(f"no block lists for layer group(s) {missing}",
+                                    code="invalid_blocks")
             src, dst = align_blocks(route, pairs)
             layout = staging_layout(route, src)
             if mode == "staged" and layout.nbytes > self.areas.nbytes:
                 raise HandoverError(
                     f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "
                     f"staging bytes; this worker's buffer holds {self.areas.nbytes} (use a "
-                    "larger --staging-mib or mode=fragments)",
-                    code="staging_too_small",
-                )
-            op.routes.append(
-                _RouteState(
-                    op,
-                    route,
-                    route_dict,
-                    route.sender_rank,
-                    route.receiver_rank,
-                    src,
-                    dst,
-                    layout,
-                    peer_rank=route.receiver_rank if side == "send" else route.sender_rank,
-                )
-            )
+                    "larger --staging-mib or mode=fragments)", code="staging_too_small")
+            op.routes.append(_RouteState(
+                op, route, route_dict, route.sender_rank, route.receiver_rank, src, dst, layout,
+                peer_rank=route.receiver_rank if side == "send" else route.sender_rank))
         self._validate_ids(op)
         if self.on_start is not None:
             self.on_start(handle)
@@ -555,21 +479,16 @@ class Handover:
                 pool_id = seg.src_pool if op.side == "send" else seg.dst_pool
                 pool = pools.get(pool_id)
                 if pool is None:
-                    raise HandoverError(
-                        f"pool {pool_id} is not on rank {self.rank}", code="invalid_blocks"
-                    )
+                    raise HandoverError(f"pool {pool_id} is not on rank {self.rank}",
+                                        code="invalid_blocks")
                 arr = ids[seg.layer_group]
                 if arr.size and (arr.min() < 0 or arr.max() >= pool.spec.num_slots):
                     raise HandoverError(
                         f"layer group {seg.layer_group}: block ids must be in [0, "
-                        f"{pool.spec.num_slots}) on rank {self.rank}",
-                        code="invalid_blocks",
-                    )
+                        f"{pool.spec.num_slots}) on rank {self.rank}", code="invalid_blocks")
                 if op.side == "receive" and np.unique(arr).size != arr.size:
-                    raise HandoverError(
-                        f"layer group {seg.layer_group}: duplicate destination block ids",
-                        code="invalid_blocks",
-                    )
+                    raise HandoverError(f"layer group {seg.layer_group}: duplicate destination "
+                                        "block ids", code="invalid_blocks")
 
     # --- progress thread ---------------------------------------------------------------------
 
@@ -643,9 +562,8 @@ class Handover:
             return
         index = self._send if op.side == "send" else self._recv
         if any(state.key in index for state in op.routes):
-            self._fail(
-                op, f"request {op.xid!r} is already in flight on rank {self.rank}", notify=False
-            )
+            self._fail(op, f"request {op.xid!r} is already in flight on rank {self.rank}",
+                       notify=False)
             return
         for state in op.routes:
             if not state.layout.nbytes and op.mode == "staged":
@@ -682,9 +600,8 @@ class Handover:
             if peer is None or not self._load_peer(peer):
                 return True
             if peer.epoch != self._peer_epoch(op):
-                self._fail(
-                    op, f"peer_restarted: {op.peer} re-registered since the plan this request uses"
-                )
+                self._fail(op, f"peer_restarted: {op.peer} re-registered since the plan this "
+                               "request uses")
                 return False
             state.agent = peer.agent
         if time.monotonic() < op.hold_until:
@@ -693,11 +610,8 @@ class Handover:
             return not self._grant(state)
         if op.side == "send" and state.grant is not None and not state.written:
             if state.grant[0] != state.agent:
-                self._fail(
-                    op,
-                    f"peer_restarted: the grant came from a worker of {op.peer} "
-                    f"rank {state.peer_rank} that is not the current one",
-                )
+                self._fail(op, f"peer_restarted: the grant came from a worker of {op.peer} "
+                               f"rank {state.peer_rank} that is not the current one")
                 return False
             return not self._write(state)
         return False
@@ -732,29 +646,17 @@ class Handover:
             state.area = area
             offset, nbytes = area, state.layout.nbytes
             state.chunk_blocks = self.chunk_blocks
-            state.chunks = dict(
-                enumerate(c for c in state.layout.chunks(self.chunk_blocks) if c.nbytes)
-            )
+            state.chunks = dict(enumerate(c for c in state.layout.chunks(self.chunk_blocks)
+                                          if c.nbytes))
         state.granted = True
         assert state.agent is not None
         try:
-            self.transport.send_notif(
-                state.agent,
-                _msg(
-                    "G",
-                    op.xid,
-                    ce,
-                    ge,
-                    state.sender_rank,
-                    state.receiver_rank,
-                    offset,
-                    nbytes,
-                    state.chunk_blocks,
-                    ttl_ms,
-                ),
-            )
+            self.transport.send_notif(state.agent, _msg("G", op.xid, ce, ge, state.sender_rank,
+                                                        state.receiver_rank, offset, nbytes,
+                                                        state.chunk_blocks, ttl_ms))
         except TransportError as error:
-            self._fail(op, f"cannot reach {op.peer} rank {state.peer_rank}: {error}", notify=False)
+            self._fail(op, f"cannot reach {op.peer} rank {state.peer_rank}: {error}",
+                       notify=False)
         return True
 
     def _on_chunk(self, state: _RouteState, i: int, n: int) -> None:
@@ -762,14 +664,8 @@ class Handover:
         if chunk is None:  # a duplicate or a chunk of another chunking: not ours
             return
         assert state.area is not None
-        scatter(
-            state.route,
-            self.transport.staging,
-            self.transport.pools,
-            state.dst,
-            offset=state.area,
-            chunk=chunk,
-        )
+        scatter(state.route, self.transport.staging, self.transport.pools, state.dst,
+                offset=state.area, chunk=chunk)
         if not state.chunks:
             self._route_received(state)
 
@@ -782,7 +678,7 @@ class Handover:
 
                 torch.cuda.current_stream(staging.device).synchronize()
             if op.verify:
-                area = staging[state.area : state.area + state.layout.nbytes]
+                area = staging[state.area:state.area + state.layout.nbytes]
                 state.checksum = zlib.crc32(area.detach().cpu().numpy().tobytes()) & 0xFFFFFFFF
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
@@ -796,9 +692,8 @@ class Handover:
         if op.verify:
             info = self.transport.peer_info_of(str(state.agent))
             src_specs = {pid: p.spec for pid, p in info.pools.items()}
-            fragments = expand_fragments(
-                state.route, src_specs, self.transport.pools, state.src, state.dst
-            )
+            fragments = expand_fragments(state.route, src_specs, self.transport.pools,
+                                         state.src, state.dst)
             state.checksum = fragments_crc32(self.transport.pools, fragments, side="dst")
         state.done = True
         if self._recv.get(state.key) is state:
@@ -807,23 +702,20 @@ class Handover:
 
     # --- sender ------------------------------------------------------------------------------
 
-    def _on_grant(
-        self, state: _RouteState, agent: str, fields: list[str], received_at: float | None = None
-    ) -> None:
+    def _on_grant(self, state: _RouteState, agent: str, fields: list[str],
+                  received_at: float | None = None) -> None:
         op = state.op
         offset, nbytes, chunk_blocks, ttl_ms = (int(x) for x in fields[6:10])
         received = time.monotonic() if received_at is None else received_at
         if nbytes != state.layout.nbytes:
-            self._fail(
-                op,
-                f"plan mismatch: receiver rank {state.receiver_rank} expects "
-                f"{nbytes} bytes of this route, this rank would send "
-                f"{state.layout.nbytes} (different block lists?)",
-            )
+            self._fail(op, f"plan mismatch: receiver rank {state.receiver_rank} expects "
+                           f"{nbytes} bytes of this route, this rank would send "
+                           f"{state.layout.nbytes} (different block lists?)")
             return
         state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
         # Before the directory names the receiver's worker, the route waits in _waiting.
-        if state.agent == agent and (time.monotonic() < op.hold_until or not self._write(state)):
+        if state.agent == agent and (time.monotonic() < op.hold_until or
+                                     not self._write(state)):
             self._waiting.append(state)
 
     def _write(self, state: _RouteState) -> bool:
@@ -834,11 +726,8 @@ class Handover:
         if state.written:
             return True
         if time.monotonic() > write_by:
-            self._fail(
-                op,
-                f"the grant of receiver rank {state.receiver_rank} expired before "
-                "this rank could write",
-            )
+            self._fail(op, f"the grant of receiver rank {state.receiver_rank} expired before "
+                           "this rank could write")
             return True
         ce, ge = op.handle.entry.epochs()
         tp = self.transport
@@ -859,9 +748,8 @@ class Handover:
                 tp.send_notif(agent, notif)
                 self._route_sent(state)
                 return True
-            state.pending.append(
-                tp.post_write(agent, local, remote, notif, f"{local.shape[0]} fragments")
-            )
+            state.pending.append(tp.post_write(agent, local, remote, notif,
+                                               f"{local.shape[0]} fragments"))
             return True
         area = self.areas.alloc(nbytes)
         if area is None:
@@ -878,24 +766,14 @@ class Handover:
 
                 torch.cuda.current_stream(tp.staging.device).synchronize()
             if op.verify:
-                piece = tp.staging[area + chunk.offset : area + chunk.offset + chunk.nbytes]
+                piece = tp.staging[area + chunk.offset:area + chunk.offset + chunk.nbytes]
                 crc = zlib.crc32(piece.detach().cpu().numpy().tobytes(), crc)
-            remote = tp.desc(
-                np.array([info.staging_address + offset + chunk.offset]),
-                np.array([chunk.nbytes]),
-                info.device_id,
-            )
-            state.pending.append(
-                tp.post_write(
-                    agent,
-                    tp.local_staging_desc(area + chunk.offset, chunk.nbytes),
-                    remote,
-                    _msg(
-                        "C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)
-                    ),
-                    f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}",
-                )
-            )
+            remote = tp.desc(np.array([info.staging_address + offset + chunk.offset]),
+                             np.array([chunk.nbytes]), info.device_id)
+            state.pending.append(tp.post_write(
+                agent, tp.local_staging_desc(area + chunk.offset, chunk.nbytes), remote,
+                _msg("C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)),
+                f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}"))
         if op.verify:
             state.checksum = crc & 0xFFFFFFFF
         return True
@@ -926,11 +804,8 @@ class Handover:
             key = (fields[1], int(fields[4]), int(fields[5]))
         except (UnicodeDecodeError, IndexError, ValueError):
             return  # not ours (or mangled): nothing waits for it
-        index = (
-            self._send
-            if kind == "G" or (kind == "X" and self.directory.role == "context")
-            else self._recv
-        )
+        index = self._send if kind == "G" or (kind == "X" and
+                                              self.directory.role == "context") else self._recv
         state = index.get(key)
         if state is None:
             if kind == "X" or (kind == "G" and self.directory.role == "context"):
@@ -939,9 +814,8 @@ class Handover:
             return
         self._on_message(agent, fields, state)
 
-    def _on_message(
-        self, agent: str, fields: list[str], state: _RouteState, received_at: float | None = None
-    ) -> None:
+    def _on_message(self, agent: str, fields: list[str], state: _RouteState,
+                    received_at: float | None = None) -> None:
         op = state.op
         if op.handle.done:
             return
@@ -953,20 +827,13 @@ class Handover:
                 self._fail(op, f"peer_restarted: a message from {who}'s previous worker")
             return  # a stranger's message: drop it
         if (fields[2], fields[3]) != op.handle.entry.epochs():
-            self._fail(
-                op,
-                f"peer_restarted: {op.peer} planned with other epochs "
-                f"({fields[2][:8]}/{fields[3][:8]})",
-                notify=True,
-            )
+            self._fail(op, f"peer_restarted: {op.peer} planned with other epochs "
+                           f"({fields[2][:8]}/{fields[3][:8]})", notify=True)
             return
         try:
             if kind == "X":
-                self._fail(
-                    op,
-                    f"peer {op.peer} rank {state.peer_rank} aborted: {'|'.join(fields[6:])}",
-                    notify=False,
-                )
+                self._fail(op, f"peer {op.peer} rank {state.peer_rank} aborted: "
+                               f"{'|'.join(fields[6:])}", notify=False)
             elif kind == "G" and op.side == "send" and state.grant is None:
                 self._on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
@@ -999,15 +866,9 @@ class Handover:
         self._resolve(handle, RELEASED if op.side == "send" else ARRIVED, None)
 
     def _route_results(self, op: _Op) -> list[dict[str, Any]]:
-        return [
-            {
-                "sender_rank": s.sender_rank,
-                "receiver_rank": s.receiver_rank,
-                "bytes": s.layout.nbytes if s.done else 0,
-                "checksum": s.checksum,
-            }
-            for s in op.routes
-        ]
+        return [{"sender_rank": s.sender_rank, "receiver_rank": s.receiver_rank,
+                 "bytes": s.layout.nbytes if s.done else 0, "checksum": s.checksum}
+                for s in op.routes]
 
     def _fail(self, op: _Op, reason: str, notify: bool = True) -> None:
         if op.handle.done:
@@ -1034,18 +895,9 @@ class Handover:
             state.pending.clear()
             if notify and state.agent is not None and state.agent in self._loaded:
                 try:
-                    self.transport.send_notif(
-                        state.agent,
-                        _msg(
-                            "X",
-                            op.xid,
-                            ce,
-                            ge,
-                            state.sender_rank,
-                            state.receiver_rank,
-                            reason[:200].replace("|", "/"),
-                        ),
-                    )
+                    self.transport.send_notif(state.agent, _msg(
+                        "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
+                        reason[:200].replace("|", "/")))
                 except Exception as error:  # the peer may be gone: its deadline covers it
                     log.debug("abort notification to %s failed: %s", state.agent, error)
         op.handle.routes = self._route_results(op)
@@ -1078,9 +930,8 @@ class Handover:
             elif not s.granted:
                 parts.append("no staging space")
             else:
-                parts.append(
-                    f"{op.peer} rank {s.peer_rank} did not write ({len(s.chunks)} chunk(s) missing)"
-                )
+                parts.append(f"{op.peer} rank {s.peer_rank} did not write "
+                             f"({len(s.chunks)} chunk(s) missing)")
         return f"deadline: {op.handle.timeout_s:g} s passed; " + "; ".join(parts)
 
     def _expire_early(self, now: float) -> None:
@@ -1124,32 +975,16 @@ class Handover:
                 continue
             for state in op.routes:
                 if state.agent is not None and state.agent in retired and not state.done:
-                    self._fail(
-                        op,
-                        f"peer_restarted: the worker of {op.peer} rank "
-                        f"{state.peer_rank} was replaced",
-                    )
+                    self._fail(op, f"peer_restarted: the worker of {op.peer} rank "
+                                   f"{state.peer_rank} was replaced")
                     break
 
 
 def blocks_of(pairs: Mapping[int, tuple[Iterable[int], Iterable[int]]]) -> dict[str, Any]:
     """The REST form of a block map (``{"0": {"context": [...], "generation": [...]}}``)."""
-    return {
-        str(g): {"context": list(map(int, c)), "generation": list(map(int, r))}
-        for g, (c, r) in pairs.items()
-    }
+    return {str(g): {"context": list(map(int, c)), "generation": list(map(int, r))}
+            for g, (c, r) in pairs.items()}
 
 
-__all__ = [
-    "ARRIVED",
-    "FAILED",
-    "PENDING",
-    "RELEASED",
-    "Finished",
-    "Handle",
-    "Handover",
-    "HandoverError",
-    "StagingAreas",
-    "blocks_of",
-    "normalize_blocks",
-]
+__all__ = ["ARRIVED", "FAILED", "PENDING", "RELEASED", "Finished", "Handle", "Handover",
+           "HandoverError", "StagingAreas", "blocks_of", "normalize_blocks"]

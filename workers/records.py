@@ -33,15 +33,9 @@ _REFUSED = (400, 403, 404, 409, 422)  # retrying the same record cannot succeed
 class Recorder:
     """Batches records and posts them from a background thread."""
 
-    def __init__(
-        self,
-        client: Client,
-        worker_id: Callable[[], str | None],
-        *,
-        batch: int = BATCH,
-        interval_s: float = INTERVAL_S,
-        max_pending: int = MAX_PENDING,
-    ) -> None:
+    def __init__(self, client: Client, worker_id: Callable[[], str | None], *,
+                 batch: int = BATCH, interval_s: float = INTERVAL_S,
+                 max_pending: int = MAX_PENDING) -> None:
         self.client = client
         self.worker_id = worker_id
         self.batch = batch
@@ -93,10 +87,8 @@ class Recorder:
             self._cond.notify()
         self._thread.join(timeout=2.0)
         if self._pending:
-            log.warning(
-                "%d transfer record(s) not delivered: the control plane was unreachable",
-                len(self._pending),
-            )
+            log.warning("%d transfer record(s) not delivered: the control plane was unreachable",
+                        len(self._pending))
 
     def _loop(self) -> None:
         delay = 0.0  # current backoff after failed posts
@@ -110,9 +102,8 @@ class Recorder:
                         self._cond.wait(hold_until - now)
                         continue
                     due = last_post + self.interval_s - now
-                    if self._pending and (
-                        self._urgent or len(self._pending) >= self.batch or due <= 0
-                    ):
+                    if self._pending and (self._urgent or len(self._pending) >= self.batch
+                                          or due <= 0):
                         break
                     self._cond.wait(due if self._pending else None)
                 if self._stop:
@@ -130,12 +121,8 @@ class Recorder:
                 self.failures += 1
                 delay = min(MAX_BACKOFF_S, max(0.5, delay * 2))
                 hold_until = time.monotonic() + delay
-                log.warning(
-                    "recording %d transfer(s) failed (%s); retrying in %.1f s",
-                    len(batch),
-                    error,
-                    delay,
-                )
+                log.warning("recording %d transfer(s) failed (%s); retrying in %.1f s",
+                            len(batch), error, delay)
                 continue
             delay = 0.0
             with self._cond:
