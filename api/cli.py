@@ -142,10 +142,16 @@ def check(
                 if why:
                     typer.echo(f"  {'':<7} {'':<28} why: {why}")
         for plan in result["plans"]:
+            per_block = "block"
+            if plan["large_side"]:
+                small_side = "context" if plan["large_side"] == "generation" else "generation"
+                per_block = (
+                    f"{plan['large_side']} block ({plan['block_ratio']} {small_side} blocks)"
+                )
             typer.echo(
                 f"  plan dp=({plan['context_dp_rank']},{plan['generation_dp_rank']}): "
                 f"{plan['routes']} routes, {plan['runs']} runs, "
-                f"{plan['bytes_per_block']:,} bytes per block"
+                f"{plan['bytes_per_block']:,} bytes per {per_block}"
             )
             for receiver in plan["receivers"]:
                 if len(receiver["writers"]) > 1:
@@ -221,13 +227,18 @@ def worker(
     device: str = typer.Option("cpu", help="cpu or cuda:N: where the pools live."),
     staging_mib: int = typer.Option(256, min=1, help="Staging buffer size (MiB)."),
     fill_pattern: bool = typer.Option(
-        False, "--fill-pattern", help="Fill pools with the (rank, pool, byte) test pattern and "
+        False,
+        "--fill-pattern",
+        help="Fill pools with the (rank, pool, byte) test pattern and "
         "verify, after each verified transfer, the bytes it wrote and every byte no transfer "
-        "targeted (demos and tests)."),
+        "targeted (demos and tests).",
+    ),
     idle_exit_s: float | None = typer.Option(
-        None, min=0.1, help="Exit after this many seconds without a transfer."),
+        None, min=0.1, help="Exit after this many seconds without a transfer."
+    ),
     metrics_port: int | None = typer.Option(
-        None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."),
+        None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."
+    ),
 ) -> None:
     """Serve one rank: allocate its pools, attach over NIXL, run the transfers that REST
     pushes to it (engines embed `workers.agent.Worker` instead) until stopped."""
@@ -244,8 +255,14 @@ def worker(
         with Client(control_plane, token=token) as client:
             # Refuse a rank the instance does not have before allocating anything.
             check_rank(client.get_instance(instance), rank, option="--rank")
-            agent = Worker(client, instance, rank, device=device,
-                           staging_bytes=staging_mib << 20, fill=fill_pattern)
+            agent = Worker(
+                client,
+                instance,
+                rank,
+                device=device,
+                staging_bytes=staging_mib << 20,
+                fill=fill_pattern,
+            )
             worker_metrics.instrument(agent)
             if metrics_port is not None:
                 from prometheus_client import start_http_server
@@ -281,8 +298,9 @@ def demo(
     """The main job: control plane + 6 real workers, a verified NIXL transfer TP4 → TP2."""
     from api.demo_run import run_demo
 
-    raise typer.Exit(run_demo(blocks=blocks, host=host, port=port, database=database,
-                              keep_running=keep_running))
+    raise typer.Exit(
+        run_demo(blocks=blocks, host=host, port=port, database=database, keep_running=keep_running)
+    )
 
 
 def _install_operator_commands() -> None:
