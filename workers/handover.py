@@ -370,8 +370,8 @@ class Handover:
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
         ``fragments`` or ``auto`` (fragments when the routes' fragments average at least
         ``AUTO_FRAGMENT_BYTES`` or staging cannot hold them, else staged; both sides resolve it
-        alike from the same plan); ``verify``: crc32 of every route's bytes on both sides (recorded);
-        ``context``: the caller's extras, kept on ``handle.context``. Raises
+        alike from the same plan); ``verify``: crc32 of every route's bytes on both sides
+        (recorded); ``context``: the caller's extras, kept on ``handle.context``. Raises
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
         return self._start("send", request_id, peer, blocks, context_dp_rank,
