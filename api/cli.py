@@ -142,10 +142,16 @@ def check(
                 if why:
                     typer.echo(f"  {'':<7} {'':<28} why: {why}")
         for plan in result["plans"]:
+            per_block = "block"
+            if plan["large_side"]:
+                small_side = "context" if plan["large_side"] == "generation" else "generation"
+                per_block = (
+                    f"{plan['large_side']} block ({plan['block_ratio']} {small_side} blocks)"
+                )
             typer.echo(
                 f"  plan dp=({plan['context_dp_rank']},{plan['generation_dp_rank']}): "
                 f"{plan['routes']} routes, {plan['runs']} runs, "
-                f"{plan['bytes_per_block']:,} bytes per block"
+                f"{plan['bytes_per_block']:,} bytes per {per_block}"
             )
             for receiver in plan["receivers"]:
                 if len(receiver["writers"]) > 1:
@@ -221,11 +227,15 @@ def worker(
     device: str = typer.Option("cpu", help="cpu or cuda:N: where the pools live."),
     staging_mib: int = typer.Option(256, min=1, help="Staging buffer size (MiB)."),
     fill_pattern: bool = typer.Option(
-        False, "--fill-pattern", help="Fill pools with the (rank, pool, byte) test pattern and "
+        False,
+        "--fill-pattern",
+        help="Fill pools with the (rank, pool, byte) test pattern and "
         "verify, after each verified transfer, the bytes it wrote and every byte no transfer "
-        "targeted (demos and tests)."),
+        "targeted (demos and tests).",
+    ),
     idle_exit_s: float | None = typer.Option(
-        None, min=0.1, help="Exit after this many seconds without a transfer."),
+        None, min=0.1, help="Exit after this many seconds without a transfer."
+    ),
     metrics_port: int | None = typer.Option(
         None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."),
     ucx_tls: str | None = typer.Option(
@@ -291,8 +301,9 @@ def demo(
     """The main job: control plane + 6 real workers, a verified NIXL transfer TP4 → TP2."""
     from api.demo_run import run_demo
 
-    raise typer.Exit(run_demo(blocks=blocks, host=host, port=port, database=database,
-                              keep_running=keep_running))
+    raise typer.Exit(
+        run_demo(blocks=blocks, host=host, port=port, database=database, keep_running=keep_running)
+    )
 
 
 def _install_operator_commands() -> None:

@@ -38,8 +38,18 @@ EXPLANATIONS: dict[str, str] = {
     "TP and CP rank of a stage must register the same layers.",
     "layer_count_mismatch": "the sides hold different target layers; only the layers both hold "
     "move (e.g. an MTP layer present on one side only).",
-    "tokens_per_block_mismatch": "the sides page tokens differently; kvplane pairs blocks one to "
-    "one and needs equal tokens_per_block.",
+    "tokens_per_block_mismatch": "the sides page tokens differently and kvplane cannot map one "
+    "block size onto the other here. It can when the larger tokens_per_block is a whole "
+    "multiple of the smaller, every view on both sides is HND and neither side uses context "
+    "parallelism (CP ranks own whole blocks round-robin, so block boundaries must coincide); "
+    "the message names which of these fails.",
+    "tokens_per_block_ratio": "the sides page tokens differently: one block of the larger side "
+    "holds the tokens of `ratio` consecutive blocks of the other side. kvplane copies each "
+    "large block as `ratio` pieces, per head one run per small block (a template `ratio` times "
+    "larger, still independent of the block count). Block lists align by tokens from their "
+    "end: only whole large blocks move, so the lists must end at the same token, i.e. cover "
+    "the request up to a multiple of the larger block size; a partial last block of different "
+    "size on the two sides would be paired wrongly. Equal tokens_per_block avoids all this.",
     "head_geometry_mismatch": "the bytes of one head of one token differ (or the replicated "
     "region size): the two sides do not hold the same data per head.",
     "state_group_mismatch": "one side keeps per-request recurrent state (Mamba/SSM conv and SSM "
@@ -117,6 +127,8 @@ def check_bodies(
                     "routes": len(plan.routes),
                     "runs": plan.runs,
                     "bytes_per_block": plan.bytes_per_block,
+                    "block_ratio": plan.block_ratio[0],
+                    "large_side": plan.block_ratio[1],
                     "receivers": [
                         {
                             "rank": r.rank,

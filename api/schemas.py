@@ -304,6 +304,12 @@ class Segment(_Response):
         description="Per-request state (tokens_per_slot null): the runs apply once, to the "
         "request's state slot on each side, not to aligned blocks",
     )
+    sub_block: int = Field(
+        default=0,
+        description="With different tokens_per_block (the route's `block_ratio` r > 1): the "
+        "runs apply to each large block and small block `sub_block` (0 … r−1) of the r small "
+        "blocks it pairs with; 0 otherwise (always 0 for `state` segments)",
+    )
     runs: list[Run]
 
 
@@ -349,6 +355,15 @@ class Route(_Response):
     cp_side: Role | None = Field(
         description="Which side's block list is split over CP ranks; null without CP"
     )
+    block_ratio: int = Field(
+        default=1,
+        description="Larger tokens_per_block / smaller (1 when equal): one block of "
+        "`large_side` pairs with `block_ratio` consecutive blocks of the other side, aligned by "
+        "tokens from the end of both lists; `bytes_per_block` counts one large block",
+    )
+    large_side: Role | None = Field(
+        default=None, description="The side with the larger blocks; null when they are equal"
+    )
     segments: list[Segment]
     slices: list[RouteSlice]
 
@@ -393,8 +408,13 @@ class PlanRead(_Response):
     generation: str
     context_dp_rank: int | None
     generation_dp_rank: int | None
-    tokens_per_block: int
-    bytes_per_block: int = Field(description="Bytes moved per aligned block, all routes")
+    tokens_per_block: int = Field(description="The context side's tokens per block")
+    generation_tokens_per_block: int = Field(
+        description="The generation side's tokens per block (differs for a block-size ratio)"
+    )
+    bytes_per_block: int = Field(
+        description="Bytes moved per aligned block (the larger block for a ratio), all routes"
+    )
     runs: int = Field(description="Runs in all templates")
     routes: list[Route]
     receivers: list[Receiver]

@@ -4,8 +4,11 @@ Model: 80 target layers with 8 KV heads (head_dim 128, bf16, 32 tokens per block
 layer with 2 KV heads in the same pool. Scenarios: TP 8→2, TP 2→8, PP 4→1 and attention-DP 8→TP 2.
 For each: time to validate the pairing, time to compile the rank map and templates, template runs,
 and for 1,000 and 10,000 blocks the time of ``expand`` (align and check block lists, per-route
-counts) and of materializing every fragment as arrays, HND and NHD, and HND → NHD conversion
-(one strided run per layer, buffer and head).
+counts) and of materializing every fragment as arrays, HND and NHD, HND → NHD conversion
+(one strided run per layer, buffer and head), and HND with a 4:1 block-size ratio either way
+(``4:1``: context 128 tokens per block, generation 32; ``1:4`` the reverse). For a ratio,
+``blocks`` counts large blocks (the small side lists 4× as many) and the template holds one
+strided run per (layer, buffer, sub-block).
 
 Run: ``.venv/bin/python bench/plan.py [--repeat N]``. Timings are medians of N runs.
 """
@@ -52,8 +55,15 @@ def main() -> None:
     )
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    for layout in ("HND", "NHD", "HND>NHD"):
-        ctx_layout, _, gen_layout = layout.partition(">")
+    for layout, (ctx_tpb, gen_tpb) in (
+        ("HND", (32, 32)),
+        ("NHD", (32, 32)),
+        ("HND>NHD", (32, 32)),
+        ("HND 4:1", (128, 32)),
+        ("HND 1:4", (32, 128)),
+    ):
+        ctx_layout, _, gen_layout = layout.split()[0].partition(">")
+        ratio = max(ctx_tpb, gen_tpb) // min(ctx_tpb, gen_tpb)
 
         def views(kind: str) -> list[ViewSpec]:
             return [
@@ -64,19 +74,26 @@ def main() -> None:
         for name, (ctx_par, gen_par, ctx_dp) in SCENARIOS.items():
             ctx_views, gen_views = views(ctx_layout), views(gen_layout or ctx_layout)
             ctx = parse_instance(
-                instance_body(role="context", views=ctx_views, num_slots=20_000, **ctx_par), "ctx"
-            )
+                instance_body(role="context", views=ctx_views, num_slots=20_000 * ratio,
+                              tokens_per_block=ctx_tpb, **ctx_par),
+                "ctx",
+            )  # fmt: skip
             gen = parse_instance(
-                instance_body(role="generation", views=gen_views, num_slots=20_000, **gen_par),
+                instance_body(role="generation", views=gen_views, num_slots=20_000 * ratio,
+                              tokens_per_block=gen_tpb, **gen_par),
                 "gen",
-            )
+            )  # fmt: skip
             validate_ms = median_ms(lambda c=ctx, g=gen: validate_pairing(c, g), args.repeat)
             compile_ms = median_ms(
                 lambda c=ctx, g=gen, d=ctx_dp: compile_plan(c, g, d, None), args.repeat
             )
             plan = compile_plan(ctx, gen, ctx_dp, None)
             for blocks in (1_000, 10_000):
-                ids = (list(range(blocks)), list(range(blocks)))
+                # large blocks; the small side (if any) lists ``ratio`` times as many
+                ids = (
+                    list(range(blocks * (ratio if ctx_tpb < gen_tpb else 1))),
+                    list(range(blocks * (ratio if gen_tpb < ctx_tpb else 1))),
+                )
                 expand_ms = median_ms(lambda p=plan, i=ids: expand(p, {0: i}), args.repeat)
                 expansion = expand(plan, {0: ids})
 

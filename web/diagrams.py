@@ -6,7 +6,9 @@
 - **Head slices**: for one receiver rank, one bar per (receiver view, layer range) spanning the
   view's model-wide heads ``[0, H)``; the receiver's own range is outlined and every slice of
   the plan fills ``[lo, hi)`` in its sender rank's colour. A view no route fills is drawn empty
-  and labelled "not transferred".
+  and labelled "not transferred". With different ``tokens_per_block`` (ratio ``r``) a strip above
+  the bars draws one large block as the ``r`` small blocks it pairs with, and every row says that
+  each head moves as ``r`` runs per large block, one per small block.
 
 Pure: plan dictionaries (``Plan.to_dict()``) and planning-core instances in, plain data out.
 """
@@ -159,6 +161,37 @@ class SliceRow:
     y: int
     bars: list[Bar] = field(default_factory=list)
     note: str = ""
+    runs_note: str = ""  # block-size ratio: how each head moves, drawn under the bar
+
+
+@dataclass
+class BlockCell:
+    x: int
+    width: int
+    label: str
+
+
+@dataclass
+class BlockRatio:
+    """One large block over the ``ratio`` small blocks it pairs with (aligned from the end)."""
+
+    ratio: int
+    large_side: str
+    small_side: str
+    large_tokens: int
+    small_tokens: int
+    y: int
+    large: BlockCell
+    small: list[BlockCell]
+
+    @property
+    def caption(self) -> str:
+        return (
+            f"one {self.large_side} block ({self.large_tokens} tokens) = {self.ratio} "
+            f"{self.small_side} blocks ({self.small_tokens} tokens each): large block k pairs with "
+            f"small blocks {self.ratio}·k … {self.ratio}·k + {self.ratio - 1}, counted from the "
+            "end of both block lists"
+        )
 
 
 @dataclass
@@ -171,6 +204,43 @@ class HeadSlices:
     bar_w: int = BAR_W
     bar_h: int = BAR_H
     ticks: list[tuple[int, str]] = field(default_factory=list)
+    blocks: BlockRatio | None = None
+
+
+BLOCK_STRIP_H = 2 * BAR_H + 30
+
+
+def block_ratio(plan: Mapping[str, Any], y: int) -> BlockRatio | None:
+    """The block strip of a plan whose sides have different ``tokens_per_block`` (else None)."""
+    context = int(plan["tokens_per_block"])
+    generation = int(plan.get("generation_tokens_per_block") or context)
+    if context == generation:
+        return None
+    large, small = max(context, generation), min(context, generation)
+    ratio = large // small
+    large_side = "context" if context > generation else "generation"
+    small_side = "generation" if large_side == "context" else "context"
+    width = BAR_W // ratio
+    # labels shrink with the cell width: "context 4k+1" up to r = 4, then "+1"
+    prefix = f"{small_side} " if ratio <= 4 else ""
+    cells = [
+        BlockCell(
+            BAR_LEFT + i * width,
+            width,
+            f"{prefix}{ratio}k" if i == 0 else (f"{prefix}{ratio}k+{i}" if prefix else f"+{i}"),
+        )
+        for i in range(ratio)
+    ]
+    return BlockRatio(
+        ratio,
+        large_side,
+        small_side,
+        large,
+        small,
+        y,
+        BlockCell(BAR_LEFT, width * ratio, f"{large_side} block k ({large} tokens)"),
+        cells,
+    )
 
 
 def _scale(heads: int, total: int) -> int:
@@ -191,6 +261,9 @@ def head_slices(plan: Mapping[str, Any], generation: Instance, receiver: int) ->
             )
     rows: list[SliceRow] = []
     y = 8
+    blocks = block_ratio(plan, y)
+    if blocks is not None:
+        y += BLOCK_STRIP_H
     for view in table.views:
         label = f"{view.owner}[{','.join(view.roles_key)}] {view.layout} @pool{view.pool}"
         try:
@@ -234,6 +307,11 @@ def head_slices(plan: Mapping[str, Any], generation: Instance, receiver: int) ->
             )
             if converted:
                 row.note = f"layout converted {', '.join(converted)}: one run per head and token"
+            if blocks is not None:
+                row.runs_note = (
+                    f"per head {blocks.ratio} runs of {blocks.small_tokens} tokens per "
+                    f"{blocks.large_side} block, one per {blocks.small_side} block"
+                )
             for sender, item in sorted(
                 items, key=lambda pair: (pair[1].get("global_heads") or [0])[0]
             ):
@@ -252,4 +330,4 @@ def head_slices(plan: Mapping[str, Any], generation: Instance, receiver: int) ->
                 )
             rows.append(row)
             y += ROW_H
-    return HeadSlices(receiver, rows, BAR_LEFT + BAR_W + 16, y + 8)
+    return HeadSlices(receiver, rows, BAR_LEFT + BAR_W + 16, y + 8, blocks=blocks)

@@ -13,6 +13,13 @@ into the block lists), then the group's segments in route order, then runs in or
 then bytes. A layer group's area is ``n_blocks × bytes_per_block(group)`` bytes, so any block range
 ``[j0, j1)`` of a group is one contiguous byte range: chunks of blocks pipeline naturally.
 
+**Block-size ratio** (``route.block_ratio = r > 1``): a pair ``j`` is one *large* block and the
+``r`` small blocks it pairs with (see :func:`align_blocks`). The small side's ids come as an
+``[n, r]`` array; a segment with ``sub_block = i`` applies to ``(large[j], small[j, i])``. Any
+side given as ``[n]`` applies to every segment, so equal block sizes work as before. Per-request
+state groups (segments with ``state``) have no tokens: they pair one slot per side with or without
+a ratio (their segments keep ``sub_block = 0``).
+
 **How bytes move.** Consecutive runs with the same ``len``/``count``/steps and constant offset
 deltas form a *family* (an HND or NHD head slice over all layers is one family). Block pairs are cut
 into maximal arithmetic progressions (a contiguous allocation is one). Each (progression × family)
@@ -72,6 +79,7 @@ class Segment:
     runs: tuple[Run, ...]
     layer_group: int = 0
     state: bool = False  # per-request state: applied once, to each side's state slot
+    sub_block: int = 0  # with a block-size ratio: which small block of the large one
 
     @property
     def bytes_per_block(self) -> int:
@@ -88,6 +96,9 @@ class Route:
     cp_modulus: int = 1
     cp_remainder: int = 0
     cp_side: str | None = None
+    # Different tokens_per_block: larger / smaller, and the side with the larger blocks.
+    block_ratio: int = 1
+    large_side: str | None = None
 
     @property
     def layer_groups(self) -> tuple[int, ...]:
@@ -124,7 +135,8 @@ class Route:
                     int(s["dst_pool"]),
                     runs,
                     int(s.get("layer_group", 0)),
-                    bool(s.get("state", False)),
+                    state=bool(s.get("state", False)),
+                    sub_block=int(s.get("sub_block", 0)),
                 )
             )
         return cls(
@@ -134,6 +146,8 @@ class Route:
             int(d.get("cp_modulus", 1)),
             int(d.get("cp_remainder", 0)),
             d.get("cp_side"),
+            int(d.get("block_ratio", 1)),
+            d.get("large_side"),
         )
 
 
@@ -259,9 +273,14 @@ def _normalize_blocks(route: Route, blocks: Blocks, what: str) -> dict[int, np.n
         v = got[g]
         if hasattr(v, "detach"):  # a torch tensor
             v = v.detach().cpu().numpy()
-        arr = np.asarray(v, dtype=np.int64).reshape(-1)
-        out[g] = arr
+        arr = np.asarray(v, dtype=np.int64)
+        out[g] = arr if arr.ndim == 2 else arr.reshape(-1)  # [n, r]: a ratio's small side
     return out
+
+
+def _column(ids: np.ndarray, seg: Segment) -> np.ndarray:
+    """The ids a segment applies to: column ``sub_block`` of a small side's ``[n, r]`` array."""
+    return np.ascontiguousarray(ids[:, seg.sub_block]) if ids.ndim == 2 else ids
 
 
 def _logical_ids(side: Any, total: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -305,7 +324,11 @@ def align_blocks(
         if g not in blocks:
             raise BlockRangeError(f"no block lists for layer group {g}")
         if g in route.state_groups:
+            # per-request state: one slot pair, whatever the paged groups' block sizes
             src[g], dst[g] = _state_pair(route, g, blocks[g])
+            continue
+        if route.large_side is not None:
+            src[g], dst[g] = _align_ratio(route, blocks[g])
             continue
         total = max(_count(blocks[g][0]), _count(blocks[g][1]))
         a, la = _logical_ids(blocks[g][0], total, cp if route.cp_side == "context" else 1)
@@ -346,13 +369,32 @@ def _state_pair(route: Route, g: int, pair: tuple[Any, Any]) -> tuple[np.ndarray
     return a, b
 
 
+def _align_ratio(route: Route, lists: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Different block sizes: both lists end at the same token; the last ``n = min(len_L,
+    ⌊len_S / r⌋)`` large blocks pair with the last ``n × r`` small ones, as ``[n]`` and ``[n, r]``
+    (same rule as :func:`api.geometry.expand.align_ratio`)."""
+    r = route.block_ratio
+    ids = {
+        side: np.asarray(raw, dtype=np.int64).reshape(-1)
+        for side, raw in zip(("context", "generation"), lists, strict=True)
+    }
+    small_side = "generation" if route.large_side == "context" else "context"
+    large, small = ids[route.large_side or "context"], ids[small_side]
+    n = min(large.size, small.size // r)
+    out = {
+        route.large_side: large[large.size - n :],
+        small_side: small[small.size - n * r :].reshape(n, r),
+    }
+    return out["context"], out["generation"]
+
+
 def staging_layout(route: Route | Mapping[str, Any], blocks: Blocks) -> StagingLayout:
     """Layout of the staged bytes of ``route`` for these (aligned) block lists."""
     route = as_route(route)
     ids = _normalize_blocks(route, blocks, "blocks")
     groups, off = [], 0
     for g in route.layer_groups:
-        bpb, n = route.bytes_per_block(g), len(ids[g])
+        bpb, n = route.bytes_per_block(g), ids[g].shape[0]
         groups.append((g, off, bpb, n))
         off += bpb * n
     return StagingLayout(tuple(groups), off)
@@ -607,7 +649,7 @@ def gather(
                 continue
             pool = _pool(src_pools, seg.src_pool, "source")
             fams = _check_template(seg, pool, None)
-            sub = ids[seg.layer_group][ch.start : ch.stop]
+            sub = _column(ids[seg.layer_group][ch.start : ch.stop], seg)
             _check_ids(sub, pool, seg.layer_group, "source", unique=False)
             stage = _stage_side(out, offset + g_off + seg_off, bpb, ch.start, ch.stop)
             _run(_pool_side(pool, sub), stage, fams, method)
@@ -643,7 +685,7 @@ def scatter(
                 continue
             pool = _pool(dst_pools, seg.dst_pool, "destination")
             fams = _check_template(seg, None, pool)
-            sub = ids[seg.layer_group][ch.start : ch.stop]
+            sub = _column(ids[seg.layer_group][ch.start : ch.stop], seg)
             stage = _stage_side(staging, offset + g_off + seg_off, bpb, ch.start, ch.stop)
             _run(stage, _pool_side(pool, sub), fams, method)
             seg_off += seg.bytes_per_block
@@ -665,19 +707,21 @@ def copy_local(
     work = []
     for seg in route.segments:
         g = seg.layer_group
-        if bs[g].size != bd[g].size:
+        if bs[g].shape[0] != bd[g].shape[0]:
             raise BlockRangeError(
-                f"layer group {g}: {bs[g].size} source blocks vs {bd[g].size} destination blocks"
+                f"layer group {g}: {bs[g].shape[0]} source blocks vs {bd[g].shape[0]} "
+                "destination blocks"
             )
         sp = _pool(src_pools, seg.src_pool, "source")
         dp = _pool(dst_pools, seg.dst_pool, "destination")
         fams = _check_template(seg, sp, dp)
         _check_ids(bs[g], sp, g, "source", unique=False)
         _check_ids(bd[g], dp, g, "destination", unique=True)
-        work.append((_pool_side(sp, bs[g]), _pool_side(dp, bd[g]), fams))
+        work.append((_pool_side(sp, _column(bs[g], seg)), _pool_side(dp, _column(bd[g], seg)),
+                     fams))  # fmt: skip
     for src, dst, fams in work:
         _run(src, dst, fams, method)
-    return sum(seg.bytes_per_block * bs[seg.layer_group].size for seg in route.segments)
+    return sum(seg.bytes_per_block * bs[seg.layer_group].shape[0] for seg in route.segments)
 
 
 def expand_fragments(
@@ -708,9 +752,10 @@ def expand_fragments(
         fsrc = np.array([r.src for r in runs])[rep] + c * np.array([r.src_step for r in runs])[rep]
         fdst = np.array([r.dst for r in runs])[rep] + c * np.array([r.dst_step for r in runs])[rep]
         flen = np.array([r.len for r in runs], dtype=np.int64)[rep]
-        so = (bs[g][:, None] * sspec.slot_stride_bytes + fsrc[None, :]).reshape(-1)
-        do = (bd[g][:, None] * dspec.slot_stride_bytes + fdst[None, :]).reshape(-1)
-        ln = np.broadcast_to(flen, (bs[g].size, flen.size)).reshape(-1)
+        src_ids, dst_ids = _column(bs[g], seg), _column(bd[g], seg)
+        so = (src_ids[:, None] * sspec.slot_stride_bytes + fsrc[None, :]).reshape(-1)
+        do = (dst_ids[:, None] * dspec.slot_stride_bytes + fdst[None, :]).reshape(-1)
+        ln = np.broadcast_to(flen, (src_ids.size, flen.size)).reshape(-1)
         acc.setdefault((seg.src_pool, seg.dst_pool), []).append((so, do, ln))
     return {
         k: (

@@ -104,9 +104,11 @@ class HeadSlice:
         return Route(0, 0, (Segment(src_pool, dst_pool, tuple(runs), layer_group),))
 
 
-def _ids(blocks: Mapping[int, object] | object, g: int) -> list[int]:
-    v = blocks[g] if isinstance(blocks, Mapping) else blocks
-    return [int(x) for x in np.asarray(v).reshape(-1)]
+def _ids(blocks: Mapping[int, object] | object, g: int, sub_block: int = 0) -> list[int]:
+    v = np.asarray(blocks[g] if isinstance(blocks, Mapping) else blocks)
+    if v.ndim == 2:  # a block-size ratio's small side: one column per sub-block
+        v = v[:, sub_block]
+    return [int(x) for x in v.reshape(-1)]
 
 
 def reference_copy(
@@ -121,7 +123,9 @@ def reference_copy(
     for seg in route.segments:
         sp, dp = src_pools[seg.src_pool], dst_pools[seg.dst_pool]
         for bs, bd in zip(
-            _ids(src_blocks, seg.layer_group), _ids(dst_blocks, seg.layer_group), strict=True
+            _ids(src_blocks, seg.layer_group, seg.sub_block),
+            _ids(dst_blocks, seg.layer_group, seg.sub_block),
+            strict=True,
         ):
             for r in seg.runs:
                 for c in range(r.count):
@@ -139,10 +143,11 @@ def reference_staging(
     route = as_route(route)
     parts = []
     for g in route.layer_groups:
-        for bs in _ids(src_blocks, g):
+        for j in range(len(_ids(src_blocks, g))):
             for seg in route.segments:
                 if seg.layer_group != g:
                     continue
+                bs = _ids(src_blocks, g, seg.sub_block)[j]
                 sp = src_pools[seg.src_pool]
                 for r in seg.runs:
                     for c in range(r.count):

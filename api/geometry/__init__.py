@@ -5,8 +5,8 @@ Pipeline: :func:`parse_instance` / :func:`parse_rank` check registered page tabl
 elects senders and emits strided transfer templates; :func:`expand` applies a plan to one request's
 block lists. Module docstrings state the formulas: :mod:`.heads` (shards, replicas, head ranges),
 :mod:`.match` (view matching), :mod:`.validate` (error codes), :mod:`.plan` (election, templates),
-:mod:`.expand` (block alignment), :mod:`.state` (per-request recurrent state: the state axis,
-SSM heads, SECTIONED conv state).
+:mod:`.expand` (block alignment by tokens, also for different ``tokens_per_block``), :mod:`.state`
+(per-request recurrent state: the state axis, SSM heads, SECTIONED conv state).
 """
 
 from api.geometry.errors import GeometryError, Problem

@@ -5,6 +5,22 @@ Block alignment: the two lists of a layer group are suffixes of the request's lo
 last ``n = min(len_C, len_R)`` blocks of each are paired. Element ``k`` of a list of length ``L``
 is logical block ``j = N − L + k``.
 
+Different block sizes (``tokens_per_block`` ``tpb_C ≠ tpb_R``, the larger ``L`` a multiple
+``r`` of the smaller ``S``; HND only, no CP): blocks align by **tokens from the end**. The
+transfer covers the last ::
+
+    T = ⌊min(len_C × tpb_C, len_R × tpb_R) / L⌋ × L      tokens,
+
+i.e. the last ``n = T / L`` blocks of the large side and the last ``n × r`` of the small side
+(equal sizes: ``T / tpb = min(len_C, len_R)``, the rule above). Large block ``k`` of the aligned
+suffix pairs with small blocks ``r·k … r·k + r − 1``; the small side's blocks come as ``[n, r]``
+and a segment with ``sub_block = i`` applies to the pairs ``(large[k], small[k, i])``. Assumed:
+both lists are whole blocks of suffixes of the *same* token range and end at the same token — a
+partial last block is only right when the request's token count is a multiple of ``L`` (with
+``70`` tokens, ``tpb`` 16 vs 64, the large side's last block starts at token 64 but the small
+side's last four start at 16; aligning by the first token, as TensorRT-LLM's ``dst_start_token``
+does, would need each list's first token, which the block lists do not carry).
+
 Context parallelism (one side only): logical block ``j`` lives on CP rank ``j mod cp``, always by
 the logical index, also when either side reused a prefix. The CP side's blocks come either as one
 flat list (element ``k`` names a slot of CP rank ``j mod cp``) or, for helix generation, as one
@@ -13,8 +29,9 @@ sits at position ``j // cp``; each such list is a suffix of the ``⌈(N − c) /
 rank. The blocks moved are those present on both sides. Within one rank's blocks a slot id may
 appear once (``invalid_blocks`` otherwise); every layer group the plan moves must be named.
 
-For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` the
-fragments are, for ``c in [0, count)``::
+For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` (with a
+ratio: the large block and small block ``sub_block`` of it) the fragments are, for
+``c in [0, count)``::
 
     src = bs × stride_s + run.src + c × run.src_step      (offsets relative to the pool base)
     dst = bd × stride_d + run.dst + c × run.dst_step
@@ -29,7 +46,9 @@ so a window costs memory by its own length, never by the transfer's.
 Per-request state groups (segments with ``state``, :mod:`api.geometry.state`) are not aligned:
 each side names its state slot, ``[slot]`` (the same slot on every CP rank of that side) or one
 ``[slot]`` per CP rank; the segment applies once, to the pair of slots of the route's CP ranks.
-``[]`` on either side moves nothing; more than one slot is ``invalid_blocks``.
+``[]`` on either side moves nothing; more than one slot is ``invalid_blocks``. A block-size ratio
+never applies to state groups (no tokens): with a ratio the paged groups align by tokens and the
+state groups still pair one slot per side.
 """
 
 from __future__ import annotations
@@ -318,6 +337,35 @@ def align(
     return src[src_at], dst[dst_at], logical
 
 
+def align_ratio(
+    context_ids: Sequence[Any],
+    generation_ids: Sequence[Any],
+    group: int,
+    ratio: int,
+    large_side: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Different block sizes: ``(context slots, generation slots, large block index)``.
+
+    The small side comes as ``[n, r]``: row ``k`` holds the ``r`` small blocks that large block
+    ``k`` pairs with. Both lists end at the request's last token; the last ``n = min(len_L,
+    ⌊len_S / r⌋)`` large blocks and the last ``n × r`` small blocks move (``T = n × L`` tokens).
+    """
+    loc: tuple[str | int, ...] = ("blocks", str(group))
+    sides = {}
+    for side, raw in (("context", context_ids), ("generation", generation_ids)):
+        (ids,), _nested = _parse_side(raw, (*loc, side), 1)
+        _no_duplicates(ids, (*loc, side))
+        sides[side] = ids
+    small_side = "generation" if large_side == "context" else "context"
+    large, small = sides[large_side], sides[small_side]
+    n = min(large.size, small.size // ratio)
+    aligned = {
+        large_side: large[large.size - n :],
+        small_side: small[small.size - n * ratio :].reshape(n, ratio),
+    }
+    return aligned["context"], aligned["generation"], np.arange(n, dtype=np.int64)
+
+
 def _cp_sizes(plan: Plan) -> tuple[int, int]:
     for route in plan.routes:
         if route.cp_modulus > 1:
@@ -357,8 +405,13 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
         )
     context_cp, generation_cp = _cp_sizes(plan)
     state_groups = plan.state_groups
+    ratio, large_side = plan.block_ratio
     aligned = {
-        group: align(context_ids, generation_ids, group, context_cp, generation_cp)
+        group: (
+            align_ratio(context_ids, generation_ids, group, ratio, large_side)
+            if large_side is not None
+            else align(context_ids, generation_ids, group, context_cp, generation_cp)
+        )
         for group, (context_ids, generation_ids) in blocks.items()
         if group not in state_groups
     }
@@ -385,6 +438,11 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
                 )
             else:
                 src_blocks, dst_blocks, logical = aligned[segment.layer_group]
+                # the small side's [n, r] blocks: this segment fills small block ``sub_block``
+                src_blocks, dst_blocks = (
+                    ids[:, segment.sub_block] if ids.ndim == 2 else ids
+                    for ids in (src_blocks, dst_blocks)
+                )
             if route.cp_modulus > 1 and not segment.state:
                 # Logical block j lives on cp_rank j % cp of the CP side.
                 keep = logical % route.cp_modulus == route.cp_remainder

@@ -38,6 +38,17 @@ section-0 bytes cut into one run per (layer, buffer, section). Their segments ca
 ``state = true``: expansion applies them once, to the request's state slot on each side (no block
 alignment, no CP block filter; under CP each CP rank's own slot).
 
+**Block-size ratio** (HND on both sides, larger ``tokens_per_block`` ``= r ×`` the smaller ``t``;
+block alignment in :mod:`api.geometry.expand`). With ``b = t × u`` the bytes of one head of one
+small block, a small block holds head ``h`` at ``h × b`` and a large block at ``h × r·b``; small
+block ``i`` of a large block is, per head, the run ``[h × r·b + i × b, + b)``. A route gets one
+segment per (pool pair, ``sub_block = i``): per (layer, buffer) one run of ``len = b``, ``count =
+heads``, stepping ``r·b`` on the large side and ``b`` on the small side, the large side shifted
+by ``i × b``. The template grows by ``r``, never with blocks or tokens; ``bytes_per_block`` then
+counts one *large* block. Per-request state groups have no token axis: a ratio never applies to
+them (their segments keep ``sub_block = 0`` and move one slot pair, whatever the paged groups'
+block sizes), so a hybrid instance pairs with a different ``tokens_per_block`` like a paged one.
+
 **Staging.** A receiver with several writers gets each writer's exact staging offset (prefix sum of
 the writers' bytes in sender-rank order). ``equal_split_safe`` says whether the legacy equal-split
 staging would have been right: only when every overlapping sender rank writes, all write the same
@@ -171,6 +182,7 @@ class Segment:
     layer_group: int
     runs: np.ndarray  # int64 [n, 6]: src, dst, len, count, src_step, dst_step
     state: bool = False  # per-request state: applied once, to the request's slot pair
+    sub_block: int = 0  # with a block-size ratio: which small block of the large one
 
     @cached_property
     def bytes_per_block(self) -> int:
@@ -186,6 +198,7 @@ class Segment:
             "dst_pool": self.dst_pool,
             "layer_group": self.layer_group,
             "state": self.state,
+            "sub_block": self.sub_block,
             "runs": [dict(zip(RUN_FIELDS, map(int, row), strict=True)) for row in self.runs],
         }
 
@@ -206,6 +219,8 @@ class Route:
     cp_modulus: int = 1
     cp_remainder: int = 0
     cp_side: str | None = None  # which side's block list is split over CP ranks
+    block_ratio: int = 1  # larger tokens_per_block / smaller
+    large_side: str | None = None  # the side with the larger blocks (None when equal)
 
     @cached_property
     def bytes_per_block(self) -> int:
@@ -223,6 +238,8 @@ class Route:
             "cp_modulus": self.cp_modulus,
             "cp_remainder": self.cp_remainder,
             "cp_side": self.cp_side,
+            "block_ratio": self.block_ratio,
+            "large_side": self.large_side,
             "segments": [segment.to_dict() for segment in self.segments],
             "slices": list(self.slices),
         }
@@ -278,6 +295,16 @@ class Plan:
     warnings: tuple[dict[str, Any], ...]
     # (side, rank, pool id) -> PoolRef, side in {"context", "generation"}
     pools: Mapping[tuple[str, int, int], PoolRef]
+    generation_tokens_per_block: int | None = None  # None: equal to ``tokens_per_block``
+
+    @property
+    def block_ratio(self) -> tuple[int, str | None]:
+        """``(r, side with the larger blocks)``; ``(1, None)`` for equal block sizes."""
+        c = self.tokens_per_block
+        g = self.generation_tokens_per_block or c
+        if c == g:
+            return 1, None
+        return (c // g, "context") if c > g else (g // c, "generation")
 
     @cached_property
     def bytes_per_block(self) -> int:
@@ -299,6 +326,8 @@ class Plan:
             "context_dp_rank": self.context_dp_rank,
             "generation_dp_rank": self.generation_dp_rank,
             "tokens_per_block": self.tokens_per_block,
+            "generation_tokens_per_block": self.generation_tokens_per_block
+            or self.tokens_per_block,
             "bytes_per_block": self.bytes_per_block,
             "runs": self.runs,
             "routes": [route.to_dict() for route in self.routes],
@@ -330,7 +359,8 @@ class Plan:
                         segment["dst_pool"],
                         segment["layer_group"],
                         _runs_array([[run[f] for f in RUN_FIELDS] for run in segment["runs"]]),
-                        bool(segment.get("state", False)),
+                        state=bool(segment.get("state", False)),
+                        sub_block=segment.get("sub_block", 0),
                     )
                     for segment in route["segments"]
                 ),
@@ -338,6 +368,8 @@ class Plan:
                 cp_modulus=route.get("cp_modulus", 1),
                 cp_remainder=route.get("cp_remainder", 0),
                 cp_side=route.get("cp_side"),
+                block_ratio=route.get("block_ratio", 1),
+                large_side=route.get("large_side"),
             )
             for route in data["routes"]
         )
@@ -368,6 +400,7 @@ class Plan:
             receivers,
             tuple(data.get("warnings", ())),
             pools,
+            data.get("generation_tokens_per_block"),
         )
 
 
@@ -461,6 +494,7 @@ def compile_plan(
         receiver_plans,
         warnings,
         _pool_refs(context, generation, senders, receivers),
+        generation.tokens_per_block,
     )
 
 
@@ -533,8 +567,11 @@ class _RouteBuilder:
         self.context = context
         self.generation = generation
         self.cache = cache
-        self.parts: dict[tuple[int, int], dict[tuple[int, int, int], list[np.ndarray]]] = {}
+        self.parts: dict[tuple[int, int], dict[tuple[int, int, int, int], list[np.ndarray]]] = {}
         self.slices: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        c, g = context.tokens_per_block, generation.tokens_per_block
+        self.ratio = max(c, g) // min(c, g)
+        self.large_side = None if c == g else ("context" if c > g else "generation")
 
     @staticmethod
     def _offsets(view: View, layers: tuple[int, ...]) -> np.ndarray:
@@ -560,6 +597,7 @@ class _RouteBuilder:
         dst = self._offsets(receiver, match.layers).ravel()
         size = receiver.buffer_bytes
         n_runs = src.size
+        per_sub: list[np.ndarray] = []
         if receiver.layout == "REPLICATED":
             runs = _stack(src, dst, size, 1, 0, 0)
             sender_heads = receiver_heads = None
@@ -575,7 +613,16 @@ class _RouteBuilder:
             unit = local.unit_bytes
             full = heads == peer.heads == local.heads
             tokens = self.context.tokens_per_block
-            if sender.layout != receiver.layout:
+            state = self.generation.is_state_group(
+                self.generation.table(match.receiver_rank).pools[receiver.pool].layer_group
+            )
+            if self.large_side is not None and not state:
+                # HND paged views on both sides: validation refuses the rest; state views
+                # (one slot per request, no tokens) move as with equal block sizes
+                per_sub = _ratio_runs(src, dst, src_head, dst_head, heads, peer, local,
+                                      self.ratio, self.large_side)  # fmt: skip
+                runs = np.concatenate(per_sub)
+            elif sender.layout != receiver.layout:
                 runs = _conversion_runs(src, dst, src_head, dst_head, heads, peer, local, tokens)
             elif receiver.layout == "HND" or full:
                 length = size if full else heads * unit
@@ -594,8 +641,10 @@ class _RouteBuilder:
         assert runs.shape[0] % n_runs == 0
         sender_pool = self.context.table(sender_rank).pools[sender.pool]
         route_key = (sender_rank, match.receiver_rank)
-        pool_key = (sender.pool, receiver.pool, sender_pool.layer_group)
-        self.parts.setdefault(route_key, {}).setdefault(pool_key, []).append(runs)
+        pools = self.parts.setdefault(route_key, {})
+        for sub, sub_runs in enumerate(per_sub or [runs]):
+            pool_key = (sender.pool, receiver.pool, sender_pool.layer_group, sub)
+            pools.setdefault(pool_key, []).append(sub_runs)
         self.slices.setdefault(route_key, []).append(
             {
                 "receiver_view": receiver.index,
@@ -621,9 +670,10 @@ class _RouteBuilder:
                     dst_pool,
                     group,
                     merge_runs(np.concatenate(parts)),
-                    self.generation.is_state_group(group),
+                    state=self.generation.is_state_group(group),
+                    sub_block=sub,
                 )
-                for (src_pool, dst_pool, group), parts in sorted(pools.items())
+                for (src_pool, dst_pool, group, sub), parts in sorted(pools.items())
             )
             modulus, remainder, side = self._cp_filter(sender_rank, receiver_rank)
             routes.append(
@@ -635,6 +685,8 @@ class _RouteBuilder:
                     modulus,
                     remainder,
                     side,
+                    self.ratio,
+                    self.large_side,
                 )
             )
         return tuple(routes)
@@ -645,6 +697,36 @@ class _RouteBuilder:
         if self.generation.cp > 1:
             return self.generation.cp, self.generation.coords(receiver_rank)[2], "generation"
         return 1, 0, None
+
+
+def _ratio_runs(
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_head: int,
+    dst_head: int,
+    heads: int,
+    peer: ViewGeometry,
+    local: ViewGeometry,
+    ratio: int,
+    large_side: str,
+) -> list[np.ndarray]:
+    """HND with a block-size ratio ``r``: the runs of each sub-block ``i in [0, r)``.
+
+    With ``b`` the bytes of one head of one *small* block, a small block holds head ``h`` at
+    ``h × b``, a large block at ``h × r·b``, and small block ``i`` of a large one is, per head,
+    the run ``[h × r·b + i × b, + b)``. Per sub-block: one run per (layer, buffer) of ``len = b``
+    and ``count = heads``, stepping by each side's bytes per head (``r·b`` and ``b``).
+    """
+    small = min(peer.unit_bytes, local.unit_bytes)  # b (equal head-token bytes: validated)
+    count, steps = (heads, (peer.unit_bytes, local.unit_bytes)) if heads > 1 else (1, (0, 0))
+    src0 = src + src_head * peer.unit_bytes
+    dst0 = dst + dst_head * local.unit_bytes
+    out = []
+    for sub in range(ratio):
+        shift = sub * small
+        src_sub, dst_sub = (src0 + shift, dst0) if large_side == "context" else (src0, dst0 + shift)
+        out.append(_stack(src_sub, dst_sub, small, count, *steps))
+    return out
 
 
 def _conversion_runs(

@@ -10,7 +10,9 @@ code                           meaning
 =============================  =====================================================================
 ``instance_not_ready``         an instance has ranks that never reported their page table
 ``role_mismatch``              the "context" side is not a context instance (or vice versa)
-``tokens_per_block_mismatch``  the two sides page tokens differently
+``tokens_per_block_mismatch``  the two sides page tokens differently and no ratio serves them:
+                               not a multiple, CP on a side, or a non-HND view
+                               (``detail.reasons``)
 ``model_mismatch``             both sides name a model and the names differ
 ``context_parallel_both_sides``CP > 1 on both sides
 ``missing_peer_view``          no sender view holds the layer with this owner and roles
@@ -35,7 +37,10 @@ Per-request state groups (``tokens_per_slot: null``) add ``state_group_mismatch`
 ``d_state_mismatch``: see :mod:`api.geometry.state_checks`.
 
 Warnings: ``missing_peer_view`` (draft), ``layer_count_mismatch``, ``nhd_head_slicing``,
-``layout_conversion`` (HND ↔ NHD, converted head by head).
+``layout_conversion`` (HND ↔ NHD, converted head by head), ``tokens_per_block_ratio`` (HND on
+both sides, no CP, the larger ``tokens_per_block`` a multiple ``r`` of the smaller: one large
+block pairs with ``r`` small ones; ``detail.ratio`` and ``detail.larger_side``; per-request state
+groups are unaffected and still pair one slot per side).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from typing import Any
 from api.geometry.heads import ViewGeometry
 from api.geometry.match import Match, Unmatched
 from api.geometry.model import Instance, View
-from api.geometry.state import view_geometry
+from api.geometry.state import is_state_view, view_geometry
 
 
 @dataclass(frozen=True)
@@ -182,23 +187,7 @@ def check_instances(context: Instance, generation: Instance, findings: Findings)
                 missing_count=len(missing),
             )
             runnable = False
-    if context.tokens_per_block != generation.tokens_per_block:
-        findings.add(
-            "tokens_per_block_mismatch",
-            f"context pages {context.tokens_per_block} tokens per block, generation "
-            f"{generation.tokens_per_block}"
-            + (
-                "; block-size ratios are not supported yet (pairing blocks by tokens needs "
-                "each request's first token, which block lists alone do not give)"
-                if max(context.tokens_per_block, generation.tokens_per_block)
-                % min(context.tokens_per_block, generation.tokens_per_block)
-                == 0
-                else ""
-            ),
-            field="tokens_per_block",
-            local=generation.tokens_per_block,
-            peer=context.tokens_per_block,
-        )
+    check_block_sizes(context, generation, findings)
     if context.model and generation.model and context.model != generation.model:
         findings.add(
             "model_mismatch",
@@ -217,6 +206,75 @@ def check_instances(context: Instance, generation: Instance, findings: Findings)
             peer=context.cp,
         )
     return runnable
+
+
+def check_block_sizes(context: Instance, generation: Instance, findings: Findings) -> None:
+    """Equal ``tokens_per_block``, or (HND only, no CP) one a multiple of the other: a warning.
+
+    Every reason a ratio cannot be served is named (``detail.reasons``): ``not_a_multiple``,
+    ``context_parallel`` (helix ownership ``[cp_rank::cp]`` needs coinciding block boundaries)
+    and ``layout`` (an NHD or REPLICATED view on either side: kvplane splits a large block into
+    small ones only for HND, where a small block is, per head, one contiguous run).
+    """
+    c, g = context.tokens_per_block, generation.tokens_per_block
+    if c == g:
+        return
+    large, small = max(c, g), min(c, g)
+    larger_side = "context" if c > g else "generation"
+    common: dict[str, Any] = {"field": "tokens_per_block", "local": g, "peer": c}
+    reasons: dict[str, str] = {}
+    if large % small:
+        reasons["not_a_multiple"] = f"{large} is not a multiple of {small}"
+    sides = (("context", context), ("generation", generation))
+    cp_sides = [f"{side} cp={instance.cp}" for side, instance in sides if instance.cp > 1]
+    if cp_sides:
+        reasons["context_parallel"] = (
+            f"CP > 1 ({', '.join(cp_sides)}) needs equal tokens_per_block: CP ranks own "
+            "logical blocks round-robin, so block boundaries must coincide"
+        )
+    other = _non_hnd_views(context, "context") + _non_hnd_views(generation, "generation")
+    if other:
+        shown = ", ".join(other[:4]) + (f" (+{len(other) - 4} more)" if len(other) > 4 else "")
+        reasons["layout"] = f"block-size ratios are supported for HND views only, not {shown}"
+    if reasons:
+        findings.add(
+            "tokens_per_block_mismatch",
+            f"context pages {c} tokens per block, generation {g}: " + "; ".join(reasons.values()),
+            reasons=list(reasons),
+            non_hnd_views=other[:64],
+            **common,
+        )
+        return
+    ratio = large // small
+    smaller_side = "generation" if larger_side == "context" else "context"
+    findings.add(
+        "tokens_per_block_ratio",
+        f"context pages {c} tokens per block, generation {g}: each {larger_side} block pairs "
+        f"with {ratio} consecutive {smaller_side} blocks; the transfer covers the last "
+        f"whole {large}-token blocks that both block lists hold (aligned from the end of both "
+        "lists, which must end at the same token)",
+        warning=True,
+        ratio=ratio,
+        larger_side=larger_side,
+        **common,
+    )
+
+
+def _non_hnd_views(instance: Instance, side: str) -> list[str]:
+    """``"context target[key]@pool1 (REPLICATED)"`` per distinct non-HND paged view of an instance.
+
+    Per-request state views (SECTIONED conv state, HND SSM heads) have no token axis: a ratio
+    does not apply to them (one slot pair per request, whatever the block sizes), so they never
+    stand in its way.
+    """
+    seen: dict[str, None] = {}
+    for table in instance.ranks:
+        if table is None:
+            continue
+        for view in table.views:
+            if view.layout != "HND" and not is_state_view(instance, table, view):
+                seen[f"{side} {view.label()} ({view.layout})"] = None
+    return list(seen)
 
 
 def check_draft_layers(context: Instance, generation: Instance, findings: Findings) -> None:

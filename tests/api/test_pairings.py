@@ -166,3 +166,64 @@ def test_compatibility_reports_a_tp_rank_that_lacks_a_layer(client: TestClient) 
     report = response.json()
     assert report["compatible"] is False and report["plan"] is None
     assert "missing_peer_shard" in {error["code"] for error in report["errors"]}
+
+
+def test_block_size_ratio_is_compatible_with_a_warning_and_plans(client: TestClient) -> None:
+    ctx = {**instance_body(role="context", tp=4, tokens_per_block=16), "name": "c"}
+    gen = {**instance_body(role="generation", tp=2, tokens_per_block=64), "name": "g"}
+    response = client.post("/v1/compatibility", json={"context": ctx, "generation": gen})
+    assert response.status_code == 200, response.json()
+    report = response.json()
+    assert report["compatible"] is True, report["errors"]
+    (warning,) = [w for w in report["warnings"] if w["code"] == "tokens_per_block_ratio"]
+    assert (warning["detail"]["ratio"], warning["detail"]["larger_side"]) == (4, "generation")
+    client.put("/v1/instances/ctx-a", json=instance_body(role="context", tp=4, tokens_per_block=16))
+    client.put(
+        "/v1/instances/gen-b", json=instance_body(role="generation", tp=2, tokens_per_block=64)
+    )
+    pairing = _pair(client)
+    assert pairing["compatible"] is True
+    plan = client.get(f"/v1/pairings/{pairing['id']}/plan").json()
+    assert (plan["tokens_per_block"], plan["generation_tokens_per_block"]) == (16, 64)
+    route = plan["routes"][0]
+    assert (route["block_ratio"], route["large_side"]) == (4, "generation")
+    assert sorted({s["sub_block"] for s in route["segments"]}) == [0, 1, 2, 3]
+    # 9 small context blocks and 3 large generation blocks share 2 whole large blocks
+    blocks = {"0": {"context": list(range(9)), "generation": [7, 8, 9]}}
+    transfer = client.post(
+        "/v1/transfers",
+        json={"context": "ctx-a", "generation": "gen-b", "request_id": "r", "blocks": blocks},
+    ).json()
+    assert transfer["bytes"] == 2 * plan["bytes_per_block"]
+    fragments = client.get(f"/v1/transfers/{transfer['id']}/fragments").json()
+    rows = [row for r in fragments["routes"] for row in r["fragments"]]
+    assert sum(row[4] for row in rows) == transfer["bytes"]
+    # the dashboard's head-slice picture draws one large block as 4 small ones
+    page = client.get(f"/ui/pairings/{pairing['id']}?receiver=1")
+    assert page.status_code == 200
+    html = page.text
+    assert 'class="block-ratio" data-ratio="4"' in html
+    assert "generation block k (64 tokens)" in html
+    assert html.count("context 4k+") == 3 and "context 4k<" in html
+    assert "one generation block (64 tokens) = 4 context blocks (16 tokens each)" in html
+    assert "per head 4 runs of 16 tokens per generation block, one per context block" in html
+    assert "Bytes / generation block (64 tokens)" in html
+
+
+def test_refused_block_size_ratio_is_a_report_never_a_500(client: TestClient) -> None:
+    ctx = instance_body(role="context", tp=2, tokens_per_block=16)
+    gen = instance_body(role="generation", tp=2, tokens_per_block=24)
+    gen["ranks"][0]["views"][0]["layout"] = "NHD"
+    gen["ranks"][1]["views"][0]["layout"] = "NHD"
+    response = client.post(
+        "/v1/compatibility",
+        json={"context": {**ctx, "name": "c"}, "generation": {**gen, "name": "g"}},
+    )
+    assert response.status_code == 200, response.json()
+    (error,) = [e for e in response.json()["errors"] if e["code"] == "tokens_per_block_mismatch"]
+    assert error["detail"]["reasons"] == ["not_a_multiple", "layout"]
+    assert client.put("/v1/instances/ctx-a", json=ctx).status_code == 201
+    assert client.put("/v1/instances/gen-b", json=gen).status_code == 201
+    pairing = _pair(client)
+    assert pairing["compatible"] is False
+    assert "tokens_per_block_mismatch" in {e["code"] for e in pairing["errors"]}

@@ -128,3 +128,47 @@ def test_the_dashboard_shows_state_views(client: TestClient) -> None:
     assert page.status_code == 200, page.text
     assert "conv sections 192 + 96 + 96 bytes (all ranks), split over 2 ranks" in page.text
     assert "SECTIONED" in page.text and "ssm_state" in page.text
+
+
+def test_a_hybrid_pairing_with_a_block_size_ratio_moves_state_once_and_kv_by_tokens(
+    client: TestClient,
+) -> None:
+    """Paged groups align by tokens (4 context blocks of 4 tokens per generation block of 16);
+    the state group has no tokens, so its one slot pair moves as with equal block sizes."""
+    ctx = hybrid_body(role="context", spec=SPEC, tp=2, tokens_per_block=4, num_slots=16)
+    gen = hybrid_body(role="generation", spec=SPEC, tp=1, tokens_per_block=16, num_slots=16)
+    for name, body in (("ctx-s", ctx), ("gen-s", gen)):
+        assert client.put(f"/v1/instances/{name}", json=body).status_code == 201
+    pairing = client.post("/v1/pairings", json={"context": "ctx-s", "generation": "gen-s"}).json()
+    assert pairing["compatible"] is True, pairing["errors"]
+    (warning,) = [w for w in pairing["warnings"] if w["code"] == "tokens_per_block_ratio"]
+    assert (warning["detail"]["ratio"], warning["detail"]["larger_side"]) == (4, "generation")
+    plan = client.get(f"/v1/pairings/{pairing['id']}/plan").json()
+    assert (plan["tokens_per_block"], plan["generation_tokens_per_block"]) == (4, 16)
+    segments = [s for r in plan["routes"] for s in r["segments"]]
+    assert {(s["layer_group"], s["state"], s["sub_block"]) for s in segments} == {
+        (1, True, 0),
+        *((0, False, i) for i in range(4)),
+    }
+
+    def transfer(state: dict[str, Any], request_id: str) -> dict[str, Any]:
+        blocks = {"0": {"context": list(range(9)), "generation": [7, 8, 9]}, "1": state}
+        response = client.post(
+            "/v1/transfers",
+            json={"context": "ctx-s", "generation": "gen-s", "request_id": request_id,
+                  "blocks": blocks},
+        )  # fmt: skip
+        assert response.status_code == 201, response.json()
+        return dict(response.json())
+
+    kv_only = transfer({"context": [], "generation": [0]}, "r1")
+    full = transfer({"context": [5], "generation": [0]}, "r2")
+    # 36 context tokens and 48 generation tokens share 2 whole 16-token blocks:
+    # 1 attention layer × K/V × 4 heads × 32 tokens × 8 dims × 2 bytes
+    assert kv_only["bytes"] == 2 * 4 * 32 * 8 * 2
+    assert full["bytes"] - kv_only["bytes"] == STATE_BYTES
+    fragments = client.get(f"/v1/transfers/{full['id']}/fragments").json()
+    assert sum(row[4] for r in fragments["routes"] for row in r["fragments"]) == full["bytes"]
+    page = client.get(f"/ui/pairings/{pairing['id']}?receiver=0")
+    assert page.status_code == 200, page.text
+    assert 'class="block-ratio" data-ratio="4"' in page.text

@@ -149,9 +149,7 @@ def test_check_of_two_files_with_the_same_stem_plans_each_side(tmp_path: Path) -
 def test_check_explains_a_layout_conversion(tmp_path: Path) -> None:
     llama = str(MODELS / "llama-3-8b.json")
     ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "4", "--layout", "HND")
-    gen = write_body(
-        tmp_path, "gen", llama, "--role", "generation", "--tp", "2", "--layout", "NHD"
-    )
+    gen = write_body(tmp_path, "gen", llama, "--role", "generation", "--tp", "2", "--layout", "NHD")
     result = runner.invoke(cli, ["check", str(ctx), str(gen)])
     assert result.exit_code == 0, result.output
     assert "layout_conversion" in result.output
@@ -170,3 +168,36 @@ def test_check_explains_a_missing_peer_shard(tmp_path: Path) -> None:
     result = runner.invoke(cli, ["check", str(ctx), str(gen)])
     assert result.exit_code == 1, result.output  # was a traceback from compile_plan
     assert "missing_peer_shard" in result.output and "why: some context ranks" in result.output
+
+
+def test_check_explains_a_block_size_ratio_in_words(tmp_path: Path) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "4",
+                     "--tokens-per-block", "16", "--num-slots", "64")  # fmt: skip
+    gen = write_body(tmp_path, "gen", llama, "--role", "generation", "--tp", "2",
+                     "--tokens-per-block", "64", "--num-slots", "64")  # fmt: skip
+    result = runner.invoke(cli, ["check", str(ctx), str(gen)])
+    assert result.exit_code == 0, result.output
+    assert "tokens_per_block_ratio" in result.output
+    assert "each generation block pairs with 4 consecutive context blocks" in result.output
+    assert "why: the sides page tokens differently: one block of the larger side" in result.output
+    assert "bytes per generation block (4 context blocks)" in result.output
+    report = json.loads(runner.invoke(cli, ["check", str(ctx), str(gen), "--json"]).output)
+    assert [(p["block_ratio"], p["large_side"]) for p in report["plans"]] == [(4, "generation")]
+
+
+def test_check_refuses_a_block_size_ratio_with_its_reasons_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    llama = str(MODELS / "llama-3-8b.json")
+    ctx = write_body(tmp_path, "ctx", llama, "--role", "context", "--tp", "2",
+                     "--tokens-per-block", "16", "--layout", "NHD", "--num-slots", "8")  # fmt: skip
+    gen = write_body(tmp_path, "gen", llama, "--role", "generation", "--tp", "2",
+                     "--tokens-per-block", "24", "--num-slots", "8")  # fmt: skip
+    result = runner.invoke(cli, ["check", str(ctx), str(gen)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "tokens_per_block_mismatch" in result.output
+    assert "24 is not a multiple of 16" in result.output
+    assert "block-size ratios are supported for HND views only" in result.output
+    assert "Traceback" not in result.output

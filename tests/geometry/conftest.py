@@ -13,10 +13,13 @@ Per-request state views (layer groups with ``tokens_per_slot: null``) label by t
 ``G_s = tp × cp`` (1 under attention-DP), ``g_s = tp_rank × cp + cp_rank``: HND ``(…, global SSM
 head, 0, byte within head)``; SECTIONED ``(…, section, global byte of the section)`` with the
 section split contiguously over ``G_s`` and a rank's shares concatenated in section order. The
-request's state slot holds ``tag = STATE_TAG`` on both sides (``[slot]``, or one per CP rank).
-``tag`` is the logical block (aligned position + 1) a slot holds for this request; slots outside
-the aligned suffix, and ranks of other attention-DP groups, hold ``tag = 0`` ("other data"), so a
-fragment that reads them lands a wrong label. Bytes no view covers are ``-1``.
+request's state slot holds ``tag = STATE_TAG`` on both sides (``[slot]``, or one per CP rank),
+whatever the paged groups' block sizes (state has no tokens).
+Paged tokens are counted in *small blocks* (``s = min(tokens_per_block)`` of the two sides): token
+``τ`` of the request is ``(tag, token) = (τ // s + 1, τ % s)``, the same label on both sides
+whatever their block sizes (equal sizes: ``tag`` = logical block + 1). Slots outside the aligned
+suffix, and ranks of other attention-DP groups, hold ``tag = 0`` ("other data"), so a fragment that
+reads them lands a wrong label. Bytes no view covers are ``-1``.
 
 :func:`check_transfer` fills the active sender pools, applies the fragments and requires that every
 byte the receiver needs is written exactly once with exactly its label, and nothing else.
@@ -59,7 +62,7 @@ _OWNER_CODES = {"target": 1, "draft": 2}
 
 
 def _encode(
-    tag: int,
+    tag: np.ndarray | int,
     owner: str,
     roles: tuple[str, ...],
     layer: int,
@@ -69,7 +72,7 @@ def _encode(
     byte: np.ndarray | int,
     replicated: bool,
 ) -> np.ndarray:
-    value: Any = np.int64(tag)
+    value: Any = np.asarray(tag, dtype=np.int64)
     for part, bits in (
         (int(replicated), _REPL_BITS),
         (_OWNER_CODES[owner], _OWNER_BITS),
@@ -210,9 +213,19 @@ def state_labels(
 
 
 def buffer_labels(
-    instance: Instance, table: RankTable, view: View, layer: int, buf: int, tag: int
+    instance: Instance,
+    table: RankTable,
+    view: View,
+    layer: int,
+    buf: int,
+    tag: int,
+    small: int | None = None,
 ) -> np.ndarray:
-    """Label every byte of one buffer: HND ``[heads][tokens][…]``, NHD ``[tokens][heads][…]``."""
+    """Label every byte of one buffer: HND ``[heads][tokens][…]``, NHD ``[tokens][heads][…]``.
+
+    ``tag - 1`` is the slot's first token in small blocks of ``small`` tokens (0: other data);
+    state buffers ignore ``small`` (no tokens).
+    """
     if is_state(instance, table, view):
         return state_labels(instance, table, view, layer, buf, tag)
     size = view.buffers_by_layer[layer][buf].size
@@ -230,7 +243,11 @@ def buffer_labels(
     else:
         token, rest = np.divmod(b, g.heads * cell)
         head, byte = np.divmod(rest, cell)
-    return _encode(tag, view.owner, roles, layer, buf, g.first_head + head, token, byte, False)
+    small = small or tokens
+    tags = tag + token // small if tag else 0
+    return _encode(
+        tags, view.owner, roles, layer, buf, g.first_head + head, token % small, byte, False
+    )
 
 
 def pool_memory(
@@ -240,6 +257,7 @@ def pool_memory(
     tags: Mapping[int, int],
     keep: Any = None,
     default_tag: int | None = 0,
+    small: int | None = None,
 ) -> np.ndarray:
     """Labels of a whole pool (``num_slots × stride`` bytes); slot ``s`` holds ``tags[s]``.
 
@@ -263,7 +281,7 @@ def pool_memory(
                 for buf, row in enumerate(rows):
                     start = base + row.offset
                     memory[start : start + row.size] = buffer_labels(
-                        instance, table, view, layer, buf, tag
+                        instance, table, view, layer, buf, tag, small
                     )
     return memory
 
@@ -298,12 +316,27 @@ def _count(ids: Sequence[Any]) -> int:
 
 
 def aligned_tags(
-    ids_c: Sequence[Any], ids_g: Sequence[Any], cp_g: int = 1
+    ids_c: Sequence[Any], ids_g: Sequence[Any], cp_g: int = 1, tpb_c: int = 1, tpb_g: int = 1
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """``(slot, tag)`` per side for the blocks present on both sides, ``tag = logical + 1``.
 
     Both lists end at the request's last block; the longer one starts at logical block 0.
+    Different block sizes (flat lists): both lists end at the same token ``N`` (the longer
+    side's token count); the last ``T = min(len_C·tpb_C, len_R·tpb_R)`` tokens, rounded down to a
+    multiple of the larger size, move; a slot's tag is its first token in small blocks, plus 1.
     """
+    if tpb_c != tpb_g:
+        small, large = min(tpb_c, tpb_g), max(tpb_c, tpb_g)
+        n_tokens = max(len(ids_c) * tpb_c, len(ids_g) * tpb_g)
+        moved = min(len(ids_c) * tpb_c, len(ids_g) * tpb_g) // large * large
+        out = []
+        for ids, tpb in ((ids_c, tpb_c), (ids_g, tpb_g)):
+            first = [n_tokens - len(ids) * tpb + k * tpb for k in range(len(ids))]
+            out.append(
+                [(slot, f // small + 1) for slot, f in zip(ids, first, strict=True)
+                 if f >= n_tokens - moved]
+            )  # fmt: skip
+        return out[0], out[1]
     total = max(_count(ids_c), _count(ids_g))
     ctx = _logical_pairs(list(ids_c), total, 1)
     gen = _logical_pairs(list(ids_g), total, cp_g)
@@ -348,8 +381,12 @@ def check_transfer(
         blocks = {0: blocks}
     expansion = expand(plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()})
     state_groups = ctx.state_groups | gen.state_groups
+    tpbs = (ctx.tokens_per_block, gen.tokens_per_block)
+    small = min(tpbs)
     tags_by_group = {
-        g: aligned_tags(c, r, gen.cp) for g, (c, r) in blocks.items() if g not in state_groups
+        g: aligned_tags(c, r, gen.cp, *tpbs)
+        for g, (c, r) in blocks.items()
+        if g not in state_groups
     }
     state_ids = {g: (c, r) for g, (c, r) in blocks.items() if g in state_groups}
 
@@ -382,7 +419,7 @@ def check_transfer(
             tags = _cp_share(ctx, rank, group_tags) if rank in senders else {}
             if pool.layer_group in state_groups:
                 tags = state_tags(ctx, rank, pool.layer_group, 0) if rank in senders else {}
-            sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags)
+            sender_memory[(rank, pool_id)] = pool_memory(ctx, rank, pool_id, tags, small=small)
 
     expected: dict[tuple[int, int], np.ndarray] = {}
     written: dict[tuple[int, int], np.ndarray] = {}
@@ -394,7 +431,9 @@ def check_transfer(
             if pool.layer_group in state_groups:
                 group_tags = state_tags(gen, rank, pool.layer_group, 1)
             if rank in receivers:
-                want = pool_memory(gen, rank, pool_id, group_tags, keep=needed, default_tag=None)
+                want = pool_memory(
+                    gen, rank, pool_id, group_tags, keep=needed, default_tag=None, small=small
+                )
             else:
                 want = np.full(pool.num_slots * pool.slot_stride_bytes, -1, dtype=np.int64)
             expected[(rank, pool_id)] = want
@@ -476,8 +515,15 @@ def load_balance_violations(plan: Any, ctx: Instance, gen: Instance | None = Non
             receiver_cp = coords(gen, route.receiver_rank)[2] if gen is not None else 0
             shards = [0] if g.replicated else _shards_of(piece["global_heads"], g.heads)
             for shard in shards:
-                key = (stage, cp_rank, piece["owner"], tuple(piece["roles"]), group, shard,
-                       receiver_cp)
+                key = (
+                    stage,
+                    cp_rank,
+                    piece["owner"],
+                    tuple(piece["roles"]),
+                    group,
+                    shard,
+                    receiver_cp,
+                )
                 per_layer = piece["bytes_per_block"] // len(piece["layers"]) // len(shards)
                 served.setdefault(key, {}).setdefault(route.sender_rank, 0)
                 served[key][route.sender_rank] += per_layer * len(piece["layers"])

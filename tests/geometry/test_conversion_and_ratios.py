@@ -116,3 +116,92 @@ def test_replicated_still_pairs_only_with_replicated() -> None:
     )  # fmt: skip
     report = validate_pairing(ctx, parse_instance(raw, "gen"))
     assert "layout_mismatch" in report.codes()
+
+
+# --- different tokens_per_block (HND): one large block pairs with r small ones ----------------
+
+
+def ratio_pair(ctx_tpb: int, gen_tpb: int, ctx: dict[str, Any], gen: dict[str, Any], **kw: Any):
+    heads = kw.pop("heads", 8)
+    out = []
+    for role, tpb, opts in (("context", ctx_tpb, ctx), ("generation", gen_tpb, gen)):
+        views = [ViewSpec("target", kw.get("layers", 2), heads, 4, "HND")]
+        raw = instance_body(role=role, views=views, tokens_per_block=tpb, num_slots=12, **opts)
+        out.append(parse_instance(raw, role[:3]))
+    return out
+
+
+def test_ratio_template_is_one_strided_run_per_layer_buffer_and_sub_block() -> None:
+    # context tpb 2 (small), generation tpb 8 (large, r = 4); 2 heads on both sides
+    ctx, gen = ratio_pair(2, 8, {"tp": 1}, {"tp": 1}, heads=2, layers=1)
+    plan = compile_plan(ctx, gen)
+    (route,) = plan.routes
+    assert (route.block_ratio, route.large_side) == (4, "generation")
+    assert [s.sub_block for s in route.segments] == [0, 1, 2, 3]
+    b = TPB * HT  # bytes of one head of one small block: 16; a large block holds 64 per head
+    for sub, segment in enumerate(route.segments):
+        # K then V: small buffers 2 × 16 = 32 bytes apart, large ones 2 × 64 = 128
+        assert segment.runs.tolist() == [
+            [0, sub * b, b, 2, b, 4 * b],
+            [2 * b, 8 * b + sub * b, b, 2, b, 4 * b],
+        ]
+    assert plan.to_dict()["generation_tokens_per_block"] == 8
+
+
+@pytest.mark.parametrize(
+    ("ctx_tpb", "gen_tpb", "ctx_tp", "gen_tp", "heads"),
+    [
+        (2, 8, 1, 1, 2),
+        (8, 2, 1, 1, 2),
+        (2, 4, 4, 2, 8),  # finer sender, larger receiver blocks
+        (6, 2, 2, 4, 8),  # coarser sender, larger sender blocks (r = 3)
+        (2, 16, 8, 2, 4),  # duplication on the sender, r = 8
+        (4, 2, 3, 2, 6),  # shard counts that do not divide
+        (2, 4, 2, 8, 4),  # duplication on the receiver
+    ],
+)
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        ([3, 0, 5, 7, 1, 2, 9, 10], [4, 6, 11]),
+        ([1, 2], [0, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
+        ([0], [0]),  # the small side has less than one large block: nothing moves
+    ],
+)
+def test_block_size_ratio_moves_every_byte_once(
+    oracle, ctx_tpb, gen_tpb, ctx_tp, gen_tp, heads, blocks
+) -> None:
+    ctx, gen = ratio_pair(ctx_tpb, gen_tpb, {"tp": ctx_tp}, {"tp": gen_tp}, heads=heads)
+    report = validate_pairing(ctx, gen)
+    assert report.compatible, report.to_dict()
+    assert "tokens_per_block_ratio" in {w.code for w in report.warnings}
+    result = oracle.check_transfer(ctx, gen, blocks)
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+
+
+def test_ratio_aligns_whole_large_blocks_from_the_end(oracle) -> None:
+    # small 2, large 8 (r = 4): 7 small blocks (14 tokens) and 3 large ones (24 tokens) share
+    # T = 14 → 8 tokens: the last large block and the last 4 small blocks.
+    ctx, gen = ratio_pair(2, 8, {"tp": 1}, {"tp": 1})
+    result = oracle.check_transfer(ctx, gen, ([0, 1, 2, 3, 4, 5, 6], [7, 8, 9]))
+    parts = [part for route in result.expansion.routes for part in route.parts]
+    assert [p.segment.sub_block for p in parts] == [0, 1, 2, 3]
+    assert [(p.src_blocks.tolist(), p.dst_blocks.tolist()) for p in parts] == [
+        ([3], [9]), ([4], [9]), ([5], [9]), ([6], [9])
+    ]  # fmt: skip
+
+
+def test_ratio_with_pipeline_and_attention_dp(oracle) -> None:
+    ctx, gen = ratio_pair(8, 2, {"tp": 2, "pp": 2}, {"tp": 4, "attention_dp": True})
+    for dp in range(4):
+        oracle.check_transfer(ctx, gen, ([1, 2, 3], [0, 4, 5, 6, 7, 8, 9, 10, 11]), None, dp)
+
+
+def test_ratio_plan_round_trips() -> None:
+    from api.geometry import Plan
+
+    ctx, gen = ratio_pair(8, 2, {"tp": 2}, {"tp": 1})
+    plan = compile_plan(ctx, gen)
+    data = plan.to_dict()
+    assert Plan.from_dict(data).to_dict() == data
+    assert Plan.from_dict(data).block_ratio == (4, "context")

@@ -215,8 +215,11 @@ def conversion_scenarios(draw: st.DrawFn) -> dict[str, Any]:
         hypothesis.assume(_valid_sharding(tp, sc[where]["attention_dp"], heads))
         sc[where] = dict(sc[where], tp=tp)
     target = sc["ctx_views"][0]
-    sc["ctx_views"] = [dataclasses.replace(target, kv_heads=heads, layout=layouts[0],
-                                           replicated=False, k_only=False)]
+    sc["ctx_views"] = [
+        dataclasses.replace(
+            target, kv_heads=heads, layout=layouts[0], replicated=False, k_only=False
+        )
+    ]
     sc["gen_views"] = [dataclasses.replace(sc["ctx_views"][0], layout=layouts[1])]
     sc["ctx_dp"] = draw(st.integers(0, sc["ctx"]["tp"] - 1)) if sc["ctx"]["attention_dp"] else None
     sc["gen_dp"] = draw(st.integers(0, sc["gen"]["tp"] - 1)) if sc["gen"]["attention_dp"] else None
@@ -279,3 +282,65 @@ def test_helix_block_tables_move_each_logical_block_from_its_cp_rank(
     ctx, gen = _pair(sc)
     result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
     assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+
+
+@st.composite
+def ratio_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Different tokens_per_block (HND, ratio 2..8 either way), any TP / head split on both
+    sides, drafts, PP, attention-DP, and block lists of unrelated lengths."""
+    sc = draw(scenarios())
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
+    for where in ("ctx", "gen"):
+        tp = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+        sc[where] = dict(sc[where], tp=tp)
+    plain = {"layout": "HND", "replicated": False, "k_only": False}
+    target = dataclasses.replace(sc["ctx_views"][0], kv_heads=heads, **plain)
+    draft = dataclasses.replace(
+        sc["gen_views"][-1] if len(sc["gen_views"]) == 2 else sc["ctx_views"][-1], **plain
+    )
+    for where, key in (("ctx", "ctx_views"), ("gen", "gen_views")):
+        views = [target] + ([draft] if len(sc[key]) == 2 else [])
+        for view in views:
+            hypothesis.assume(_valid_sharding(sc[where]["tp"], sc[where]["attention_dp"],
+                                              view.kv_heads))  # fmt: skip
+        sc[key] = views
+    small, ratio = draw(st.integers(1, 4)), draw(st.integers(2, 8))
+    context_large = draw(st.booleans())
+    sc["tpb"] = (small * ratio, small) if context_large else (small, small * ratio)
+    sc["ratio"], sc["larger_side"] = ratio, "context" if context_large else "generation"
+    sc["n_slots"] = 5 * ratio
+    n_large, n_small = draw(st.integers(0, 4)), draw(st.integers(0, 5 * ratio))
+    n_c, n_g = (n_large, n_small) if context_large else (n_small, n_large)
+    ids_c = draw(st.permutations(range(sc["n_slots"])))[:n_c]
+    ids_g = draw(st.permutations(range(sc["n_slots"])))[:n_g]
+    sc["blocks"] = (list(ids_c), list(ids_g))
+    sc["ctx_dp"] = draw(st.integers(0, sc["ctx"]["tp"] - 1)) if sc["ctx"]["attention_dp"] else None
+    sc["gen_dp"] = draw(st.integers(0, sc["gen"]["tp"] - 1)) if sc["gen"]["attention_dp"] else None
+    return sc
+
+
+def _ratio_pair(sc: dict[str, Any]):
+    ctx = _instance("context", sc["ctx_views"], sc["ctx"], dict(sc, tokens_per_block=sc["tpb"][0]))
+    gen = _instance("generation", sc["gen_views"], sc["gen"],
+                    dict(sc, tokens_per_block=sc["tpb"][1]))  # fmt: skip
+    return ctx, gen
+
+
+@PROPERTY
+@given(sc=ratio_scenarios())
+def test_block_size_ratio_writes_every_byte_once(sc: dict[str, Any], oracle) -> None:
+    ctx, gen = _ratio_pair(sc)
+    report = validate_pairing(ctx, gen)
+    assert report.compatible, report.to_dict()
+    (warning,) = [w for w in report.warnings if w.code == "tokens_per_block_ratio"]
+    assert (warning.detail["ratio"], warning.detail["larger_side"]) == (
+        sc["ratio"],
+        sc["larger_side"],
+    )
+    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+    # the template depends on the ratio, never on the block counts; it round-trips
+    data = result.plan.to_dict()
+    assert Plan.from_dict(json.loads(json.dumps(data))).to_dict() == data
+    for route in result.plan.routes:
+        assert {s.sub_block for s in route.segments} == set(range(sc["ratio"]))

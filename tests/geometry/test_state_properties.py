@@ -83,10 +83,12 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     state_g: Any = draw(st.sampled_from([[0], [1], [2]]))
     if gen_cp > 1 and draw(st.booleans()):
         state_g = [[draw(st.integers(0, 2))] for _ in range(gen_cp)]
+    # paged groups may page differently (a block-size ratio, no CP); state groups never do
+    tpb = (2, 2) if gen_cp > 1 else draw(st.sampled_from([(2, 2), (2, 2), (8, 2), (2, 4), (4, 2)]))
     return {
         "spec": spec,
-        "ctx": ctx,
-        "gen": {**gen, "cp": gen_cp},
+        "ctx": {**ctx, "tokens_per_block": tpb[0]},
+        "gen": {**gen, "cp": gen_cp, "tokens_per_block": tpb[1]},
         "context_dp_rank": draw(st.integers(0, ctx["tp"] - 1)) if ctx["attention_dp"] else None,
         "generation_dp_rank": draw(st.integers(0, gen["tp"] - 1)) if gen["attention_dp"] else None,
         "blocks": {0: (list(ctx_kv), list(gen_kv)), 1: (state_c, state_g)},
@@ -104,11 +106,11 @@ def hypothesis_assume(condition: bool) -> None:
 def test_random_hybrid_pairs_move_every_state_byte_exactly_once(oracle, case) -> None:
     spec = case["spec"]
     ctx = parse_instance(
-        hybrid_body(role="context", spec=spec, tokens_per_block=2, num_slots=8, **case["ctx"]),
+        hybrid_body(role="context", spec=spec, num_slots=8, **case["ctx"]),
         "ctx",
     )
     gen = parse_instance(
-        hybrid_body(role="generation", spec=spec, tokens_per_block=2, num_slots=8, **case["gen"]),
+        hybrid_body(role="generation", spec=spec, num_slots=8, **case["gen"]),
         "gen",
     )
     report = validate_pairing(ctx, gen)

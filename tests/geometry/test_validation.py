@@ -193,10 +193,71 @@ def test_layer_group_mismatch() -> None:
     assert (detail["field"], detail["local"], detail["peer"]) == ("layer_group", 1, 0)
 
 
-def test_tokens_per_block_mismatch() -> None:
-    report = validate(body("context", tokens_per_block=2), body("generation", tokens_per_block=4))
+@pytest.mark.parametrize(
+    ("ctx_tpb", "gen_tpb", "larger"), [(2, 8, "generation"), (6, 2, "context")]
+)
+def test_tokens_per_block_ratio_is_a_warning_for_hnd(ctx_tpb, gen_tpb, larger) -> None:
+    report = validate(
+        body("context", tokens_per_block=ctx_tpb), body("generation", tokens_per_block=gen_tpb)
+    )
+    assert report.compatible, report.to_dict()
+    detail = only(report.warnings, "tokens_per_block_ratio")
+    assert (detail["field"], detail["local"], detail["peer"]) == ("tokens_per_block", gen_tpb,
+                                                                   ctx_tpb)  # fmt: skip
+    assert (detail["ratio"], detail["larger_side"]) == (max(ctx_tpb, gen_tpb) // 2, larger)
+
+
+def test_tokens_per_block_not_a_multiple() -> None:
+    report = validate(body("context", tokens_per_block=4), body("generation", tokens_per_block=6))
     detail = only(report.errors, "tokens_per_block_mismatch")
-    assert (detail["field"], detail["local"], detail["peer"]) == ("tokens_per_block", 4, 2)
+    assert (detail["field"], detail["local"], detail["peer"]) == ("tokens_per_block", 6, 4)
+    assert detail["reasons"] == ["not_a_multiple"]
+    assert "6 is not a multiple of 4" in report.errors[0].message
+    assert not report.warnings
+
+
+@pytest.mark.parametrize(
+    ("layout", "shown"),
+    [("NHD", "NHD"), ("MLA", "REPLICATED")],
+)
+def test_tokens_per_block_ratio_refused_for_non_hnd_views(layout, shown) -> None:
+    view = (
+        spec(heads=1, layout="REPLICATED", k_only=True, replicated=True)
+        if layout == "MLA"
+        else spec(layout=layout)
+    )
+    report = validate(
+        body("context", [view], tokens_per_block=2),
+        body("generation", [view], tokens_per_block=4),
+    )
+    detail = only(report.errors, "tokens_per_block_mismatch")
+    assert detail["reasons"] == ["layout"]
+    assert detail["non_hnd_views"] == [
+        f"context target[key]@pool0 ({shown})" if layout == "MLA" else
+        f"context target[key,value]@pool0 ({shown})",
+        f"generation target[key]@pool0 ({shown})" if layout == "MLA" else
+        f"generation target[key,value]@pool0 ({shown})",
+    ]  # fmt: skip
+    assert "HND views only" in next(e.message for e in report.errors)
+
+
+@pytest.mark.parametrize("side", ["context", "generation"])
+def test_tokens_per_block_must_be_equal_with_context_parallelism(side) -> None:
+    ctx = body("context", tokens_per_block=2, cp=2 if side == "context" else 1)
+    gen = body("generation", tokens_per_block=4, cp=2 if side == "generation" else 1)
+    report = validate(ctx, gen)
+    detail = only(report.errors, "tokens_per_block_mismatch")
+    assert detail["reasons"] == ["context_parallel"]
+    assert f"{side} cp=2" in next(e.message for e in report.errors)
+
+
+def test_tokens_per_block_mismatch_names_every_reason_and_other_errors() -> None:
+    ctx = body("context", [spec(layout="NHD")], tokens_per_block=4, cp=2)
+    gen = body("generation", [spec(layout="NHD", dtype="float16")], tokens_per_block=6)
+    report = validate(ctx, gen)
+    detail = only(report.errors, "tokens_per_block_mismatch")
+    assert detail["reasons"] == ["not_a_multiple", "context_parallel", "layout"]
+    assert "dtype_mismatch" in report.codes()
 
 
 def test_instance_not_ready() -> None:

@@ -288,16 +288,19 @@ def test_peer_reregistering_mid_transfer_fails_it_with_peer_restarted(fleet: Fle
     assert send["state"] == "failed" and "peer_restarted" in send["error"], send
 
 
-def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet) -> None:
+@pytest.mark.parametrize("tpb", [(8, 8), (8, 2), (2, 8)])
+def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, tpb) -> None:
     """A hybrid model (paged attention + per-request Mamba state), TP 2 → TP 1: the conv-state
-    sections and SSM heads of both context ranks land in the generation's state slot."""
+    sections and SSM heads of both context ranks land in the generation's state slot. With a
+    block-size ratio the attention blocks align by tokens ([n, r]) and the state still moves as
+    one slot pair."""
     from api.geometry.state_builders import HybridSpec, hybrid_body
 
     spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=16, ssm_heads=8,
                       ssm_head_dim=8, d_state=4, conv_channels=(64, 16, 16), d_conv=4)
     bodies = {}
-    for name, role, tp in (("ctx", "context", 2), ("gen", "generation", 1)):
-        bodies[name] = hybrid_body(role=role, spec=spec, tp=tp, tokens_per_block=8, num_slots=32,
+    for name, role, tp, t in (("ctx", "context", 2, tpb[0]), ("gen", "generation", 1, tpb[1])):
+        bodies[name] = hybrid_body(role=role, spec=spec, tp=tp, tokens_per_block=t, num_slots=32,
                                    state_slots=4)
         fleet.client.register_instance(name, bodies[name])
     assert fleet.client.create_pairing("ctx", "gen")["compatible"]

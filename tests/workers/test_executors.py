@@ -122,7 +122,7 @@ def test_fragments_crc32_agrees_after_a_copy_and_catches_one_wrong_byte(layout):
     src, dst = _pools_pair([hs.sender_spec(20, pad=48)], [hs.receiver_spec(24, pad=16)])
     bs, bd = np.array([3, 1, 7, 7, 0]), np.array([10, 2, 23, 5, 6])
     fragments = expand_fragments(route, src, dst, bs, bd)
-    (so, do, ln), = fragments.values()
+    ((so, do, ln),) = fragments.values()
     # Reference: the crc32 of all the fragments' bytes joined, sliced from the torch tensor.
     source = src[0].tensor
     pieces = [bytes(source[o : o + n].tolist()) for o, n in zip(so, ln, strict=True)]
@@ -314,3 +314,20 @@ def test_align_blocks_pairs_suffixes_and_filters_cp():
     src, dst = align_blocks(helix, {0: ([9, 1, 2, 3, 4], [[10, 11, 12], [20, 21]])})
     # one table per generation CP rank: rank 1 holds logical blocks 1 and 3
     assert src[0].tolist() == [1, 3] and dst[0].tolist() == [20, 21]
+
+
+@pytest.mark.parametrize("large_side", ["context", "generation"])
+def test_align_blocks_with_a_block_size_ratio_gives_the_small_side_as_rows(large_side):
+    segments = [
+        {"src_pool": 0, "dst_pool": 0, "sub_block": i, "runs": [{"src": 0, "dst": 0, "len": 4}]}
+        for i in range(3)
+    ]
+    route = Route.from_dict({"segments": segments, "block_ratio": 3, "large_side": large_side})
+    assert [s.sub_block for s in route.segments] == [0, 1, 2]
+    large, small = [7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 11]  # 8 small blocks: 2 whole large ones
+    lists = (large, small) if large_side == "context" else (small, large)
+    src, dst = align_blocks(route, {0: lists})
+    big, rows = (src, dst) if large_side == "context" else (dst, src)
+    assert big[0].tolist() == [8, 9]  # the last 2 large blocks, from the end
+    assert rows[0].tolist() == [[3, 4, 5], [6, 10, 11]]  # the last 6 small blocks, 3 per row
+    assert staging_layout(route, src).nbytes == 2 * route.bytes_per_block(0)

@@ -208,3 +208,51 @@ def test_waits_time_out_and_oversized_writes_are_refused(pair):
         sender.write_staged("r2", hs.route(), [0, 1, 2, 3], dst_offset=0, tag=b"z")
     with pytest.raises(ValueError, match="destination block id 8"):
         sender.write_fragments("r2", hs.route(), [0], [8], tag=b"z")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tpb", [(8, 2), (2, 8)])
+def test_block_size_ratio_staged_and_per_fragment(tpb):
+    """A plan with different tokens_per_block: the small side's blocks travel as ``[n, r]`` rows
+    through both NIXL paths and land where the naive reference copy puts them."""
+    from api import geometry
+    from api.geometry.builders import ViewSpec, instance_body
+    from workers.executors import align_blocks
+    from workers.pools import PoolSpec
+
+    bodies = [
+        instance_body(
+            role=role, views=[ViewSpec("target", 2, 4, 8)], tp=1, tokens_per_block=t, num_slots=16
+        )  # fmt: skip
+        for role, t in (("context", tpb[0]), ("generation", tpb[1]))
+    ]
+    plan = geometry.compile_plan(*(geometry.parse_instance(b, b["role"][:3]) for b in bodies))
+    (route,) = [r.to_dict() for r in plan.routes]
+    bs, bd = align_blocks(
+        route, {0: ([9, 1, 2, 3, 4, 5, 6, 7, 8], [15, 14, 13, 12, 0, 10, 11, 1, 2])}
+    )
+    assert min(bs[0].shape[0], bd[0].shape[0]) == 2  # two large blocks move
+    specs = [PoolSpec.from_dict(b["ranks"][0]["pools"][0]) for b in bodies]
+    src = allocate_pools([specs[0]])
+    fill_pattern(0, src[0])
+    want = allocate_pools([specs[1]])
+    fill_pattern(1, want[0])
+    reference_copy(route, src, want, bs, bd)
+    size = staging_layout(route, bs).nbytes
+    for mode in ("staged", "fragments"):
+        dst = allocate_pools([specs[1]])
+        fill_pattern(1, dst[0])
+        sender = NixlTransport(f"s-{mode}-{tpb[0]}", src, staging_bytes=size)
+        receiver = NixlTransport(f"r-{mode}-{tpb[0]}", dst, staging_bytes=size)
+        try:
+            sender.add_peer(receiver.peer_info())
+            if mode == "staged":
+                sender.write_staged(receiver.name, route, bs, dst_offset=0, tag=b"q", timeout_s=10)
+                receiver.receive_staged(sender.name, route, bd, offset=0, tag=b"q", timeout_s=10)
+            else:
+                sender.write_fragments(receiver.name, route, bs, bd, tag=b"f", timeout_s=10)
+        finally:
+            sender.close()
+            receiver.close()
+        assert torch.equal(dst[0].tensor, want[0].tensor), mode
+    assert not torch.equal(want[0].tensor, allocate_pools([specs[1]])[0].tensor)

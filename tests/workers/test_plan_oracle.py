@@ -13,7 +13,14 @@ import torch
 
 from api import geometry
 from api.geometry.builders import ViewSpec, instance_body
-from workers.executors import align_blocks, copy_local, gather, scatter, staging_layout
+from workers.executors import (
+    align_blocks,
+    copy_local,
+    expand_fragments,
+    gather,
+    scatter,
+    staging_layout,
+)
 from workers.pools import PoolSpec, allocate_pools, fill_pattern
 
 CASES = [
@@ -28,6 +35,13 @@ CASES = [
     ("HND", 3, 2, 6),
     ("NHD>HND", 2, 3, 12),
 ]
+# Different tokens_per_block (HND): (context tpb, generation tpb) → one large block, r small ones
+RATIO_CASES = [
+    ("HND", 4, 2, 8, (8, 2)),
+    ("HND", 2, 4, 8, (2, 8)),
+    ("HND", 8, 2, 4, (4, 2)),
+    ("HND", 3, 2, 6, (2, 6)),
+]
 
 
 def _fleet(body, rank_offset: int):
@@ -41,14 +55,17 @@ def _fleet(body, rank_offset: int):
     return out
 
 
-@pytest.mark.parametrize(("layout", "ctx_tp", "gen_tp", "heads"), CASES)
-def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads):
+@pytest.mark.parametrize(
+    ("layout", "ctx_tp", "gen_tp", "heads", "tpb"),
+    [(*case, (8, 8)) for case in CASES] + RATIO_CASES,
+)
+def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads, tpb):
     ctx_layout, _, gen_layout = layout.partition(">")
     ctx_view = [ViewSpec("target", layers=3, kv_heads=heads, head_dim=16, layout=ctx_layout)]
     gen_view = [ViewSpec("target", 3, heads, 16, layout=gen_layout or ctx_layout)]
-    ctx_body = instance_body(role="context", views=ctx_view, tp=ctx_tp, tokens_per_block=8,
+    ctx_body = instance_body(role="context", views=ctx_view, tp=ctx_tp, tokens_per_block=tpb[0],
                              num_slots=24, slot_padding_bytes=32)  # fmt: skip
-    gen_body = instance_body(role="generation", views=gen_view, tp=gen_tp, tokens_per_block=8,
+    gen_body = instance_body(role="generation", views=gen_view, tp=gen_tp, tokens_per_block=tpb[1],
                              num_slots=20)  # fmt: skip
     plan = geometry.compile_plan(
         geometry.parse_instance(ctx_body, "ctx"), geometry.parse_instance(gen_body, "gen")
@@ -67,6 +84,7 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
 
     direct = _fleet(gen_body, 100)
     staged = _fleet(gen_body, 100)
+    indexed = _fleet(gen_body, 100)  # the CUDA default path (index_select), run on CPU
     routes = [r.to_dict() for r in plan.routes]
     staging = {}
     for recv in plan.receivers:
@@ -75,9 +93,12 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
     for route in routes:
         bs, bd = align_blocks(route, blocks)
         copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
+        copy_local(route, senders[route["sender_rank"]], indexed[route["receiver_rank"]], bs, bd,
+                   method="index")  # fmt: skip
         recv = next(r for r in plan.receivers if r.rank == route["receiver_rank"])
-        offset = recv.staging_offsets[recv.writers.index(route["sender_rank"])] * bs[0].size
-        assert staging_layout(route, bs).nbytes == route["bytes_per_block"] * bs[0].size
+        pairs = bs[0].shape[0]  # with a ratio: large blocks (the small side is [n, r])
+        offset = recv.staging_offsets[recv.writers.index(route["sender_rank"])] * pairs
+        assert staging_layout(route, bs).nbytes == route["bytes_per_block"] * pairs
         gather(route, senders[route["sender_rank"]], bs, out=staging[recv.rank], offset=offset)
         scatter(route, staging[recv.rank], staged[route["receiver_rank"]], bd, offset=offset)
 
@@ -87,34 +108,40 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
             initial = _fleet(gen_body, 100)[rank][pid].tensor
             moved += int(torch.count_nonzero(pool.tensor != initial))
             assert torch.equal(direct[rank][pid].tensor, pool.tensor), f"direct rank {rank}"
+            assert torch.equal(indexed[rank][pid].tensor, pool.tensor), f"indexed rank {rank}"
             assert torch.equal(staged[rank][pid].tensor, pool.tensor), f"staged rank {rank}"
     assert moved > 0
     assert expansion.bytes == sum(
-        r["bytes_per_block"] * align_blocks(r, blocks)[0][0].size for r in routes
+        r["bytes_per_block"] * align_blocks(r, blocks)[0][0].shape[0] for r in routes
     )
     assert np.all([s.numel() for s in staging.values()])
 
 
 @pytest.mark.parametrize(
-    ("ctx", "gen", "state"),
+    ("ctx", "gen", "state", "tpb"),
     [
-        ({"tp": 4}, {"tp": 2}, ([2], [1])),
-        ({"tp": 2}, {"tp": 4}, ([0], [3])),
-        ({"tp": 1}, {"tp": 2}, ([1], [0])),
-        ({"tp": 2}, {"tp": 2, "cp": 2}, ([2], [[1], [3]])),  # helix: a slot per CP rank
+        ({"tp": 4}, {"tp": 2}, ([2], [1]), (4, 4)),
+        ({"tp": 2}, {"tp": 4}, ([0], [3]), (4, 4)),
+        ({"tp": 1}, {"tp": 2}, ([1], [0]), (4, 4)),
+        ({"tp": 2}, {"tp": 2, "cp": 2}, ([2], [[1], [3]]), (4, 4)),  # helix: a slot per CP rank
+        # block-size ratios: the paged group pairs [n, r]; the state group still one slot pair
+        ({"tp": 4}, {"tp": 2}, ([2], [1]), (8, 4)),
+        ({"tp": 2}, {"tp": 4}, ([0], [3]), (4, 16)),
     ],
 )
-def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, gen, state):
+def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, gen, state, tpb):
     from api.geometry.state_builders import HybridSpec, hybrid_body
 
     spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=8, ssm_heads=8,
                       ssm_head_dim=4, d_state=4, conv_channels=(32, 16, 16), d_conv=4)  # fmt: skip
-    ctx_body = hybrid_body(role="context", spec=spec, tokens_per_block=4, num_slots=8, **ctx)
-    gen_body = hybrid_body(role="generation", spec=spec, tokens_per_block=4, num_slots=8, **gen)
+    ctx_body = hybrid_body(role="context", spec=spec, tokens_per_block=tpb[0], num_slots=8, **ctx)
+    gen_body = hybrid_body(role="generation", spec=spec, tokens_per_block=tpb[1], num_slots=8,
+                           **gen)  # fmt: skip
     plan = geometry.compile_plan(
         geometry.parse_instance(ctx_body, "ctx"), geometry.parse_instance(gen_body, "gen")
     )
-    blocks = {0: ([5, 6, 1], [4, 0]), 1: state}
+    paged = ([5, 6, 1, 2, 3, 7], [4, 0]) if tpb[1] > tpb[0] else ([5, 6, 1], [4, 0])
+    blocks = {0: paged, 1: state}
     expansion = geometry.expand(plan, blocks)
     senders = _fleet(ctx_body, 0)
     want = _fleet(gen_body, 100)
@@ -129,6 +156,9 @@ def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, g
     for route in (r.to_dict() for r in plan.routes):
         bs, bd = align_blocks(route, blocks)
         assert bs[1].size == bd[1].size == 1  # the state group: one slot pair per route
+        if tpb[0] != tpb[1]:  # the small side's paged blocks come as [n, r]
+            assert (bd if tpb[0] > tpb[1] else bs)[0].shape[1:] == (max(tpb) // min(tpb),)
+            assert {s["state"] for s in route["segments"] if s["sub_block"]} <= {False}
         copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
         layout = staging_layout(route, bs)
         area = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -141,3 +171,43 @@ def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, g
         for pid, pool in pools.items():
             assert torch.equal(direct[rank][pid].tensor, pool.tensor), f"direct rank {rank}"
             assert torch.equal(staged[rank][pid].tensor, pool.tensor), f"staged rank {rank}"
+
+
+@pytest.mark.parametrize(("layout", "ctx_tp", "gen_tp", "heads", "tpb"), RATIO_CASES)
+def test_ratio_fragments_of_the_nixl_path_match_the_planning_core(
+    layout, ctx_tp, gen_tp, heads, tpb
+):
+    """``expand_fragments`` (the per-fragment NIXL WRITE) over ``align_blocks``' ``[n, r]`` small
+    side lists exactly the fragments the planning core expands."""
+    bodies = [
+        instance_body(
+            role=role,
+            views=[ViewSpec("target", 2, heads, 16)],
+            tp=tp,
+            tokens_per_block=t,
+            num_slots=24,
+        )  # fmt: skip
+        for role, tp, t in (("context", ctx_tp, tpb[0]), ("generation", gen_tp, tpb[1]))
+    ]
+    ctx, gen = (geometry.parse_instance(b, b["role"][:3]) for b in bodies)
+    plan = geometry.compile_plan(ctx, gen)
+    blocks = {0: ([5, 6, 7, 8, 9, 1, 2, 3, 23, 0], [19, 4, 5, 6, 0, 11, 12, 13, 14])}
+    expansion = geometry.expand(plan, blocks)
+    pools = {
+        side: {r["rank"]: {p["id"]: PoolSpec.from_dict(p) for p in r["pools"]} for r in b["ranks"]}
+        for side, b in zip(("context", "generation"), bodies, strict=True)
+    }
+    for expanded in expansion.routes:
+        route = expanded.route.to_dict()
+        bs, bd = align_blocks(route, blocks)
+        frags = expand_fragments(
+            route, pools["context"][route["sender_rank"]],
+            pools["generation"][route["receiver_rank"]], bs, bd,
+        )  # fmt: skip
+        got = sorted(
+            (sp, int(s), dp, int(d), int(n))
+            for (sp, dp), arrays in frags.items()
+            for s, d, n in zip(*arrays, strict=True)
+        )
+        assert got == sorted(map(tuple, expanded.fragment_rows().tolist()))
+        assert got

@@ -656,7 +656,7 @@ class NixlTransport:
                 raise BlockRangeError(f"segment {seg.src_pool}->{seg.dst_pool}: unknown pool")
             _check_template(seg, sp, dp)  # type: ignore[arg-type]
             g = seg.layer_group
-            if bs[g].size != bd[g].size:
+            if bs[g].shape[0] != bd[g].shape[0]:  # pairs (a ratio's small side is [n, r])
                 raise BlockRangeError(f"layer group {g}: block lists differ in length")
             _check_ids(bs[g], sp, g, "source", unique=False)
             _check_ids(bd[g], dp, g, "destination", unique=True)  # type: ignore[arg-type]
