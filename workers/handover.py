@@ -121,9 +121,28 @@ _ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 BlockMap = Mapping[Any, Any]
 
 
-def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[list[int], list[int]]]:
-    """``{group: (context_ids, generation_ids)}`` from either accepted form; ValueError if bad."""
-    out: dict[int, tuple[list[int], list[int]]] = {}
+def _flat_ids(raw: Any, g: int, side: str) -> list[int]:
+    arr = np.asarray(raw.detach().cpu().numpy() if hasattr(raw, "detach") else raw)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise HandoverError(f"layer group {g}: {side} block ids must be a flat list of integers "
+                            "(or, on a CP side, one such list per CP rank)",
+                            code="invalid_blocks")
+    return [int(x) for x in arr.tolist()]
+
+
+def _side_ids(raw: Any, g: int, side: str) -> list[int] | list[list[int]]:
+    """A flat id list, or one list per CP rank (helix: each CP rank's own block table)."""
+    if (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)) and len(raw)
+            and all(isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes))
+                    for x in raw)):
+        return [_flat_ids(x, g, side) for x in raw]
+    return _flat_ids(raw, g, side)
+
+
+def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[Any, Any]]:
+    """``{group: (context_ids, generation_ids)}`` from either accepted form; each side a flat
+    list of ints or one list per CP rank. Raises :class:`HandoverError` if bad."""
+    out: dict[int, tuple[Any, Any]] = {}
     for group, lists in blocks.items():
         try:
             g = int(group)
@@ -142,13 +161,13 @@ def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[list[int], list[int]]]
             if raw is None:
                 raise HandoverError(f"layer group {g}: no {side} block list",
                                     code="invalid_blocks")
-            arr = np.asarray(raw.detach().cpu().numpy() if hasattr(raw, "detach") else raw)
-            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-                raise HandoverError(f"layer group {g}: {side} block ids must be a flat list of "
-                                    "integers", code="invalid_blocks")
-            ids.append([int(x) for x in arr.tolist()])
+            ids.append(_side_ids(raw, g, side))
         out[g] = (ids[0], ids[1])
     return out
+
+
+def _count(ids: Any) -> int:
+    return sum(len(x) for x in ids) if ids and isinstance(ids[0], list) else len(ids)
 
 
 class Handle:
@@ -516,8 +535,7 @@ class Handover:
             handle._resolve(FAILED, "the worker stopped")
         return handle
 
-    def _auto_mode(self, entry: PlanEntry, pairs: Mapping[int, tuple[list[int], list[int]]]
-                   ) -> str:
+    def _auto_mode(self, entry: PlanEntry, pairs: Mapping[int, tuple[Any, Any]]) -> str:
         """``fragments`` when the plan's fragments are large (or staging cannot hold a route of
         this request), ``staged`` otherwise; the same answer on both sides of a request."""
         nbytes = fragments = 0
@@ -528,8 +546,8 @@ class Handover:
         if fragments and nbytes / fragments >= AUTO_FRAGMENT_BYTES:
             return "fragments"
         for route in entry.routes:
-            blocks = max((min(len(pairs[g][0]), len(pairs[g][1])) for g in route.layer_groups
-                          if g in pairs), default=0)
+            blocks = max((min(_count(pairs[g][0]), _count(pairs[g][1]))
+                          for g in route.layer_groups if g in pairs), default=0)
             if blocks * sum(seg.bytes_per_block for seg in route.segments) > self.areas.nbytes:
                 return "fragments"
         return "staged"
@@ -1120,10 +1138,13 @@ class Handover:
                     break
 
 
-def blocks_of(pairs: Mapping[int, tuple[Iterable[int], Iterable[int]]]) -> dict[str, Any]:
-    """The REST form of a block map (``{"0": {"context": [...], "generation": [...]}}``)."""
-    return {str(g): {"context": list(map(int, c)), "generation": list(map(int, r))}
-            for g, (c, r) in pairs.items()}
+def blocks_of(pairs: Mapping[int, tuple[Any, Any]]) -> dict[str, Any]:
+    """The REST form of a block map (``{"0": {"context": [...], "generation": [...]}}``);
+    per-CP-rank lists stay lists of lists."""
+    def side(ids: Iterable[Any]) -> list[Any]:
+        return [side(x) if isinstance(x, (list, tuple)) else int(x) for x in ids]
+
+    return {str(g): {"context": side(c), "generation": side(r)} for g, (c, r) in pairs.items()}
 
 
 __all__ = ["ARRIVED", "FAILED", "PENDING", "RELEASED", "Finished", "Handle", "Handover",

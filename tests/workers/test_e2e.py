@@ -317,3 +317,31 @@ def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, t
         _transfer(fleet, "hybrid-bad", blocks={**blocks, "1": {"context": [0, 1],
                                                                "generation": [1]}})
     assert refused.value.status == 422
+
+
+def test_helix_per_cp_rank_block_tables_ride_rest_execute(fleet: Fleet) -> None:
+    """Helix (context cp 1 → generation cp 2): the generation gives one block table per CP rank;
+    each CP rank's worker receives the logical blocks ``j % 2 == cp_rank`` and verifies them."""
+    views = [ViewSpec("target", 2, 2, 16)]
+    ctx = instance_body(role="context", views=views, tp=1, tokens_per_block=8, num_slots=32)
+    gen = instance_body(role="generation", views=views, tp=1, cp=2, tokens_per_block=8,
+                        num_slots=32)
+    fleet.client.register_instance("ctx", ctx)
+    fleet.client.register_instance("gen", gen)
+    assert fleet.client.create_pairing("ctx", "gen")["compatible"]
+    _start_all(fleet, 1, 2)
+    # 7 logical blocks; the generation reuses a prefix: CP rank 0 holds 0, 2, 4, 6 (its last 3
+    # here), CP rank 1 holds 1, 3, 5 (its last 2).
+    blocks = {"0": {"context": [10, 11, 12, 13, 14, 15, 16],
+                    "generation": [[7, 8, 9], [5, 6]]}}
+    plan = compile_plan(parse_instance(ctx, "ctx"), parse_instance(gen, "gen"))
+    want = expand(plan, {0: (blocks["0"]["context"], blocks["0"]["generation"])})
+    assert want.bytes > 0
+    created = _transfer(fleet, "helix", blocks=blocks)
+    done = fleet.client.get_transfer(created["id"], wait_s=60)
+    assert done["status"] == "done", done["error"]
+    assert done["bytes"] == want.bytes
+    parts = fleet.client.list_parts(created["id"])["items"]
+    received = {p["rank"]: sum(r["bytes"] for r in p["result"]["routes"])
+                for p in parts if p["kind"] == "receive"}
+    assert sorted(received) == [0, 1] and sum(received.values()) == want.bytes
