@@ -531,8 +531,8 @@ class TransferCreate(_Request):
         default="auto",
         description="staged: gather, one NIXL WRITE per chunk into the receiver's staging "
         "area, scatter there; fragments: one NIXL descriptor per fragment, pool to pool (no "
-        "copies); auto: the workers pick fragments when the plan's fragments average at least "
-        "8 KiB (or a route does not fit staging), staged otherwise",
+        "copies); auto: per route, fragments when the route's fragments average at least 8 KiB, "
+        "staged otherwise",
     )
     verify: bool = Field(
         default=False, description="Compare sender and receiver crc32 of every route's bytes"

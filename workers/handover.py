@@ -166,8 +166,13 @@ def normalize_blocks(blocks: BlockMap) -> dict[int, tuple[Any, Any]]:
     return out
 
 
-def _count(ids: Any) -> int:
-    return sum(len(x) for x in ids) if ids and isinstance(ids[0], list) else len(ids)
+def route_mode_of(route: Route) -> str:
+    """``mode="auto"`` for one route: ``fragments`` (pool to pool, no copies) when its fragments
+    average at least ``AUTO_FRAGMENT_BYTES``, else ``staged``. A function of the plan alone, so
+    the route's sender and receiver resolve it alike."""
+    nbytes = sum(seg.bytes_per_block for seg in route.segments)
+    fragments = sum(run.count for seg in route.segments for run in seg.runs)
+    return "fragments" if fragments and nbytes >= AUTO_FRAGMENT_BYTES * fragments else "staged"
 
 
 class Handle:
@@ -310,6 +315,7 @@ class _RouteState:
     dst: dict[int, np.ndarray]
     layout: StagingLayout
     peer_rank: int  # the other side's rank
+    mode: str = "staged"  # staged | fragments (auto resolved per route, alike on both sides)
     agent: str | None = None  # the other side's NIXL agent (None until the directory has it)
     area: int | None = None  # staging offset (receiver: granted area; sender: local area)
     chunks: dict[int, StagingChunk] = field(default_factory=dict)  # receiver: outstanding
@@ -408,9 +414,9 @@ class Handover:
         """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
 
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
-        ``fragments`` or ``auto`` (fragments when the routes' fragments average at least
-        ``AUTO_FRAGMENT_BYTES`` or staging cannot hold them, else staged; both sides resolve it
-        alike from the same plan); ``verify``: crc32 of every route's bytes on both sides
+        ``fragments`` or ``auto`` (per route: fragments when the route's fragments average at
+        least ``AUTO_FRAGMENT_BYTES``, else staged; both sides resolve it alike from the same
+        plan); ``verify``: crc32 of every route's bytes on both sides
         (recorded); ``context``: the caller's extras, kept on ``handle.context``. Raises
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
@@ -494,11 +500,9 @@ class Handover:
         if not 0 < timeout <= 3600:
             raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
         pairs = normalize_blocks(blocks)
-        if mode == "auto":
-            mode = self._auto_mode(entry, pairs)
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
-        handle.context.update(blocks=blocks_of(pairs), mode=mode, verify=verify)
+        handle.context.update(blocks=blocks_of(pairs), verify=verify)
         now = time.monotonic()
         op = _Op(handle, request_id, side, peer, mode, verify, now + timeout,
                  hold_until=now + self.hold_s)
@@ -515,14 +519,18 @@ class Handover:
             except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
                 raise HandoverError(str(error), code="invalid_blocks") from None
             layout = staging_layout(route, src)
-            if mode == "staged" and layout.nbytes > self.areas.nbytes:
+            route_mode = route_mode_of(route) if mode == "auto" else mode
+            if route_mode == "staged" and layout.nbytes > self.areas.nbytes:
                 raise HandoverError(
                     f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "
                     f"staging bytes; this worker's buffer holds {self.areas.nbytes} (use a "
                     "larger --staging-mib or mode=fragments)", code="staging_too_small")
             op.routes.append(_RouteState(
                 op, route, route_dict, route.sender_rank, route.receiver_rank, src, dst, layout,
-                peer_rank=route.receiver_rank if side == "send" else route.sender_rank))
+                peer_rank=route.receiver_rank if side == "send" else route.sender_rank,
+                mode=route_mode))
+        modes = {state.mode for state in op.routes}
+        handle.context["mode"] = modes.pop() if len(modes) == 1 else mode
         self._validate_ids(op)
         if self.on_start is not None:
             self.on_start(handle)
@@ -534,23 +542,6 @@ class Handover:
         if self._closed and not self._thread.is_alive():  # raced close(): nobody will run it
             handle._resolve(FAILED, "the worker stopped")
         return handle
-
-    def _auto_mode(self, entry: PlanEntry, pairs: Mapping[int, tuple[Any, Any]]) -> str:
-        """``fragments`` when the plan's fragments are large (or staging cannot hold a route of
-        this request), ``staged`` otherwise; the same answer on both sides of a request."""
-        nbytes = fragments = 0
-        for route in entry.routes:
-            for seg in route.segments:
-                nbytes += seg.bytes_per_block
-                fragments += sum(run.count for run in seg.runs)
-        if fragments and nbytes / fragments >= AUTO_FRAGMENT_BYTES:
-            return "fragments"
-        for route in entry.routes:
-            blocks = max((min(_count(pairs[g][0]), _count(pairs[g][1]))
-                          for g in route.layer_groups if g in pairs), default=0)
-            if blocks * sum(seg.bytes_per_block for seg in route.segments) > self.areas.nbytes:
-                return "fragments"
-        return "staged"
 
     def _validate_ids(self, op: _Op) -> None:
         """Block ids against this rank's pools, before anything is granted or written."""
@@ -652,7 +643,7 @@ class Handover:
                        notify=False)
             return
         for state in op.routes:
-            if not state.layout.nbytes and op.mode == "staged":
+            if not state.layout.nbytes and state.mode == "staged":
                 state.done = True
                 continue
             index[state.key] = state
@@ -724,7 +715,7 @@ class Handover:
     def _grant(self, state: _RouteState) -> bool:
         op = state.op
         ttl_ms = max(1, int((op.deadline - time.monotonic()) * 1000))
-        if op.mode == "fragments":
+        if state.mode == "fragments":
             offset = -1
         else:
             area = self.areas.alloc(state.layout.nbytes)
@@ -763,7 +754,7 @@ class Handover:
         for state in list(self._recv.values()):
             if (state.granted and not state.done and not state.op.handle.done
                     and now - state.heard_at > GRANT_RESEND_S):
-                offset = -1 if state.op.mode == "fragments" else int(state.area or 0)
+                offset = -1 if state.mode == "fragments" else int(state.area or 0)
                 self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)),
                                  again=True)
 
