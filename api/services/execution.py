@@ -278,10 +278,11 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     transfers = {row.id: row for row in session.scalars(
         select(TransferRow).where(TransferRow.id.in_(ids)).order_by(TransferRow.id)
         .with_for_update().execution_options(populate_existing=True))}
+    plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]] = {}
     for record in records:
         row = transfers.get(_record_transfer_id(record))
         if record.transfer_id is None and row is not None and not row.blocks and record.blocks:
-            _describe(session, row, record)  # the first record(s) may come without block lists
+            _describe(session, row, record, plans)  # the first record(s) may lack block lists
     recorded = {tuple(row) for row in session.execute(
         select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
         .where(JobRow.transfer_id.in_(ids)))}
@@ -376,8 +377,37 @@ def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
         return row
 
 
-def _describe(session: Session, row: TransferRow, record: wire.TransferRecord) -> None:
-    """Fill an engine-path transfer's pairing, plan, blocks and summary from a record."""
+def _describe(session: Session, row: TransferRow, record: wire.TransferRecord,
+              plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]]
+              ) -> None:
+    """Fill an engine-path transfer's pairing, plan, blocks and summary from a record
+    (``plans``: the batch's pairings and plans, looked up and parsed once)."""
+    key = (record.pairing_id, record.context_epoch, record.generation_epoch,
+           record.context_dp_rank, record.generation_dp_rank)
+    if key not in plans:
+        plans[key] = _plan_of(session, row, record)
+    pairing, plan_row, plan = plans[key]
+    blocks = record.blocks or {}
+    summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
+    if plan is not None:
+        try:
+            summary = expand(plan, {
+                int(g): (v.get("context", []), v.get("generation", []))
+                for g, v in blocks.items()
+            }).to_summary()
+        except Exception as error:  # a record is kept whatever its blocks say
+            log.warning("engine transfer %s: cannot expand its blocks: %s", row.id, error)
+    row.pairing_id = None if pairing is None else pairing.id
+    row.plan_id = None if plan_row is None else plan_row.id
+    row.blocks = blocks
+    row.summary = summary
+    row.bytes = int(summary["bytes"])
+    row.fragments = int(summary["fragments"])
+
+
+def _plan_of(session: Session, row: TransferRow, record: wire.TransferRecord
+             ) -> tuple[PairingRow | None, PlanRow | None, Plan | None]:
+    """The pairing and plan an engine-path record names (compiled if it is not cached yet)."""
     pairing = session.get(PairingRow, record.pairing_id)
     plan_row = None if pairing is None else session.scalars(select(PlanRow).where(
         PlanRow.pairing_id == pairing.id,
@@ -400,23 +430,13 @@ def _describe(session: Session, row: TransferRow, record: wire.TransferRecord) -
             plan_row = session.get(PlanRow, plan_id)
         except (Conflict, KvplaneError) as error:
             log.warning("engine transfer %s: no plan: %s", row.id, error)
-    blocks = record.blocks or {}
-    summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
-    if plan_row is not None:
-        try:
-            summary = expand(Plan.from_dict(plan_row.body), {
-                int(g): (v.get("context", []), v.get("generation", []))
-                for g, v in blocks.items()
-            }).to_summary()
-        except Exception as error:  # a record is kept whatever its blocks say
-            log.warning("engine transfer %s: cannot expand its blocks: %s", row.id, error)
-    row.pairing_id = None if pairing is None else pairing.id
-    row.plan_id = None if plan_row is None else plan_row.id
-    row.blocks = blocks
-    row.summary = summary
-    row.bytes = int(summary["bytes"])
-    row.fragments = int(summary["fragments"])
-    session.flush()
+    if plan_row is None:
+        return pairing, None, None
+    try:
+        return pairing, plan_row, Plan.from_dict(plan_row.body)
+    except Exception as error:  # a record is kept whatever its plan says
+        log.warning("engine transfer %s: unreadable plan %s: %s", row.id, plan_row.id, error)
+        return pairing, plan_row, None
 
 
 def _part_row(transfer: TransferRow, worker: WorkerRow, record: wire.TransferRecord,
@@ -451,20 +471,38 @@ def settle_many(*, session: Session, transfers: Sequence[TransferRow],
     active = [t for t in transfers if t.status in ACTIVE]
     if not active:
         return []
-    parts: dict[str, list[JobRow]] = {t.id: [] for t in active}
+    parts: dict[str, list[Any]] = {t.id: [] for t in active}
     attempts = {t.id: t.attempt for t in active}
-    for part in session.scalars(select(JobRow).where(JobRow.transfer_id.in_(list(parts)))):
+    # Plain rows, not ORM objects: a batch of 256 records settles ~1,500 parts at once.
+    for part in session.execute(select(
+            JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank, JobRow.state,
+            JobRow.error, JobRow.finished_at, JobRow.result)
+            .where(JobRow.transfer_id.in_(list(parts)))):
         if part.attempt == attempts[part.transfer_id]:
             parts[part.transfer_id].append(part)
-    finished = []
+    finished, done = [], []
     for transfer in active:
         outcome = _outcome(transfer, parts[transfer.id], now)
-        if outcome is not None and finish(session, transfer, outcome[0], now, outcome[1]):
+        if outcome is None:
+            continue
+        if outcome[0] == "done" and len(active) > 1:
+            done.append(transfer.id)
+        elif finish(session, transfer, outcome[0], now, outcome[1]):
             finished.append(transfer.id)
-    return finished
+    if done:  # one guarded UPDATE for all of them
+        finished += session.scalars(
+            update(TransferRow)
+            .where(TransferRow.id.in_(done), TransferRow.status.in_(ACTIVE))
+            .values(status="done", error=None, finished_at=now, updated_at=now)
+            .returning(TransferRow.id)
+            .execution_options(synchronize_session=False)).all()
+        for transfer in active:
+            if transfer.id in done:
+                session.expire(transfer)
+    return sorted(finished)
 
 
-def _outcome(transfer: TransferRow, parts: Sequence[JobRow],
+def _outcome(transfer: TransferRow, parts: Sequence[Any],
              now: datetime) -> tuple[str, str | None] | None:
     """``(status, error)`` when the recorded parts decide the transfer, else None."""
     failed = [p for p in parts if p.state == "failed"]
@@ -489,7 +527,7 @@ def _outcome(transfer: TransferRow, parts: Sequence[JobRow],
     return "done", None
 
 
-def _checksum_mismatch(parts: Sequence[JobRow]) -> str | None:
+def _checksum_mismatch(parts: Sequence[Any]) -> str | None:
     sent: dict[tuple[int, int], int | None] = {}
     received: dict[tuple[int, int], int | None] = {}
     for part in parts:
