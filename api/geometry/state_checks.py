@@ -29,7 +29,7 @@ from api.geometry.heads import ViewGeometry
 from api.geometry.match import Match
 from api.geometry.model import Instance, View
 from api.geometry.state import StateGeometry
-from api.geometry.validate import Findings, geometry_of
+from api.geometry.validate import Findings, geometry_of, mismatch_finding
 
 
 def _state_layers(instance: Instance) -> dict[int, set[int]]:
@@ -101,22 +101,8 @@ def check_state_match(
             rank: int = holder.rank,
             **extra: Any,
         ) -> None:
-            findings.add(
-                code,
-                f"{receiver.label()}: {what} differs (generation {local_value}, context "
-                f"{peer_value})",
-                receiver_ranks=[match.receiver_rank],
-                sender_ranks=[rank],
-                layers=match.layers,
-                field=field_name,
-                local=local_value,
-                peer=peer_value,
-                receiver_view=receiver.index,
-                sender_view=sender.index,
-                view=receiver.label(),
-                peer_view=sender.label(),
-                **extra,
-            )
+            mismatch_finding(findings, match, rank, sender, code, what, field_name,
+                             local_value, peer_value, **extra)
 
         state_sides = (
             generation.is_state_group(receiver_group),

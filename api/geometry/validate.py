@@ -390,7 +390,7 @@ def geometry_of(
     return geometry
 
 
-def _mismatch(
+def mismatch_finding(
     findings: Findings,
     match: Match,
     sender_rank: int,
@@ -400,7 +400,9 @@ def _mismatch(
     field_name: str,
     local_value: Any,
     peer_value: Any,
+    **extra: Any,
 ) -> None:
+    """One field of a matched view pair differs: a finding naming both views and ranks."""
     receiver = match.receiver_view
     findings.add(
         code,
@@ -415,6 +417,7 @@ def _mismatch(
         sender_view=sender.index,
         view=receiver.label(),
         peer_view=sender.label(),
+        **extra,
     )
 
 
@@ -457,7 +460,7 @@ def check_match(
             sender: View = sender,
             rank: int = holder.rank,
         ) -> None:
-            _mismatch(
+            mismatch_finding(
                 findings, match, rank, sender, code, what, field_name, local_value, peer_value
             )
 

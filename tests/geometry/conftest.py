@@ -38,6 +38,7 @@ import pytest
 
 from api.geometry import Instance, RankTable, View, compile_plan, expand, parse_instance
 from api.geometry.builders import ViewSpec, instance_body
+from api.geometry.state_builders import HybridSpec
 
 # label bit fields (low → high)
 _BYTE_BITS, _TOKEN_BITS, _HEAD_BITS, _BUF_BITS, _LAYER_BITS, _ROLES_BITS, _OWNER_BITS = (
@@ -59,6 +60,22 @@ _ROLE_CODES: dict[tuple[str, ...], int] = {
 }
 STATE_TAG = 1
 _OWNER_CODES = {"target": 1, "draft": 2}
+
+# The hybrid model of the recurrent-state tests (test_state*.py): a paged attention layer and
+# three Mamba layers with SECTIONED conv state and HND SSM state.
+HYBRID_SPEC = HybridSpec(
+    num_layers=4,
+    attention_layers=(1,),
+    kv_heads=4,
+    head_dim=4,
+    ssm_heads=12,
+    ssm_head_dim=2,
+    d_state=2,
+    conv_channels=(24, 12, 12),
+    d_conv=2,
+    dtype="bfloat16",
+    ssm_dtype="float32",
+)
 
 
 def _encode(

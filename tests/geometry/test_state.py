@@ -16,19 +16,9 @@ from api.geometry import GeometryError, Plan, compile_plan, expand, parse_instan
 from api.geometry import validate_pairing as validate
 from api.geometry.state_builders import HybridSpec, hybrid_body
 
-SPEC = HybridSpec(
-    num_layers=4,
-    attention_layers=(1,),
-    kv_heads=4,
-    head_dim=4,
-    ssm_heads=12,
-    ssm_head_dim=2,
-    d_state=2,
-    conv_channels=(24, 12, 12),
-    d_conv=2,
-    dtype="bfloat16",
-    ssm_dtype="float32",
-)
+from .conftest import HYBRID_SPEC
+
+SPEC = HYBRID_SPEC
 KV_BLOCKS = ([3, 0, 5], [1, 6, 2])
 
 

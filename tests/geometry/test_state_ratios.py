@@ -16,21 +16,11 @@ import pytest
 
 from api.geometry import Plan, compile_plan, expand, parse_instance
 from api.geometry import validate_pairing as validate
-from api.geometry.state_builders import HybridSpec, hybrid_body
+from api.geometry.state_builders import hybrid_body
 
-SPEC = HybridSpec(
-    num_layers=4,
-    attention_layers=(1,),
-    kv_heads=4,
-    head_dim=4,
-    ssm_heads=12,
-    ssm_head_dim=2,
-    d_state=2,
-    conv_channels=(24, 12, 12),
-    d_conv=2,
-    dtype="bfloat16",
-    ssm_dtype="float32",
-)
+from .conftest import HYBRID_SPEC
+
+SPEC = HYBRID_SPEC
 STATE_BYTES = 3 * (sum(SPEC.section_bytes) + 12 * 16)  # 3 recurrent layers, TP-aggregated
 
 
