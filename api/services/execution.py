@@ -268,8 +268,9 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
                 f"record {record.side} parts of {own} rank {record.rank}",
                 code="forbidden",
             )
-    records = sorted(body.records, key=_record_transfer_id)
-    ids = sorted({_record_transfer_id(r) for r in records})
+    # (transfer id, record) in id order; an engine-path id is a digest, computed once here
+    records = sorted(((_record_transfer_id(r), r) for r in body.records), key=lambda p: p[0])
+    ids = sorted({tid for tid, _ in records})
     _insert_engine_rows(session, records, now)
     # Lock the batch's transfers first, in id order. Otherwise a part's insert takes a key-share
     # lock on its transfer and settling then waits for FOR UPDATE: two workers' batches over the
@@ -279,8 +280,8 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         select(TransferRow).where(TransferRow.id.in_(ids)).order_by(TransferRow.id)
         .with_for_update().execution_options(populate_existing=True))}
     plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]] = {}
-    for record in records:
-        row = transfers.get(_record_transfer_id(record))
+    for tid, record in records:
+        row = transfers.get(tid)
         if record.transfer_id is None and row is not None and not row.blocks and record.blocks:
             _describe(session, row, record, plans)  # the first record(s) may lack block lists
     recorded = {tuple(row) for row in session.execute(
@@ -288,8 +289,8 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         .where(JobRow.transfer_id.in_(ids)))}
     touched: dict[str, int] = {}
     rows = []
-    for record in records:
-        transfer = transfers.get(_record_transfer_id(record))
+    for tid, record in records:
+        transfer = transfers.get(tid)
         if transfer is None or transfer.attempt != record.attempt:
             continue  # an older attempt's news (or an unknown REST id): nothing to change
         if (transfer.context_name, transfer.generation_name) != (record.context,
@@ -322,7 +323,8 @@ def _record_transfer_id(record: wire.TransferRecord) -> str:
                               record.request_id)
 
 
-def _insert_engine_rows(session: Session, records: Sequence[wire.TransferRecord],
+def _insert_engine_rows(session: Session,
+                        records: Sequence[tuple[str, wire.TransferRecord]],
                         now: datetime) -> None:
     """Create the rows of the batch's engine-path transfers that do not exist yet, before any
     row lock is taken, in id order, each ``ON CONFLICT DO NOTHING``.
@@ -334,11 +336,9 @@ def _insert_engine_rows(session: Session, records: Sequence[wire.TransferRecord]
     id, in id order, holding no row lock yet: no cycle.
     """
     rows: dict[str, dict[str, Any]] = {}
-    for record in records:
-        if record.transfer_id is None:
-            tid = _record_transfer_id(record)
-            if tid not in rows:
-                rows[tid] = _engine_row(tid, record, now)
+    for tid, record in records:
+        if record.transfer_id is None and tid not in rows:
+            rows[tid] = _engine_row(tid, record, now)
     if not rows:
         return
     from sqlalchemy.dialects import postgresql, sqlite
