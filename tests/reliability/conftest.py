@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,25 @@ def setup_fleet(client: Any, ctx_tp: int = 2, gen_tp: int = 1) -> dict[tuple[str
             )
             workers[(name, rank_body["rank"])] = attached["id"]
     return workers
+
+
+@dataclass
+class TwoProcesses:
+    """Two API processes on one PostgreSQL database, clients on each, the fleet set up on A."""
+
+    a: Server
+    b: Server
+    on_a: Client
+    on_b: Client
+    workers: dict[tuple[str, int], str]
+
+
+@pytest.fixture
+def two_processes(postgres_url: str, start_server: Callable[..., Server]) -> Iterator[TwoProcesses]:
+    a = start_server(postgres_url)
+    b = start_server(postgres_url)
+    with Client(a.url) as on_a, Client(b.url) as on_b:
+        yield TwoProcesses(a, b, on_a, on_b, setup_fleet(on_a))
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> None:

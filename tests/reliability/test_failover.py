@@ -30,7 +30,14 @@ from sqlalchemy import create_engine, func, select
 from api.client import Client
 from api.models import TransferRow
 
-from .conftest import FakeFleet, Heartbeats, Server, setup_fleet, transfer_body, wait_until
+from .conftest import (
+    FakeFleet,
+    Heartbeats,
+    Server,
+    TwoProcesses,
+    transfer_body,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -52,83 +59,73 @@ def _rows_per_request(db_url: str, prefix: str) -> dict[str, int]:
 # --- fake workers: the delivery rules -----------------------------------------------------------
 
 
-def test_a_stream_that_opens_gets_the_commands_it_missed(
-    postgres_url: str, start_server: Callable[..., Server]
-) -> None:
-    a = start_server(postgres_url)
-    b = start_server(postgres_url)
-    with Client(a.url) as on_a, Client(b.url) as on_b:
-        workers = setup_fleet(on_a)
-        with Heartbeats(f"{a.url},{b.url}", list(workers.values())):
-            # No stream open anywhere (a worker between two API processes): B relays, nobody
-            # holds the stream, the notification is dropped.
-            ids = [
-                on_b.create_transfer(transfer_body(f"m{i}", execute=True))["id"] for i in range(3)
-            ]
-            assert {on_b.get_transfer(t)["status"] for t in ids} == {"running"}
-            with FakeFleet(f"{a.url},{b.url}", workers) as fleet:
-                for transfer_id in ids:
-                    assert on_b.get_transfer(transfer_id, wait_s=30)["status"] == "done"
-                for worker in fleet:
-                    assert sorted(c["transfer_id"] for c in worker.commands) == sorted(ids)
-                    assert worker.duplicates == 0
+def test_a_stream_that_opens_gets_the_commands_it_missed(two_processes: TwoProcesses) -> None:
+    two = two_processes
+    a, b, on_b, workers = two.a, two.b, two.on_b, two.workers
+    with Heartbeats(f"{a.url},{b.url}", list(workers.values())):
+        # No stream open anywhere (a worker between two API processes): B relays, nobody
+        # holds the stream, the notification is dropped.
+        ids = [on_b.create_transfer(transfer_body(f"m{i}", execute=True))["id"] for i in range(3)]
+        assert {on_b.get_transfer(t)["status"] for t in ids} == {"running"}
+        with FakeFleet(f"{a.url},{b.url}", workers) as fleet:
+            for transfer_id in ids:
+                assert on_b.get_transfer(transfer_id, wait_s=30)["status"] == "done"
+            for worker in fleet:
+                assert sorted(c["transfer_id"] for c in worker.commands) == sorted(ids)
+                assert worker.duplicates == 0
 
 
 def test_a_command_pushed_where_the_stream_just_left_follows_it(
-    postgres_url: str, start_server: Callable[..., Server]
+    two_processes: TwoProcesses,
 ) -> None:
-    a = start_server(postgres_url)
-    b = start_server(postgres_url)
-    with Client(a.url) as on_a, Client(b.url) as on_b:
-        workers = setup_fleet(on_a)
-        with (
-            Heartbeats(a.url, list(workers.values())),
-            FakeFleet(f"{a.url},{b.url}", workers) as fleet,
-        ):
-            fleet.wait_streams()
-            for worker in fleet:  # every stream drops; each worker reconnects to B
-                worker._hangup.hang_up()
-            fleet.wait_streams(2)
-            wait_until(
-                lambda: all(w["connected"] for w in on_b.list_workers()["items"]),
-                "every stream to be open on B",
-            )
-            # A still counts the streams as "dropped moments ago": it used to queue the
-            # command for them there, where nobody would read it.
-            transfer = on_a.create_transfer(transfer_body("moved", execute=True))
-            assert on_a.get_transfer(transfer["id"], wait_s=30)["status"] == "done"
-            assert {len(worker.commands) for worker in fleet} == {1}
+    two = two_processes
+    a, b, on_a, on_b, workers = two.a, two.b, two.on_a, two.on_b, two.workers
+    with (
+        Heartbeats(a.url, list(workers.values())),
+        FakeFleet(f"{a.url},{b.url}", workers) as fleet,
+    ):
+        fleet.wait_streams()
+        for worker in fleet:  # every stream drops; each worker reconnects to B
+            worker._hangup.hang_up()
+        fleet.wait_streams(2)
+        wait_until(
+            lambda: all(w["connected"] for w in on_b.list_workers()["items"]),
+            "every stream to be open on B",
+        )
+        # A still counts the streams as "dropped moments ago": it used to queue the
+        # command for them there, where nobody would read it.
+        transfer = on_a.create_transfer(transfer_body("moved", execute=True))
+        assert on_a.get_transfer(transfer["id"], wait_s=30)["status"] == "done"
+        assert {len(worker.commands) for worker in fleet} == {1}
 
 
 def test_a_replay_resends_what_no_rank_recorded_and_nothing_more(
-    postgres_url: str, start_server: Callable[..., Server]
+    postgres_url: str, start_server: Callable[..., Server], two_processes: TwoProcesses
 ) -> None:
-    a = start_server(postgres_url)
-    b = start_server(postgres_url)
-    with Client(a.url) as on_a, Client(b.url) as on_b:
-        workers = setup_fleet(on_a)
-        with (
-            Heartbeats(a.url, list(workers.values())),
-            FakeFleet(a.url, workers, hold=True) as fleet,
-        ):
-            fleet.wait_streams()
-            body = transfer_body("replayed", execute=True)
-            first = on_a.create_transfer(body, idempotency_key="k-1")
-            for worker in fleet:
-                worker.wait_commands(1)
-            # The router's answer was lost; it asks B with the same key: the same transfer, and
-            # its commands once more (A might have died before pushing them).
-            again = on_b.create_transfer(body, idempotency_key="k-1")
-            assert again["id"] == first["id"]
-            wait_until(lambda: all(w.duplicates == 1 for w in fleet), "the commands re-sent")
-            assert fleet.release() == len(workers)
-            assert on_b.get_transfer(first["id"], wait_s=30)["status"] == "done"
-            # Once every rank recorded its part, a replay re-sends nothing.
-            assert on_b.create_transfer(body, idempotency_key="k-1")["id"] == first["id"]
-            fresh = on_b.create_transfer(transfer_body("after", execute=True))
-            assert on_b.get_transfer(fresh["id"], wait_s=30)["status"] == "done"
-            assert {w.duplicates for w in fleet} == {1}
-            assert {len(w.commands) for w in fleet} == {2}
+    two = two_processes
+    a, on_a, on_b, workers = two.a, two.on_a, two.on_b, two.workers
+    with (
+        Heartbeats(a.url, list(workers.values())),
+        FakeFleet(a.url, workers, hold=True) as fleet,
+    ):
+        fleet.wait_streams()
+        body = transfer_body("replayed", execute=True)
+        first = on_a.create_transfer(body, idempotency_key="k-1")
+        for worker in fleet:
+            worker.wait_commands(1)
+        # The router's answer was lost; it asks B with the same key: the same transfer, and
+        # its commands once more (A might have died before pushing them).
+        again = on_b.create_transfer(body, idempotency_key="k-1")
+        assert again["id"] == first["id"]
+        wait_until(lambda: all(w.duplicates == 1 for w in fleet), "the commands re-sent")
+        assert fleet.release() == len(workers)
+        assert on_b.get_transfer(first["id"], wait_s=30)["status"] == "done"
+        # Once every rank recorded its part, a replay re-sends nothing.
+        assert on_b.create_transfer(body, idempotency_key="k-1")["id"] == first["id"]
+        fresh = on_b.create_transfer(transfer_body("after", execute=True))
+        assert on_b.get_transfer(fresh["id"], wait_s=30)["status"] == "done"
+        assert {w.duplicates for w in fleet} == {1}
+        assert {len(w.commands) for w in fleet} == {2}
     assert _rows_per_request(postgres_url, "replayed") == {"replayed": 1}
 
 
