@@ -6,25 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from api.cli import cli
 from api.describe import ConfigError, describe
 from api.geometry import compile_plan, expand, parse_instance, validate_pairing
 
-MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
-runner = CliRunner()
-
-
-def config(name: str) -> dict:
-    return json.loads((MODELS / f"{name}.json").read_text())
-
-
-def write_body(tmp_path: Path, name: str, *args: str) -> Path:
-    out = tmp_path / f"{name}.json"
-    result = runner.invoke(cli, ["describe", *args, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out
+from .test_offline_check import MODELS, config, runner, write_body
 
 
 def test_mamba2_hybrid_body_has_a_paged_and_a_state_group() -> None:
