@@ -74,7 +74,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from api.demo import register_demo_fleet
 
             register_demo_fleet(db)
-        if db.engine.dialect.name == "postgresql":
+        # A second lifespan on the same app (tests nest clients) shares the first one's relay.
+        own_relay = hub.relay is None and db.engine.dialect.name == "postgresql"
+        if own_relay:
             # Several API processes may share this database: relay commands between them.
             hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub, completions)
             # Ready only once commands pushed by other processes can reach this one.
@@ -90,8 +92,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-            if hub.relay is not None:
+            if own_relay and hub.relay is not None:
                 hub.relay.close()
+                hub.relay = None
             db.dispose()
 
     app = FastAPI(
