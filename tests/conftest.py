@@ -6,6 +6,12 @@
   tier is skipped loudly, except under ``CI=true`` where that is a failure.
 
 ``db_url`` is parametrized over both backends; ``app`` and ``client`` build on it.
+
+``bed`` (session): the three-host network-namespace bed of ``workers/netbed.py`` (``kvp-cp``,
+``kvp-ctx``, ``kvp-gen`` on a bridge), built once and removed at the end; skipped loudly where
+namespaces cannot be built, a failure under ``CI=true``. ``postgres_socket_url``: this test's
+PostgreSQL database through the server's Unix socket, which a namespace reaches (the server
+listens on the root namespace's 127.0.0.1 only).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -30,13 +37,16 @@ DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 _postgres_skip_reason: list[str] = []
+_bed_skip_reason: list[str] = []
+POSTGRES_SOCKET_DIR = Path(os.environ.get("KVPLANE_TEST_POSTGRES_SOCKET", "/var/run/postgresql"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _postgres_skip_reason:
-        terminalreporter.write_sep(
-            "!", "PostgreSQL tier SKIPPED: " + _postgres_skip_reason[0], red=True, bold=True
-        )
+    for tier, reasons in (("PostgreSQL", _postgres_skip_reason), ("multi-host", _bed_skip_reason)):
+        if reasons:
+            terminalreporter.write_sep(
+                "!", f"{tier} tier SKIPPED: {reasons[0]}", red=True, bold=True
+            )
 
 
 def _postgres_admin_url() -> str:
@@ -163,3 +173,38 @@ def client(app: FastAPI) -> Iterator[TestClient]:
     """A TestClient on ``app`` (lifespan run)."""
     with TestClient(app) as test_client:
         yield test_client
+
+
+@pytest.fixture
+def postgres_socket_url(postgres_url: str) -> str:
+    """This test's fresh PostgreSQL database, reached through the server's Unix socket."""
+    if not POSTGRES_SOCKET_DIR.is_dir():
+        reason = (
+            f"no PostgreSQL socket directory {POSTGRES_SOCKET_DIR} (set KVPLANE_TEST_"
+            "POSTGRES_SOCKET)"
+        )
+        if IN_CI:
+            pytest.fail(f"CI=true: {reason}")
+        pytest.skip(reason)
+    url = make_url(postgres_url).set(host="", port=None, query={"host": str(POSTGRES_SOCKET_DIR)})
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def bed() -> Iterator[Any]:
+    """The three-host bed (``workers.netbed.Bed``), built once; torn down at the end."""
+    from workers import netbed
+
+    why = netbed.available()
+    if why is not None:
+        if IN_CI:
+            pytest.fail(f"CI=true requires the multi-host bed: {why}")
+        if not _bed_skip_reason:
+            _bed_skip_reason.append(why)
+        pytest.skip(f"multi-host tier SKIPPED: {why}")
+    built = netbed.Bed()
+    try:
+        built.up()
+        yield built
+    finally:
+        built.down()

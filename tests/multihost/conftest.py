@@ -1,9 +1,9 @@
 """Several hosts on one machine (``workers/netbed.py``): the bed, and the demo fleet across it.
 
-- ``bed`` (session): namespaces ``kvp-cp`` (10.77.0.1), ``kvp-ctx`` (10.77.0.2), ``kvp-gen``
-  (10.77.0.3) on the bridge ``kvp-br0``, ``tcp_retries2=3`` in each; removed at the end, also
-  after a failure. Where namespaces cannot be built (not root, no ``ip``/``nft``) the tier is
-  skipped loudly, except under ``CI=true`` where that is a failure.
+- ``bed`` (session, in ``tests/conftest.py``): namespaces ``kvp-cp`` (10.77.0.1), ``kvp-ctx``
+  (10.77.0.2), ``kvp-gen`` (10.77.0.3) on the bridge ``kvp-br0``, ``tcp_retries2=3`` in each;
+  removed at the end, also after a failure. Where namespaces cannot be built (not root, no
+  ``ip``/``nft``) the tier is skipped loudly, except under ``CI=true`` where that is a failure.
 - Every test leaves the network healed (``heal`` after it, whatever happened).
 - ``make_fleet``: the demo fleet (TP4 context → TP2 generation) with the control plane in
   ``kvp-cp`` (SQLite in the test's directory: namespaces share the file system), the context
@@ -31,33 +31,6 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 HOSTS = {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"}
 NUM_SLOTS = 64
 WAIT_S = 60.0  # how long a helper waits for something that must happen
-
-_skip_reason: list[str] = []
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _skip_reason:
-        terminalreporter.write_sep(
-            "!", "multi-host tier SKIPPED: " + _skip_reason[0], red=True, bold=True
-        )
-
-
-@pytest.fixture(scope="session")
-def bed() -> Iterator[netbed.Bed]:
-    """The three-host bed, built once; torn down at the end of the session."""
-    why = netbed.available()
-    if why is not None:
-        if IN_CI:
-            pytest.fail(f"CI=true requires the multi-host bed: {why}")
-        if not _skip_reason:
-            _skip_reason.append(why)
-        pytest.skip(f"multi-host tier SKIPPED: {why}")
-    built = netbed.Bed()
-    try:
-        built.up()
-        yield built
-    finally:
-        built.down()
 
 
 @pytest.fixture(autouse=True)

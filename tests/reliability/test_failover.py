@@ -12,7 +12,9 @@ their own (``api/client.py``). Delivery of REST commands is at least once (``api
   URLs, the engine path running between the same workers, and process A, which holds every
   worker's command stream, heartbeat and records, SIGKILLed mid-burst. Every REST transfer ends
   ``done`` and verified, exactly one row per request (``Idempotency-Key``), every engine request
-  completes and its record reaches the database through B.
+  completes and its record reaches the database through B. The drill runs twice: on loopback,
+  and across the network-namespace bed (``workers/netbed.py``: both API processes on the control
+  host, context and generation ranks on hosts of their own, UCX over TCP on the veths).
 """
 
 from __future__ import annotations
@@ -140,17 +142,44 @@ KILL_AFTER = 12  # REST transfers finished before process A dies
 ENGINE_ROUND = 24  # engine requests per round; rounds run until the burst is over
 
 
-@pytest.fixture
-def two_process_fleet(postgres_url: str, tmp_path: Path) -> Iterator[Any]:
+@pytest.fixture(params=["loopback", "hosts"])
+def two_process_fleet(
+    request: pytest.FixtureRequest, postgres_url: str, tmp_path: Path
+) -> Iterator[Any]:
+    """Two API processes on one PostgreSQL database and the demo fleet. ``hosts``: across the
+    network-namespace bed: both API processes in ``kvp-cp`` (10.77.0.1, two ports; PostgreSQL
+    through its Unix socket), the context ranks in ``kvp-ctx``, the generation ranks in
+    ``kvp-gen``, every worker on ``UCX_TLS=tcp``; the routers (this process) reach ``kvp-cp``
+    over the bridge."""
     pytest.importorskip("nixl")
     pytest.importorskip("torch")
     from workers.engine_loop import ControlPlane, Fleet
 
+    placement: dict[str, Any] = {}
+    server: dict[str, Any] = {}
+    database = postgres_url
+    if request.param == "hosts":
+        bed = request.getfixturevalue("bed")
+        database = request.getfixturevalue("postgres_socket_url")
+        server = {"host": bed.address("cp"), "netns": "kvp-cp"}
+        placement = {
+            "hosts": {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"},
+            "ucx_tls": "tcp",
+        }
     servers = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        servers.append(ControlPlane(tmp_path / name, env={"KVPLANE_DATABASE_URL": postgres_url}))
-    fleet = Fleet(tmp_path, num_slots=NUM_SLOTS, fill=True, staging_bytes=16 << 20, servers=servers)
+        servers.append(
+            ControlPlane(tmp_path / name, env={"KVPLANE_DATABASE_URL": database}, **server)
+        )
+    fleet = Fleet(
+        tmp_path,
+        num_slots=NUM_SLOTS,
+        fill=True,
+        staging_bytes=16 << 20,
+        servers=servers,
+        **placement,
+    )
     try:
         fleet.start()
         yield fleet
