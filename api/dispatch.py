@@ -299,5 +299,6 @@ class PostgresRelay:
     def close(self) -> None:
         self._stop.set()
         with self._publish_lock:
-            self._drop_publisher()        # The listener sees the stop within a second (its notification timeout) and ends
+            self._drop_publisher()
+        # The listener sees the stop within a second (its notification timeout) and ends
         # without another connection attempt.
