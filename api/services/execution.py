@@ -27,9 +27,9 @@ import logging
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy import Table, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
@@ -309,7 +309,7 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         rows.append(_part_row(transfer, worker, record, now))
         touched[transfer.id] = transfer.attempt
     if rows:  # plain INSERT of dicts: an ORM object per part cost a quarter of the batch
-        session.connection().execute(insert(JobRow.__table__), rows)
+        session.connection().execute(insert(cast(Table, JobRow.__table__)), rows)
     settled = settle_many(session=session, transfers=[transfers[t] for t in sorted(touched)],
                           now=now)
     return len(rows), settled
