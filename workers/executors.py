@@ -81,7 +81,7 @@ class Segment:
     state: bool = False  # per-request state: applied once, to each side's state slot
     sub_block: int = 0  # with a block-size ratio: which small block of the large one
 
-    @property
+    @functools.cached_property
     def bytes_per_block(self) -> int:
         return sum(r.nbytes for r in self.runs)
 
@@ -100,18 +100,31 @@ class Route:
     block_ratio: int = 1
     large_side: str | None = None
 
-    @property
+    # Cached: a route is immutable and the hot path asks these for every request.
+    @functools.cached_property
     def layer_groups(self) -> tuple[int, ...]:
         return tuple(sorted({s.layer_group for s in self.segments}))
 
-    @property
+    @functools.cached_property
     def state_groups(self) -> frozenset[int]:
         """Layer groups of per-request state (one slot per side, no block alignment)."""
         return frozenset(s.layer_group for s in self.segments if s.state)
 
+    @functools.cached_property
+    def _group_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in self.segments:
+            out[s.layer_group] = out.get(s.layer_group, 0) + s.bytes_per_block
+        return out
+
     def bytes_per_block(self, layer_group: int) -> int:
         """Staged bytes per aligned block pair of ``layer_group``."""
-        return sum(s.bytes_per_block for s in self.segments if s.layer_group == layer_group)
+        return self._group_bytes.get(layer_group, 0)
+
+    @functools.cached_property
+    def fragments_per_block(self) -> int:
+        """Fragments (descriptors) per aligned block pair, over every segment."""
+        return sum(run.count for seg in self.segments for run in seg.runs)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Route:

@@ -170,8 +170,8 @@ def route_mode_of(route: Route) -> str:
     """``mode="auto"`` for one route: ``fragments`` (pool to pool, no copies) when its fragments
     average at least ``AUTO_FRAGMENT_BYTES``, else ``staged``. A function of the plan alone, so
     the route's sender and receiver resolve it alike."""
-    nbytes = sum(seg.bytes_per_block for seg in route.segments)
-    fragments = sum(run.count for seg in route.segments for run in seg.runs)
+    nbytes = sum(route.bytes_per_block(g) for g in route.layer_groups)
+    fragments = route.fragments_per_block
     return "fragments" if fragments and nbytes >= AUTO_FRAGMENT_BYTES * fragments else "staged"
 
 
