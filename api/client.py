@@ -190,9 +190,13 @@ class _Calls:
     def register_worker(self, body: Mapping[str, Any]) -> Any:
         return self._request("POST", "/v1/workers", json=body)
 
-    def heartbeat(self, worker_id: str) -> Any:
-        """Answers the worker with its ``directory_revision`` (409 when it must re-attach)."""
-        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat")
+    def heartbeat(self, worker_id: str, *, ucx_in_use: Mapping[str, Any] | None = None) -> Any:
+        """Answers the worker with its ``directory_revision`` (409 when it must re-attach);
+        ``ucx_in_use``: what UCX uses for its peer connections (no body without it)."""
+        if ucx_in_use is None:
+            return self._request("POST", f"/v1/workers/{worker_id}/heartbeat")
+        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat",
+                             json={"ucx_in_use": ucx_in_use})
 
     def get_directory(self, worker_id: str) -> Any:
         return self._request("GET", f"/v1/workers/{worker_id}/directory")

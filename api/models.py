@@ -189,6 +189,9 @@ class WorkerRow(Base):
     stopped: Mapped[bool] = mapped_column(Boolean, default=False)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    # What UCX uses for the worker's peer connections, as its latest heartbeat said (null: not
+    # known yet): wire.UcxInUse.
+    ucx_in_use: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     instance: Mapped[InstanceRow] = relationship()
 

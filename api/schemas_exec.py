@@ -51,6 +51,39 @@ class UcxSettings(_Request):
                              "eth0; `kvplane worker --ucx-net-devices`")
 
 
+# A UCX transport on a device as UCX's log writes it: tcp/eth0, cma/memory, rc_mlx5/mlx5_0:1.
+_UCX_NAME = r"[A-Za-z0-9_.:@+-]{1,64}"
+UcxTl = Annotated[str, StringConstraints(pattern=rf"^{_UCX_NAME}/{_UCX_NAME}$")]
+UcxLaneKind = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,32}$")]
+UcxTls = Annotated[list[UcxTl], Field(max_length=64)]
+
+
+class UcxInUse(_Request):
+    """What UCX actually uses for a worker's peer connections, from UCX's own log of the
+    endpoint configurations it built (``transport/device``: ``tcp/eth0`` is the network,
+    ``cma/memory`` and every other ``…/memory`` shared memory between processes of one kernel)."""
+
+    transports: list[UcxTl] = Field(min_length=1, max_length=64, description="Every "
+                                    "transport/device on a lane to a peer, e.g. tcp/eth0, "
+                                    "cma/memory, rc_mlx5/mlx5_0:1")
+    lanes: dict[UcxLaneKind, UcxTls] = Field(
+        max_length=16, description="The same by lane kind as UCX names them: am (active "
+        "messages, with the bandwidth lanes that carry a large WRITE's bytes), rma, amo (_am: "
+        "emulated over active messages), tag, stream, ka (keep-alive)")
+    peers: list[Literal["intra-node", "inter-node"]] = Field(
+        min_length=1, max_length=2, description="Where the peers were: this machine "
+        "(intra-node) or another one (inter-node)")
+    shared_memory: bool = Field(description="A lane on shared memory: bytes between workers "
+                                "of one machine skip the network (UCX_TLS=tcp rules it out)")
+
+
+class WorkerHeartbeat(_Request):
+    """A worker's heartbeat; the body is optional (older workers send none)."""
+
+    ucx_in_use: UcxInUse | None = Field(default=None, description="What UCX uses for this "
+                                        "worker's peer connections, once it made one")
+
+
 class PeerInfo(_Request):
     """What other workers need to reach this one over NIXL (opaque metadata is base64)."""
 
@@ -100,6 +133,11 @@ class WorkerRead(BaseModel):
     ucx: UcxSettings | None = Field(default=None, description="The UCX transports and devices "
                                     "the worker's NIXL endpoint runs with (null: an older "
                                     "worker that did not say)")
+    ucx_in_use: UcxInUse | None = Field(
+        default=None, description="What UCX actually uses for the worker's peer connections "
+        "(its heartbeat reports UCX's own log): shared memory (cma/memory …) or the network "
+        "(tcp/eth0 …). Null until the worker connected to a peer, for an older worker, or "
+        "where the worker's UCX_LOG_LEVEL / UCX_LOG_FILE are the user's own")
 
 
 class WorkerList(BaseModel):

@@ -10,7 +10,8 @@ Lifecycle of a :class:`Worker` (embedded in an engine, or as ``kvplane worker``)
 2. **start**: fetch the worker's *directory* (``workers/directory.py``) and start four threads:
    the handover's progress loop (``workers/handover.py``, the hot path), the heartbeat (its
    answer's ``directory_revision`` triggers a refetch, so a re-registration or a restarted peer
-   reaches the worker within one heartbeat interval; ``409 worker_stale`` re-attaches), the
+   reaches the worker within one heartbeat interval; ``409 worker_stale`` re-attaches; it also
+   carries what UCX uses for the endpoint's peer connections, ``ucx_in_use``), the
    command stream (REST ``execute=true`` pushes commands here, which run through the same
    handover as the engine's own calls) and the recorder (``workers/records.py``, batched).
    Commands arrive *at least once* (an API process that dies, or a stream that moves to another
@@ -318,7 +319,12 @@ class Worker:
             try:
                 if self.worker_id is None:
                     continue
-                seen = self.client.heartbeat(self.worker_id)
+                # What UCX uses for this endpoint's peers (read from UCX's log, here, off the
+                # hot path); None until known, and then the heartbeat has no body.
+                transport = self.transport
+                report = transport.ucx_in_use() if transport is not None else None
+                seen = (self.client.heartbeat(self.worker_id) if report is None
+                        else self.client.heartbeat(self.worker_id, ucx_in_use=report))
                 if seen.get("directory_revision") != self.directory.revision:
                     self.refresh_directory()
             except (ConflictError, NotFoundError) as error:

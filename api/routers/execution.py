@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, Response, status
+from fastapi import APIRouter, Body, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
@@ -94,13 +94,16 @@ def list_workers(
     responses=problem_responses(404, 409, 422, 503),
 )
 def worker_heartbeat(
-    worker_id: WorkerId, request: Request, db: DbDep, metrics: MetricsDep
+    worker_id: WorkerId, request: Request, db: DbDep, metrics: MetricsDep,
+    body: Annotated[wire.WorkerHeartbeat | None, Body()] = None,
 ) -> wire.WorkerRead:
-    """A worker is alive. The answer's `directory_revision` tells it when to refetch its
+    """A worker is alive, and says what UCX uses for its peer connections once it knows (the
+    body is optional). The answer's `directory_revision` tells it when to refetch its
     directory (409 `worker_stale`: its instance re-registered, attach again)."""
     now = now_of(request)
     with db.write() as session:  # the write is one UPDATE; SQLite's write lock is precious
-        service.heartbeat(session=session, worker_id=worker_id, now=now)
+        service.heartbeat(session=session, worker_id=worker_id, now=now,
+                          ucx_in_use=body.ucx_in_use if body is not None else None)
     with db.read() as session:
         row = service.get_worker(session=session, worker_id=worker_id)
         revision = service.directory_revision(session=session, worker=row, now=now)

@@ -115,10 +115,16 @@ def current_worker(*, session: Session, worker_id: str) -> WorkerRow:
     return row
 
 
-def heartbeat(*, session: Session, worker_id: str, now: datetime) -> WorkerRow:
-    """Record a heartbeat (409 when the worker must attach again)."""
+def heartbeat(*, session: Session, worker_id: str, now: datetime,
+              ucx_in_use: wire.UcxInUse | None = None) -> WorkerRow:
+    """Record a heartbeat and what UCX uses, when the worker says (409 when it must attach
+    again)."""
     row = current_worker(session=session, worker_id=worker_id)
     row.heartbeat_at = now
+    if ucx_in_use is not None:
+        report = ucx_in_use.model_dump(mode="json")
+        if row.ucx_in_use != report:
+            row.ucx_in_use = report
     return row
 
 
@@ -171,6 +177,8 @@ def worker_read(row: WorkerRow, now: datetime, *, connected: bool = False,
         connected=connected,
         directory_revision=revision,
         ucx=(row.peer or {}).get("ucx"),
+        ucx_in_use=None if row.ucx_in_use is None else wire.UcxInUse.model_validate(
+            row.ucx_in_use),
     )
 
 

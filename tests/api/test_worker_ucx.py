@@ -39,3 +39,47 @@ def test_ucx_settings_are_validated(client: TestClient) -> None:
     peer["ucx"] = {"backend": "UCX", "tls": "", "net_devices": "default"}
     answer = client.post("/v1/workers", json={"instance": "ctx", "rank": 0, "peer": peer})
     assert answer.status_code == 422
+
+
+UCX_IN_USE = {
+    "transports": ["tcp/lo", "cma/memory"],
+    "lanes": {"rma_am": ["tcp/lo"], "am": ["tcp/lo", "cma/memory"], "ka": ["tcp/lo"]},
+    "peers": ["intra-node"],
+    "shared_memory": True,
+}
+
+
+def _attach(client: TestClient) -> str:
+    body = instance_body(role="context", views=VIEWS, tp=1, tokens_per_block=4)
+    assert client.put("/v1/instances/ctx", json=body).status_code == 201
+    peer = fake_peer(body["ranks"][0], "ctx.r0")
+    answer = client.post("/v1/workers", json={"instance": "ctx", "rank": 0, "peer": peer})
+    assert answer.status_code == 201, answer.text
+    worker_id: str = answer.json()["id"]
+    return worker_id
+
+
+def test_a_heartbeat_reports_what_ucx_uses(client: TestClient) -> None:
+    worker_id = _attach(client)
+    (listed,) = client.get("/v1/workers").json()["items"]
+    assert listed["ucx_in_use"] is None  # not known until the worker says
+    beat = client.post(f"/v1/workers/{worker_id}/heartbeat", json={"ucx_in_use": UCX_IN_USE})
+    assert beat.status_code == 200, beat.text
+    assert beat.json()["ucx_in_use"] == UCX_IN_USE
+    (listed,) = client.get("/v1/workers").json()["items"]
+    assert listed["ucx_in_use"] == UCX_IN_USE
+    page = client.get("/ui/workers").text
+    assert "cma/memory" in page and "shared memory" in page
+    # A heartbeat without a report (an older worker, or nothing known yet) keeps the last one.
+    assert client.post(f"/v1/workers/{worker_id}/heartbeat").status_code == 200
+    assert client.post(f"/v1/workers/{worker_id}/heartbeat", json={}).status_code == 200
+    (listed,) = client.get("/v1/workers").json()["items"]
+    assert listed["ucx_in_use"] == UCX_IN_USE
+
+
+def test_a_ucx_report_is_validated(client: TestClient) -> None:
+    worker_id = _attach(client)
+    for bad in ({**UCX_IN_USE, "transports": ["tcp lo"]}, {**UCX_IN_USE, "extra": 1},
+                {**UCX_IN_USE, "transports": ["x"] * 1000}, {"transports": []}):
+        beat = client.post(f"/v1/workers/{worker_id}/heartbeat", json={"ucx_in_use": bad})
+        assert beat.status_code == 422, bad

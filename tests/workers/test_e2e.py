@@ -205,6 +205,32 @@ def test_a_later_verified_transfer_judges_only_its_own_bytes(fleet: Fleet) -> No
     assert done["status"] == "done", done["error"]
 
 
+@pytest.mark.parametrize("tls", ["", "tcp"])
+def test_workers_report_the_transports_ucx_uses(tmp_path: Path, tls: str) -> None:
+    """On one machine UCX's defaults move the bytes through shared memory, ``tcp`` through the
+    network stack: GET /v1/workers says which, once the workers have talked to each other."""
+    fleet = Fleet(tmp_path)
+    fleet.env = {k: v for k, v in fleet.env.items() if not k.startswith("UCX_")}
+    try:
+        fleet.start_server()
+        fleet.register(ctx_tp=1, gen_tp=1)
+        _start_all(fleet, 1, 1, **({"UCX_TLS": tls} if tls else {}))
+        done = fleet.client.get_transfer(_transfer(fleet, "ucx")["id"], wait_s=60)
+        assert done["status"] == "done", done["error"]
+        fleet.wait(lambda: all(w["ucx_in_use"] for w in fleet.client.list_workers()["items"]),
+                   "both workers' UCX reports")
+        for worker in fleet.client.list_workers()["items"]:
+            in_use = worker["ucx_in_use"]
+            assert in_use["peers"] == ["intra-node"]
+            assert in_use["shared_memory"] is (tls != "tcp"), in_use
+            if tls == "tcp":
+                assert all(t.startswith("tcp/") for t in in_use["transports"]), in_use
+            else:
+                assert any(t.endswith("/memory") for t in in_use["lanes"]["am"]), in_use
+    finally:
+        fleet.stop()
+
+
 def test_rest_transfers_without_verify_complete_back_to_back(fleet: Fleet) -> None:
     fleet.register(ctx_tp=2, gen_tp=1)
     _start_all(fleet, 2, 1)

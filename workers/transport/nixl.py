@@ -66,6 +66,7 @@ from workers.transport import (
     TransferCancelled,
     TransferTimeout,
     TransportError,
+    ucx_log,
 )
 
 if TYPE_CHECKING:
@@ -225,6 +226,10 @@ class NixlTransport:
             backends=[b for b in backends if b != "UCX"],
             num_threads=num_threads,
         )
+        # UCX's log says which transports it picks per peer (ucx_log.py); it must be set up
+        # before the process's first agent loads UCX.
+        self._ucx_log = ucx_log.setup() if "UCX" in backends else None
+        self._ucx_log_mark = self._ucx_log.mark() if self._ucx_log is not None else 0
         self._agent = nixl_agent(name, cfg)
         self.ucx = UcxSettings()
         if "UCX" in backends:
@@ -265,6 +270,14 @@ class NixlTransport:
             tls=tls or before or UCX_DEFAULT,
             net_devices=net_devices or os.environ.get("UCX_NET_DEVICES") or UCX_DEFAULT,
         )
+
+    def ucx_in_use(self) -> dict[str, Any] | None:
+        """What UCX actually uses for this endpoint's peer connections so far, from UCX's log
+        (:func:`workers.transport.ucx_log.summarize`; None: no connection yet, or unknown).
+        Reads a file: call it off the hot path."""
+        if self._ucx_log is None:
+            return None
+        return self._ucx_log.report(self.name, since=self._ucx_log_mark)
 
     # --- peers ---------------------------------------------------------------------------
 
