@@ -101,6 +101,14 @@ def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path
         done = client.get_transfer(created["id"], wait_s=60)
         assert done["status"] == "done", done["error"]
         assert bed.counters("ctx")["tx_bytes"] - before >= done["bytes"]
+
+        # What UCX uses, from its log: only the device it was given.
+        def reported() -> list[dict[str, Any]] | None:
+            items = [w for w in client.list_workers()["items"] if w["status"] == "alive"]
+            return items if items and all(w["ucx_in_use"] for w in items) else None
+
+        for worker in wait_until("every worker's UCX report", reported):
+            assert worker["ucx_in_use"]["transports"] == ["tcp/eth0"], worker["ucx_in_use"]
     finally:
         client.close()
         for process in processes:

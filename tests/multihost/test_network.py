@@ -22,13 +22,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from workers.engine_loop import CONTEXT, Fleet, run_rest
 from workers.netbed import Bed
 
-from .conftest import HOSTS, Background, assert_clean, payload_bytes, wait_released
+from .conftest import (
+    HOSTS,
+    Background,
+    assert_clean,
+    payload_bytes,
+    wait_released,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -80,6 +88,18 @@ def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fl
     assert len(workers) == 6
     for worker in workers:
         assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "default"}
+
+    # What UCX actually uses (from its own log, with the next heartbeat): the hosts' NICs, no
+    # shared memory, although all three namespaces share one kernel.
+    def reported() -> list[dict[str, Any]] | None:
+        assert fleet.client is not None
+        items = [w for w in fleet.client.list_workers()["items"] if w["status"] == "alive"]
+        return items if len(items) == 6 and all(w["ucx_in_use"] for w in items) else None
+
+    for worker in wait_until("every worker's UCX report", reported):
+        in_use = worker["ucx_in_use"]
+        assert "tcp/eth0" in in_use["transports"], in_use
+        assert in_use["shared_memory"] is False, in_use
 
 
 def _engine_failures(run_failures: dict[str, str], role: str) -> list[str]:
