@@ -230,6 +230,9 @@ class RunResult:
     role: str
     records: list[tuple[int, float, float, str, str | None]] = field(default_factory=list)
     leaked: int = 0
+    # Blocks of failed fragments-mode receives still held back at the end (``reusable_at``):
+    # a WRITE already granted may land there; accounted, given back when due, not leaked.
+    quarantined: int = 0
     failed: int = 0
     double_allocations: int = 0
     verified_bytes: int = 0
@@ -268,11 +271,29 @@ class EngineRank:
         self.worker.attach(tensors=self.tensors)
         self.worker.start()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._held: list[tuple[float, dict[int, list[int]]]] = []  # (reusable_at, blocks)
         self.worker.add_listener(self._on_handle)
 
     def _on_handle(self, handle: Any) -> None:
         if "engine_index" in handle.context:  # REST-dispatched handles are not the engine's
             self._done.put(handle)
+
+    def _give_back(self, blocks: dict[int, list[int]], reusable_at: float | None) -> None:
+        """A request's blocks back to the cache, or held until ``reusable_at``."""
+        if reusable_at is not None and reusable_at > time.time():
+            self._held.append((reusable_at, blocks))
+            return
+        for g, ids in blocks.items():
+            self.caches[g].free(ids)
+
+    def _release_held(self) -> float | None:
+        """Free the held blocks that are due; when the next ones are."""
+        now = time.time()
+        due = [b for t, b in self._held if t <= now]
+        self._held = [(t, b) for t, b in self._held if t > now]
+        for blocks in due:
+            self._give_back(blocks, None)
+        return min((t for t, _ in self._held), default=None)
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -313,6 +334,10 @@ class EngineRank:
         give_up = time.monotonic() + run_timeout_s
         while len(result.records) < requests:
             wait_s = 0.5
+            if self._held:
+                next_due = self._release_held()
+                if next_due is not None:
+                    wait_s = min(wait_s, max(0.0005, next_due - time.time()))
             while nxt < requests and len(outstanding) < in_flight:
                 if schedule is not None:
                     due = t0 + float(schedule[nxt])
@@ -355,8 +380,9 @@ class EngineRank:
                 index = handle.context["engine_index"]
                 entry = outstanding.pop(index, None)
                 if entry is not None and entry[0] is handle:
-                    for g, ids in entry[1].items():
-                        self.caches[g].free(ids)  # released / arrived / failed: blocks back
+                    # released / arrived / failed: blocks back (after a failed fragments
+                    # receive, once no granted WRITE can land any more)
+                    self._give_back(entry[1], handle.reusable_at)
                     result.records.append((index, entry[2], float(handle.finished_at),
                                            handle.state, handle.reason))
                 try:
@@ -367,7 +393,9 @@ class EngineRank:
         result.failed = sum(1 for r in result.records if r[3] == "failed")
         result.verify_errors = [r[4] for r in result.records
                                 if r[4] and "verification failed" in r[4]]
-        result.leaked = sum(c.leaked for c in self.caches.values())
+        self._release_held()
+        result.quarantined = sum(len(ids) for _, b in self._held for ids in b.values())
+        result.leaked = sum(c.leaked for c in self.caches.values()) - result.quarantined
         result.cache_high_water = max(c.high_water for c in self.caches.values())
         result.verified_bytes = self.worker.stats.verified_bytes - verified_before
         return asdict(result)
@@ -519,15 +547,24 @@ class EngineRank:
             raise RuntimeError("the handover's progress thread did not answer")
         return out
 
+    def hold_writes(self, seconds: float) -> None:
+        """Fault injection: this rank's handover holds its grants or WRITEs ``seconds`` after
+        each handle starts (a frozen peer); 0 undoes it."""
+        assert self.worker.handover is not None
+        self.worker.handover.hold_s = float(seconds)
+
     def stats(self, sweep: bool = False) -> dict[str, Any]:
         """Counters; with ``sweep`` (fill mode) first check every untouched pool byte."""
         w = self.worker
         swept = w.verify_untouched() if sweep and w.fill else 0
+        self._release_held()
+        held = sum(len(ids) for _, b in self._held for ids in b.values())
         return {"swept_bytes": swept, "rank": self.spec.rank, "sent": w.stats.sent,
                 "received": w.stats.received, "failed": w.stats.failed,
                 "verified_bytes": w.stats.verified_bytes,
                 "errors": list(w.stats.errors[-5:]),
-                "leaked": sum(c.leaked for c in self.caches.values()),
+                "leaked": sum(c.leaked for c in self.caches.values()) - held,
+                "quarantined": held,
                 "records_pending": w.recorder.pending if w.recorder else None,
                 "records_posted": w.recorder.posted if w.recorder else None,
                 "duplicate_commands": w.duplicate_commands, "control_plane": w.client.url}
@@ -955,6 +992,10 @@ class EngineRun:
     @property
     def leaked(self) -> int:
         return sum(r.leaked for r in self.ranks)
+
+    @property
+    def quarantined(self) -> int:
+        return sum(r.quarantined for r in self.ranks)
 
     @property
     def failures(self) -> dict[str, str]:

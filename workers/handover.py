@@ -191,6 +191,12 @@ class Handle:
         self.routes: list[dict[str, Any]] = []
         self.started_at = time.time()
         self.finished_at: float | None = None
+        # When this rank's blocks of the request may be reused (time.time()), set on resolve: at
+        # once, except after a failed fragments-mode receive whose writer had its grant (a WRITE
+        # already on the wire may still land in the blocks until the grant's time to live
+        # is over, plus a margin).
+        self.reusable_at: float | None = None
+        self._quiet_s = 0.0
         self.context: dict[str, Any] = {}  # caller's extras (e.g. REST transfer id, verify)
         self._event = threading.Event()
         self._callbacks: list[Callable[[Handle], None]] = []
@@ -229,6 +235,7 @@ class Handle:
                 return False
             self.state, self.reason = state, reason
             self.finished_at = time.time()
+            self.reusable_at = self.finished_at + self._quiet_s
             callbacks, self._callbacks = self._callbacks, []
         self._event.set()
         for callback in callbacks:
@@ -1017,6 +1024,11 @@ class Handover:
             return
         now = time.monotonic()
         ce, ge = op.handle.entry.epochs()
+        if op.side == "receive" and any(state.mode == "fragments" and state.granted
+                                        and not state.done for state in op.routes):
+            # A writer with our grant writes straight into the blocks: they stay out of use for
+            # as long as its grant lives (it never starts a WRITE later), plus the margin.
+            op.handle._quiet_s = max(0.0, op.deadline - now) + QUARANTINE_MARGIN_S
         for state in op.routes:
             if state.done:
                 continue

@@ -169,6 +169,33 @@ def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fle
     assert all(t["bytes"] > 0 for t in recorded.values())
 
 
+def test_a_failed_fragments_receive_keeps_its_blocks_until_no_granted_write_can_land(
+    fleet: Fleet,
+) -> None:
+    # The writers freeze (their grants time out unused): every receive fails at its deadline
+    # after granting, in fragments mode (auto, 16 KiB fragments), so a WRITE could have been on
+    # its way straight into the generation blocks.
+    fleet.call_role("context", "hold_writes", seconds=3.0)
+    try:
+        failed = fleet.run_engine(requests=2, blocks=BLOCKS, in_flight=2, timeout_s=1.0, seed=21)
+    finally:
+        fleet.call_role("context", "hold_writes", seconds=0.0)
+    assert failed.complete, failed.stalled
+    generation = [r for r in failed.ranks if r.role == "generation"]
+    for rank in generation:
+        assert [rec[3] for rec in rank.records] == ["failed", "failed"], rank.records
+        assert all("deadline" in str(rec[4]) for rec in rank.records), rank.records
+        # held back from the cache, not leaked: both requests' blocks
+        assert rank.quarantined == 2 * BLOCKS and rank.leaked == 0, rank
+    # Senders' blocks come back at once (a late WRITE only reads them).
+    assert all(r.quarantined == 0 for r in failed.ranks if r.role == "context")
+    assert failed.leaked == 0
+    # Once the grants' time to live and the margin are over, the blocks are free again.
+    again = fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, verify=True, seed=22)
+    _assert_clean(again)
+    assert all(s["quarantined"] == 0 and s["leaked"] == 0 for s in fleet.call_all("stats"))
+
+
 def test_engine_path_runs_without_the_control_plane_and_the_record_catches_up(
     fleet: Fleet,
 ) -> None:
