@@ -61,6 +61,7 @@ from workers.engine_loop import (  # noqa: E402
 BLOCKS = (1, 4, 16, 64)
 IN_FLIGHT = (1, 4, 16)
 REST_EXTRA = (4, 8)  # (blocks, in flight): the REST goal
+REST_GOAL_REQUESTS = 160
 REST_RETRIES = 5
 RECORD_SETTLE_S = 1.2
 
@@ -83,6 +84,10 @@ def request_bytes(num_slots: int, blocks: int) -> int:
 
 
 def requests_for(blocks: int, in_flight: int, quick: bool, path: str = "engine") -> int:
+    if path == "REST" and (blocks, in_flight) == REST_EXTRA and not quick:
+        # The goal's cell: enough requests that ramp-up and drain do not decide its rate
+        # (with 16, the first and last few requests ran below 8 in flight)
+        return REST_GOAL_REQUESTS
     if quick or path == "REST":  # REST is slow here: keep the run's length bounded
         return max(8, 2 * in_flight)
     if blocks >= 64:

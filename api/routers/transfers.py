@@ -173,13 +173,13 @@ async def get_transfer(
         metrics.overdue.inc(len(reaped))
         metrics.transfers_settled(finished)
 
-    result = await run_in_threadpool(read)
-    if result.status not in ("queued", "running") or wait <= 0:
-        return result
+    if wait <= 0:
+        return await run_in_threadpool(read)
+    # Listen before the first read: a settle between the read and the wait still wakes us.
     event = completions.event(transfer_id)
     try:
         while True:
-            result = await run_in_threadpool(read)  # settled between the first read and now?
+            result = await run_in_threadpool(read)
             if result.status not in ("queued", "running"):
                 return result
             left = deadline - time.monotonic()

@@ -68,17 +68,15 @@ def xid(transfer_id: str, attempt: int) -> str:
 # --- dispatch --------------------------------------------------------------------------------
 
 
-def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now: datetime,
-                     timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
-    """Start the transfer's next attempt: ``[(worker_id, command)]`` to push, one per rank.
-
-    Raises ``503 workers_unavailable`` (nothing changed) when a rank has no live worker.
-    """
+def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, now: datetime,
+                      timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
+    """``[(worker_id, command)]`` of ``attempt`` of ``transfer``, one per rank taking part;
+    changes nothing. Raises ``503 workers_unavailable`` when a rank has no live worker."""
     context = instance_by_name(session, transfer.context_name)
     generation = instance_by_name(session, transfer.generation_name)
     senders, receivers = participants(transfer.summary)
-    workers = {"context": live_workers(session, context, now),
-               "generation": live_workers(session, generation, now)}
+    workers = {"context": live_workers(session, context, now, ids_only=True),
+               "generation": live_workers(session, generation, now, ids_only=True)}
     missing = [f"context rank {r}" for r in sorted(senders) if r not in workers["context"]]
     missing += [f"generation rank {r}" for r in sorted(receivers)
                 if r not in workers["generation"]]
@@ -88,19 +86,34 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
             code="workers_unavailable",
             headers={"Retry-After": "2"},
         )
-    attempt = transfer.attempt + 1
     command = _command(transfer, attempt, context, generation, timeout_s)
     commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
                 for r in sorted(senders)]
     commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
                  for r in sorted(receivers)]
-    transfer.attempt = attempt
-    transfer.status = "running" if commands else "done"
-    transfer.error = None
-    transfer.started_at = now
-    transfer.finished_at = None if commands else now
-    transfer.deadline_at = now + timedelta(seconds=timeout_s)
-    transfer.updated_at = now
+    return commands
+
+
+def attempt_values(*, attempt: int, commands: Sequence[Any], now: datetime,
+                   timeout_s: float) -> dict[str, Any]:
+    """The transfer columns an attempt with these commands starts with."""
+    return {"attempt": attempt, "status": "running" if commands else "done", "error": None,
+            "started_at": now, "finished_at": None if commands else now,
+            "deadline_at": now + timedelta(seconds=timeout_s), "updated_at": now}
+
+
+def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now: datetime,
+                     timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
+    """Start the transfer's next attempt: ``[(worker_id, command)]`` to push, one per rank.
+
+    Raises ``503 workers_unavailable`` (nothing changed) when a rank has no live worker.
+    """
+    attempt = transfer.attempt + 1
+    commands = dispatch_commands(session=session, transfer=transfer, attempt=attempt, now=now,
+                                 timeout_s=timeout_s)
+    for key, value in attempt_values(attempt=attempt, commands=commands, now=now,
+                                     timeout_s=timeout_s).items():
+        setattr(transfer, key, value)
     session.flush()
     return commands
 
@@ -157,7 +170,7 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
     def ranks_of(name: str) -> tuple[InstanceRow, dict[int, WorkerRow]]:
         if name not in instances:
             instance = instance_by_name(session, name)
-            instances[name] = (instance, live_workers(session, instance, now))
+            instances[name] = (instance, live_workers(session, instance, now, ids_only=True))
         return instances[name]
 
     owed: list[tuple[str, dict[str, Any]]] = []

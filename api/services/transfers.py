@@ -6,8 +6,8 @@ key space (stored as ``<token id>/sha256(key)``), so one principal can neither r
 learn the transfer of another's key; with auth off every caller is the same anonymous principal.
 
 ``execute=true`` also starts the transfer's first attempt in the same transaction
-(:func:`api.services.execution.prepare_dispatch`); the router then pushes one command per rank
-to the workers' open command streams.
+(:func:`api.services.execution.dispatch_commands`: the row is stored as its attempt 1 runs); the
+router then pushes one command per rank to the workers' open command streams.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from api.db import utcnow
 from api.errors import BadRequest, Conflict, NotFound
 from api.geometry import GeometryError, Plan, expand
 from api.models import InstanceRow, PairingRow, TransferRow
-from api.services.execution import prepare_dispatch
+from api.services.execution import attempt_values, dispatch_commands
 from api.services.pairings import cached_plan, load_plan, plan_for_pairing
 
 
@@ -157,8 +157,8 @@ def create_transfer(
     With ``execute``, the commands to push to the workers are appended to ``commands``.
 
     The row is inserted with one Core INSERT (the ORM unit of work costs more than the insert on
-    this hot path). Without ``execute`` the returned row is a detached copy of what was inserted;
-    with it, the stored row, which enqueueing updates.
+    this hot path), already running its first attempt with ``execute``; the returned row is a
+    detached copy of what was inserted.
     """
     # The digest only serves Idempotency-Key replays; without a key nothing ever compares it.
     digest = "" if idempotency_key is None else request_hash(body)
@@ -217,6 +217,14 @@ def create_transfer(
         "attempt": 0,
         "max_attempts": 3,
     }
+    started: list[tuple[str, dict[str, Any]]] = []
+    if body.execute:
+        # The commands first (503 before anything is stored when a rank has no worker), then
+        # the row as its first attempt starts: one INSERT, no read back and no UPDATE.
+        started = dispatch_commands(session=session, transfer=TransferRow(**values), attempt=1,
+                                    now=now, timeout_s=body.timeout_s)
+        values.update(attempt_values(attempt=1, commands=started, now=now,
+                                     timeout_s=body.timeout_s))
     statement = insert(TransferRow)
     if stored_key is None:
         session.connection().execute(statement, values)
@@ -230,14 +238,9 @@ def create_transfer(
             if existing is None:
                 raise
             return _replay(existing, digest, str(idempotency_key)), False
-    if not body.execute:
-        return TransferRow(**values), True
-    row = session.get_one(TransferRow, values["id"])
-    started = prepare_dispatch(session=session, transfer=row, plan=plan, now=now,
-                               timeout_s=body.timeout_s)
     if commands is not None:
         commands.extend(started)
-    return row, True
+    return TransferRow(**values), True
 
 
 def get_transfer(*, session: Session, transfer_id: str) -> TransferRow:
