@@ -3,9 +3,11 @@
 The hot path runs in the workers (``workers/handover.py``): every rank computes its routes from
 its cached directory, so the control plane is not on a request's way. What is left here:
 
-- **dispatch** (REST ``execute=true``): :func:`prepare_dispatch` checks that every rank taking
-  part has a live worker, gives the transfer its deadline and builds one command per rank; the
-  router pushes them over each worker's open command stream (``api/dispatch.py``).
+- **dispatch** (REST ``execute=true``): :func:`dispatch_commands` checks that every rank taking
+  part has a live worker and builds one command per rank; a new transfer is stored already
+  running (:func:`attempt_values`: its attempt and deadline), a retry goes through
+  :func:`prepare_dispatch`. The router pushes the commands over each worker's open command
+  stream (``api/dispatch.py``).
 - **records**: workers report each finished part (one rank's side of one transfer) in batches;
   :func:`record_parts` stores them in the ``jobs`` table (one row per transfer, attempt, kind and
   rank; a repeated record is ignored, so a batch may be retried) and settles the transfer. An
