@@ -35,6 +35,7 @@ offset allows), i.e. a fixed number of kernel launches per route regardless of b
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -85,6 +86,21 @@ class Segment:
     def bytes_per_block(self) -> int:
         return sum(r.nbytes for r in self.runs)
 
+    @functools.cached_property
+    def fragments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One block pair's fragments in order: ``(src offsets, dst offsets, lengths)``, the
+        offsets relative to each side's slot."""
+        runs = self.runs
+        cnt = np.array([r.count for r in runs], dtype=np.int64)
+        rep = np.repeat(np.arange(len(runs)), cnt)
+        c = np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        fsrc = np.array([r.src for r in runs])[rep] + c * np.array([r.src_step for r in runs])[rep]
+        fdst = np.array([r.dst for r in runs])[rep] + c * np.array([r.dst_step for r in runs])[rep]
+        flen = np.array([r.len for r in runs], dtype=np.int64)[rep]
+        for a in (fsrc, fdst, flen):
+            a.flags.writeable = False
+        return fsrc, fdst, flen
+
 
 @dataclass(frozen=True)
 class Route:
@@ -125,6 +141,12 @@ class Route:
     def fragments_per_block(self) -> int:
         """Fragments (descriptors) per aligned block pair, over every segment."""
         return sum(run.count for seg in self.segments for run in seg.runs)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of the whole template: equal routes (e.g. from two fetches of one plan)
+        share it, so caches keyed by it survive a directory refresh."""
+        return hashlib.blake2b(repr(self).encode(), digest_size=16).hexdigest()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Route:
@@ -758,13 +780,7 @@ def expand_fragments(
         g = seg.layer_group
         sspec = getattr(src_pools[seg.src_pool], "spec", src_pools[seg.src_pool])
         dspec = getattr(dst_pools[seg.dst_pool], "spec", dst_pools[seg.dst_pool])
-        runs = seg.runs
-        cnt = np.array([r.count for r in runs], dtype=np.int64)
-        rep = np.repeat(np.arange(len(runs)), cnt)
-        c = np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        fsrc = np.array([r.src for r in runs])[rep] + c * np.array([r.src_step for r in runs])[rep]
-        fdst = np.array([r.dst for r in runs])[rep] + c * np.array([r.dst_step for r in runs])[rep]
-        flen = np.array([r.len for r in runs], dtype=np.int64)[rep]
+        fsrc, fdst, flen = seg.fragments
         src_ids, dst_ids = _column(bs[g], seg), _column(bd[g], seg)
         so = (src_ids[:, None] * sspec.slot_stride_bytes + fsrc[None, :]).reshape(-1)
         do = (dst_ids[:, None] * dspec.slot_stride_bytes + fdst[None, :]).reshape(-1)
@@ -778,6 +794,72 @@ def expand_fragments(
         )
         for k, v in acc.items()
     }
+
+
+# A prepared table holds every fragment of every slot of a route's pools: bounded per side.
+FRAGMENT_TABLE_MAX = 1 << 19
+
+
+@dataclass(frozen=True)
+class FragmentTable:
+    """Every fragment of every slot that one side of a route touches, in a fixed order: segment
+    ``i``'s fragment ``k`` of slot ``s`` sits at index ``bases[i] + s·K_i + k`` (``K_i`` the
+    segment's fragments per block). A NIXL prepared descriptor list over it (built once per route
+    and peer) lets a request name its fragments by index: no addresses to compute or look up."""
+
+    bases: tuple[int, ...]
+    slots: tuple[int, ...]  # slots in each segment's pool on this side
+    entries: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (pool, offsets from base, lengths)
+    size: int
+
+
+def fragment_tables(
+    route: Route, src_specs: Mapping[int, Any], dst_specs: Mapping[int, Any],
+    limit: int = FRAGMENT_TABLE_MAX,
+) -> tuple[FragmentTable, FragmentTable] | None:
+    """Both sides' :class:`FragmentTable` of ``route`` (pool specs by id); None when a side
+    would exceed ``limit`` descriptors (e.g. token-major runs over a large pool)."""
+    out = []
+    for specs, side in ((src_specs, 0), (dst_specs, 1)):
+        bases, slots, entries, size = [], [], [], 0
+        for seg in route.segments:
+            pool = seg.dst_pool if side else seg.src_pool
+            spec = getattr(specs[pool], "spec", specs[pool])
+            frag_offsets, lengths = seg.fragments[side], seg.fragments[2]
+            n = int(spec.num_slots) * lengths.size
+            if size + n > limit:
+                return None
+            offsets = (np.arange(spec.num_slots, dtype=np.int64)[:, None] * spec.slot_stride_bytes
+                       + frag_offsets[None, :]).reshape(-1)
+            bases.append(size)
+            slots.append(int(spec.num_slots))
+            entries.append((pool, offsets, np.tile(lengths, spec.num_slots)))
+            size += n
+        out.append(FragmentTable(tuple(bases), tuple(slots), tuple(entries), size))
+    return out[0], out[1]
+
+
+def fragment_indices(
+    route: Route, tables: tuple[FragmentTable, FragmentTable], src_blocks: Blocks,
+    dst_blocks: Blocks,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The indices into both sides' tables of every fragment of these (aligned) block lists,
+    pairwise: local ``[i]`` goes to remote ``[i]``. Raises :class:`BlockRangeError` for a block
+    id outside its pool."""
+    ids = (_normalize_blocks(route, src_blocks, "src_blocks"),
+           _normalize_blocks(route, dst_blocks, "dst_blocks"))
+    out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    for i, seg in enumerate(route.segments):
+        k = np.arange(seg.fragments[2].size, dtype=np.int64)
+        for side, what in ((0, "context"), (1, "generation")):
+            col = _column(ids[side][seg.layer_group], seg)
+            slots = tables[side].slots[i]
+            if col.size and (int(col.min()) < 0 or int(col.max()) >= slots):
+                raise BlockRangeError(f"layer group {seg.layer_group}: {what} block ids must be "
+                                      f"in 0..{slots - 1}")
+            out[side].append((tables[side].bases[i] + col[:, None] * k.size + k).reshape(-1))
+    return tuple(np.concatenate(x).astype(np.int32) if x else np.zeros(0, np.int32)
+                 for x in out)  # type: ignore[return-value]
 
 
 def _touched_slots(pool: Pool, offsets: np.ndarray) -> tuple[memoryview, np.ndarray]:

@@ -78,11 +78,14 @@ import numpy as np
 from workers.directory import Directory, HandoverError, PeerWorker, PlanEntry
 from workers.executors import (
     BlockRangeError,
+    FragmentTable,
     Route,
     StagingChunk,
     StagingLayout,
     align_blocks,
     expand_fragments,
+    fragment_indices,
+    fragment_tables,
     fragments_crc32,
     gather,
     scatter,
@@ -91,7 +94,7 @@ from workers.executors import (
 from workers.transport import PeerUnreachable, TransportError
 
 if TYPE_CHECKING:
-    from workers.transport.nixl import NixlTransport, _Pending
+    from workers.transport.nixl import NixlTransport, PeerInfo, _Pending
 
 log = logging.getLogger("kvplane.handover")
 
@@ -406,6 +409,7 @@ class Handover:
         self._loaded: set[str] = set()
         self._next_resend = 0.0
         self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
+        self._tables: dict[tuple[str, str], tuple[FragmentTable, FragmentTable] | None] = {}
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -611,14 +615,7 @@ class Handover:
         if self._closed:
             return False, progressed
         finished = len(self._finished)
-        notifications = self.transport.drain_notifications()
-        progressed = progressed or bool(notifications)
-        for agent, msgs in notifications.items():
-            for msg in msgs:
-                try:
-                    self._on_notification(agent, msg)
-                except Exception:  # one bad message must not drop the rest of the batch
-                    log.exception("notification %r from %s failed", msg[:80], agent)
+        progressed = self._drain() or progressed
         now = time.monotonic()
         for state in list(self._send.values()):
             if state.pending and not state.done:
@@ -635,6 +632,17 @@ class Handover:
         if self._early:
             self._expire_early(now)
         return bool(self._ops), progressed or len(self._finished) != finished
+
+    def _drain(self) -> bool:
+        """Handle every notification that arrived; whether there were any."""
+        notifications = self.transport.drain_notifications()
+        for agent, msgs in notifications.items():
+            for msg in msgs:
+                try:
+                    self._on_notification(agent, msg)
+                except Exception:  # one bad message must not drop the rest of the batch
+                    log.exception("notification %r from %s failed", msg[:80], agent)
+        return bool(notifications)
 
     def _begin(self, op: _Op) -> None:
         self._ops[id(op)] = op
@@ -656,6 +664,10 @@ class Handover:
             index[state.key] = state
             self._waiting.append(state)
         self._retry_waiting()
+        if op.side == "send":
+            # A grant that already came in but waits in NIXL: take it now, and write on the
+            # caller's thread instead of when the progress thread next polls.
+            self._drain()
         for state in op.routes:
             early = self._early.pop(state.key, None)
             if early is not None and not op.handle.done:
@@ -839,24 +851,31 @@ class Handover:
         ce, ge = op.handle.entry.epochs()
         tp = self.transport
         if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
-            info = tp.peer_info_of(agent)
-            frags = expand_fragments(state.route, tp.pools, info.pools, state.src, state.dst)
-            locs, rems = [], []
-            for (sp, dp), (so, do, ln) in frags.items():
-                locs.append(tp.desc(tp.pools[sp].base_address + so, ln, tp.device_id))
-                rems.append(tp.desc(info.pools[dp].base_address + do, ln, info.device_id))
-            if op.verify:
-                state.checksum = fragments_crc32(tp.pools, frags, side="src")
             notif = _msg("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
-            local = np.concatenate(locs) if locs else np.zeros((0, 3), dtype=np.uint64)
-            remote = np.concatenate(rems) if rems else np.zeros((0, 3), dtype=np.uint64)
+            info = tp.peer_info_of(agent)
+            if op.verify:
+                frags = expand_fragments(state.route, tp.pools, info.pools, state.src, state.dst)
+                state.checksum = fragments_crc32(tp.pools, frags, side="src")
+            tables = self._fragment_tables(state.route, agent, info)
             state.written = True
-            if not len(local):
+            if not nbytes:
                 tp.send_notif(agent, notif)
                 self._route_sent(state)
-                return True
-            state.pending.append(tp.post_write(agent, local, remote, notif,
-                                               f"{local.shape[0]} fragments"))
+            elif tables is not None:  # the usual case: prepared descriptor lists, by index
+                local_idx, remote_idx = fragment_indices(state.route, tables, state.src,
+                                                         state.dst)
+                state.pending.append(tp.post_prepared_write(
+                    agent, state.route.fingerprint, tables, local_idx, remote_idx, notif, nbytes,
+                    f"{local_idx.size} fragments"))
+            else:  # tables too large to prepare: this request's descriptors only
+                frags = expand_fragments(state.route, tp.pools, info.pools, state.src, state.dst)
+                local = np.concatenate([tp.desc(tp.pools[sp].base_address + so, ln, tp.device_id)
+                                        for (sp, _), (so, _, ln) in frags.items()])
+                remote = np.concatenate([
+                    tp.desc(info.pools[dp].base_address + do, ln, info.device_id)
+                    for (_, dp), (_, do, ln) in frags.items()])
+                state.pending.append(tp.post_write(agent, local, remote, notif,
+                                                   f"{local.shape[0]} fragments"))
             return True
         area = self.areas.alloc(nbytes)
         if area is None:
@@ -884,6 +903,19 @@ class Handover:
         if op.verify:
             state.checksum = crc & 0xFFFFFFFF
         return True
+
+    def _fragment_tables(self, route: Route, agent: str,
+                         info: PeerInfo) -> tuple[FragmentTable, FragmentTable] | None:
+        """Both sides' fragment tables of ``route`` to ``agent`` (built once; None when too
+        large to prepare)."""
+        key = (agent, route.fingerprint)
+        if key not in self._tables:
+            if len(self._tables) >= 1024:
+                del self._tables[next(iter(self._tables))]
+            self._tables[key] = fragment_tables(
+                route, {pid: p.spec for pid, p in self.transport.pools.items()},
+                {pid: p.spec for pid, p in info.pools.items()})
+        return self._tables[key]
 
     def _poll_writes(self, state: _RouteState) -> None:
         try:

@@ -23,6 +23,8 @@ from workers.executors import (
     align_blocks,
     copy_local,
     expand_fragments,
+    fragment_indices,
+    fragment_tables,
     fragments_crc32,
     gather,
     scatter,
@@ -224,6 +226,58 @@ def test_random_templates_match_oracle(seed):
     for ch in reversed(layout.chunks(chunk)):
         scatter(route, buf, got, bd, offset=37, chunk=ch)
     _assert_pools_equal(got, want)
+
+
+def _table_fragments(route, src, dst, bs, bd, limit=None):
+    """(src offset, dst offset, length) of every fragment the prepared tables select, with the
+    offsets relative to each pool's base as in expand_fragments, per (src pool, dst pool)."""
+    tables = fragment_tables(route, {k: p.spec for k, p in src.items()},
+                             {k: p.spec for k, p in dst.items()}, **({"limit": limit} if limit
+                                                                      else {}))
+    if tables is None:
+        return None
+    li, ri = fragment_indices(route, tables, bs, bd)
+    rows = []
+    for table in tables:  # flatten: index -> (pool, offset, length)
+        pools = np.concatenate([np.full(o.size, p) for p, o, _ in table.entries] or [[]])
+        offsets = np.concatenate([o for _, o, _ in table.entries] or [[]])
+        lengths = np.concatenate([n for _, _, n in table.entries] or [[]])
+        rows.append((pools, offsets, lengths))
+    (sp, so, sl), (dp, do, dl) = rows
+    assert np.array_equal(sl[li], dl[ri])  # a local fragment and its remote one: same length
+    return Counter((int(sp[a]), int(dp[b]), int(so[a]), int(do[b]), int(sl[a]))
+                   for a, b in zip(li.tolist(), ri.tolist(), strict=True))
+
+
+def _expanded(route, src, dst, bs, bd):
+    return Counter((sp, dp, int(a), int(b), int(n))
+                   for (sp, dp), (so, do, ln) in expand_fragments(route, src, dst, bs, bd).items()
+                   for a, b, n in zip(so, do, ln, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_prepared_fragment_tables_select_exactly_the_expanded_fragments(seed):
+    # The hot path names a request's fragments by index into per-route tables (NIXL prepared
+    # descriptor lists); they must be the very fragments expand_fragments computes.
+    route, src, dst, bs, bd, _ = _random_case(seed)
+    assert _table_fragments(route, src, dst, bs, bd) == _expanded(route, src, dst, bs, bd)
+
+
+def test_fragment_tables_refuse_out_of_range_ids_and_oversized_routes():
+    hs = HeadSlice("HND", 3, 8, 16, 2, 2, 4, 0, 2, 2)
+    route = hs.route()
+    src, dst = _pools_pair([hs.sender_spec(20, pad=48)], [hs.receiver_spec(24, pad=16)])
+    bs, bd = np.array([3, 1, 7]), np.array([10, 2, 23])
+    assert _table_fragments(route, src, dst, bs, bd) == _expanded(route, src, dst, bs, bd)
+    with pytest.raises(BlockRangeError, match=r"generation block ids must be in 0\.\.23"):
+        _table_fragments(route, src, dst, bs, np.array([10, 2, 24]))
+    with pytest.raises(BlockRangeError, match=r"context block ids must be in 0\.\.19"):
+        _table_fragments(route, src, dst, np.array([3, -1, 7]), bd)
+    # 6 fragments per block: 20 source slots need 120 descriptors, more than the limit here
+    assert route.fragments_per_block == 6
+    assert _table_fragments(route, src, dst, bs, bd, limit=119) is None
+    assert _table_fragments(route, src, dst, bs, bd, limit=144) is not None
 
 
 @settings(max_examples=200, deadline=None)

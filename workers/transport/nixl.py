@@ -40,7 +40,7 @@ import base64
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ import numpy as np
 from workers.executors import (
     BlockRangeError,
     Blocks,
+    FragmentTable,
     Route,
     StagingChunk,
     _check_ids,
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 30.0
 _SPIN_S = 0.002  # busy-poll this long before sleeping between polls: small transfers finish fast
 _POLL_SLEEP_S = 0.0002
+PREPARED_LISTS_MAX = 512  # prepared descriptor lists kept (per route and peer)
 INBOX_LIMIT = 1 << 16  # notifications kept per peer (a staged route sends one per chunk)
 UCX_DEFAULT = "default"  # what :attr:`NixlTransport.ucx` says for a setting UCX chooses itself
 # UCX reads UCX_TLS when a backend is created: one creation at a time may change it.
@@ -239,6 +241,8 @@ class NixlTransport:
         self._peers: dict[str, PeerInfo] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._outstanding: dict[str, int] = {}  # posted WRITEs not yet released, per peer
+        # NIXL prepared descriptor lists by (agent, route fingerprint); "" is this worker
+        self._prepped: dict[tuple[str, str], Any] = {}
         self._closed = False
         # Set by the owner (the worker) when the control plane withdrew the current job: every
         # wait then stops at its next poll instead of running into its deadline.
@@ -313,6 +317,7 @@ class NixlTransport:
 
     def remove_peer(self, agent: str) -> None:
         """Forget a peer (e.g. it restarted with a new agent); unknown names are ignored."""
+        self._release_prepared([k for k in self._prepped if k[0] == agent])
         if self._peers.pop(agent, None) is not None:
             try:
                 self._agent.remove_remote_agent(agent)
@@ -357,23 +362,31 @@ class NixlTransport:
     def _post(
         self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
     ) -> _Pending:
+        def make(info: PeerInfo) -> Any:
+            ld = self._agent.get_xfer_descs(local, self.mem_type)
+            rd = self._agent.get_xfer_descs(remote, info.mem_type)
+            return self._agent.initialize_xfer("WRITE", ld, rd, info.agent, notif)
+
+        return self._post_with(peer, make, int(local[:, 1].sum()), what)
+
+    def _post_with(
+        self, peer: PeerInfo, make: Callable[[PeerInfo], Any], nbytes: int, what: str
+    ) -> _Pending:
         try:
-            return self._post_once(peer, local, remote, notif, what)
+            return self._post_once(peer, make, nbytes, what)
         except PeerUnreachable:
             # A connection UCX already failed refuses every post. Nothing of this WRITE left,
             # and with nothing else in flight to the peer a new connection costs nothing lost.
             if self._outstanding.get(peer.agent) or not self.reset_peer(peer.agent):
                 raise
-            return self._post_once(peer, local, remote, notif, what)
+            return self._post_once(peer, make, nbytes, what)
 
     def _post_once(
-        self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
+        self, peer: PeerInfo, make: Callable[[PeerInfo], Any], nbytes: int, what: str
     ) -> _Pending:
         h = None
         try:
-            ld = self._agent.get_xfer_descs(local, self.mem_type)
-            rd = self._agent.get_xfer_descs(remote, peer.mem_type)
-            h = self._agent.initialize_xfer("WRITE", ld, rd, peer.agent, notif)
+            h = make(peer)
             state = self._agent.transfer(h)
         except Exception as e:
             if h is not None:
@@ -386,7 +399,37 @@ class NixlTransport:
                 h.release()
             raise TransportError(f"{what}: NIXL WRITE to {peer.agent!r} failed on post")
         self._outstanding[peer.agent] = self._outstanding.get(peer.agent, 0) + 1
-        return _Pending(h, what, int(local[:, 1].sum()), agent=peer.agent)
+        return _Pending(h, what, nbytes, agent=peer.agent)
+
+    def _prepared(self, peer: PeerInfo | None, key: str, table: FragmentTable) -> Any:
+        """The NIXL prepared descriptor list of ``table`` on this worker (``peer`` None) or on
+        ``peer``, built on first use and kept until the peer is dropped."""
+        agent = "" if peer is None else peer.agent
+        handle = self._prepped.get((agent, key))
+        if handle is not None:
+            return handle
+        rows = []
+        for pool, offsets, lengths in table.entries:
+            if peer is None:
+                rows.append(self._desc(self.pools[pool].base_address + offsets, lengths,
+                                       self.device_id))
+            else:
+                rows.append(self._desc(peer.pools[pool].base_address + offsets, lengths,
+                                       peer.device_id))
+        descs = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.uint64)
+        handle = self._agent.prep_xfer_dlist(
+            agent, descs, self.mem_type if peer is None else peer.mem_type)
+        self._prepped[(agent, key)] = handle
+        if len(self._prepped) > PREPARED_LISTS_MAX:  # plans that changed long ago
+            self._release_prepared([next(iter(self._prepped))])
+        return handle
+
+    def _release_prepared(self, keys: Iterable[tuple[str, str]]) -> None:
+        for k in list(keys):
+            handle = self._prepped.pop(k, None)
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.release()
 
     def _poll(self, p: _Pending) -> bool:
         if p.done:
@@ -450,6 +493,22 @@ class NixlTransport:
     ) -> _Pending:
         """Post one WRITE (descriptor arrays ``[addr, len, dev]``) with a notification."""
         return self._post(self._peer(peer), local, remote, notif, what)
+
+    def post_prepared_write(
+        self, peer: str, key: str, tables: tuple[FragmentTable, FragmentTable],
+        local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes, nbytes: int, what: str,
+    ) -> _Pending:
+        """Post one WRITE of the fragments at ``local_idx`` of ``tables[0]`` to ``remote_idx``
+        of ``tables[1]`` (see :func:`~workers.executors.fragment_indices`) through NIXL
+        prepared descriptor lists, built once per ``key`` (the route's fingerprint) and peer:
+        no per-request address lookup."""
+        def make(info: PeerInfo) -> Any:
+            local = self._prepared(None, key, tables[0])
+            remote = self._prepared(info, key, tables[1])
+            return self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx,
+                                                 notif)
+
+        return self._post_with(self._peer(peer), make, nbytes, what)
 
     def poll(self, pending: _Pending) -> bool:
         """Whether ``pending`` completed; raises :class:`TransportError` on NIXL's error."""
@@ -712,6 +771,7 @@ class NixlTransport:
         if self._closed:
             return
         self._closed = True
+        self._release_prepared(list(self._prepped))
         for agent in list(self._peers):
             with contextlib.suppress(TransportError):
                 self.remove_peer(agent)
