@@ -88,8 +88,10 @@ def requests_for(blocks: int, in_flight: int, quick: bool, path: str = "engine")
         # The goal's cell: enough requests that ramp-up and drain do not decide its rate
         # (with 16, the first and last few requests ran below 8 in flight)
         return REST_GOAL_REQUESTS
-    if quick or path == "REST":  # REST is slow here: keep the run's length bounded
+    if quick:
         return max(8, 2 * in_flight)
+    if path == "REST":  # REST is slow here: enough for a median, a bounded run
+        return max(24, 3 * in_flight)
     if blocks >= 64:
         return max(16, 3 * in_flight)
     return max(30, 6 * in_flight)

@@ -569,6 +569,10 @@ class EngineRank:
                 "records_posted": w.recorder.posted if w.recorder else None,
                 "duplicate_commands": w.duplicate_commands, "control_plane": w.client.url}
 
+    def threads(self) -> dict[int, str]:
+        """This process's Python threads: native thread id → name (CPU accounting)."""
+        return {int(t.native_id): t.name for t in threading.enumerate() if t.native_id}
+
     def stop(self) -> None:
         self.worker.stop()
 

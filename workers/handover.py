@@ -409,7 +409,9 @@ class Handover:
         self._loaded: set[str] = set()
         self._next_resend = 0.0
         self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
-        self._tables: dict[tuple[str, str], tuple[FragmentTable, FragmentTable] | None] = {}
+        # per (peer agent, route fingerprint): the peer endpoint they were built for, and tables
+        self._tables: dict[tuple[str, str],
+                           tuple[PeerInfo, tuple[FragmentTable, FragmentTable] | None]] = {}
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -906,16 +908,18 @@ class Handover:
 
     def _fragment_tables(self, route: Route, agent: str,
                          info: PeerInfo) -> tuple[FragmentTable, FragmentTable] | None:
-        """Both sides' fragment tables of ``route`` to ``agent`` (built once; None when too
-        large to prepare)."""
+        """Both sides' fragment tables of ``route`` to ``agent`` (None when too large to
+        prepare), built once per peer endpoint: a peer loaded again, e.g. back with other pools
+        under the same agent name, gets new ones (as it gets new prepared lists)."""
         key = (agent, route.fingerprint)
-        if key not in self._tables:
+        cached = self._tables.get(key)
+        if cached is None or cached[0] is not info:
             if len(self._tables) >= 1024:
                 del self._tables[next(iter(self._tables))]
-            self._tables[key] = fragment_tables(
+            cached = self._tables[key] = (info, fragment_tables(
                 route, {pid: p.spec for pid, p in self.transport.pools.items()},
-                {pid: p.spec for pid, p in info.pools.items()})
-        return self._tables[key]
+                {pid: p.spec for pid, p in info.pools.items()}))
+        return cached[1]
 
     def _poll_writes(self, state: _RouteState) -> None:
         try:

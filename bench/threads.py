@@ -1,0 +1,114 @@
+"""Where the CPU goes: a per-thread CPU account of the demo fleet during one engine-path run.
+
+    .venv/bin/python bench/threads.py [--blocks 4] [--in-flight 16] [--requests 1500]
+
+The same fleet as ``bench/latency.py`` (one control plane on SQLite, six rank processes from
+``workers/engine_loop.py``). Before and after one run of the engine path (``worker.send`` /
+``worker.expect`` on every rank, closed loop), it reads each thread's user + system CPU time
+from ``/proc/<pid>/task/<tid>/stat`` (Linux) and prints, per request, the CPU of every kind of
+thread: the fake engine's own thread (``MainThread``, where ``send``/``expect`` run), the
+handover's progress thread, the record poster, heartbeat and command-stream threads, threads
+that Python does not know (NIXL's and UCX's own), and the control plane (all its threads
+together). The control plane is read ``--settle`` seconds after the run, so that the batched
+records of the run are in. Prints a markdown table, the throughput and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+
+from workers.engine_loop import Fleet, cpu_seconds  # noqa: E402
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of every thread of ``pid`` so far."""
+    out: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def kind_of(name: str | None) -> str:
+    """A thread's kind: its Python name without the instance and rank it serves."""
+    if name is None:
+        return "native (NIXL, UCX)"
+    return re.sub(r"^kvplane-handover-.*", "kvplane-handover (progress)", name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--settle", type=float, default=1.2,
+                        help="seconds to wait for the run's batched records")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    workdir = Path(tempfile.mkdtemp(prefix="kvplane-threads-"))
+    num_slots = max(64, args.blocks * args.in_flight * 2)
+    fleet = Fleet(workdir, num_slots=num_slots, staging_bytes=128 << 20)
+    try:
+        fleet.start()
+        fleet.run_engine(requests=8, blocks=args.blocks, in_flight=2, tag="warm")
+        pids = fleet.pids()
+        roles = [spec.role for spec, _, _ in fleet.ranks]
+        names = fleet.call_all("threads")
+        before = {pid: thread_cpu(pid) for pid in pids["ranks"]}
+        server_before = cpu_seconds(pids["server"])
+        run = fleet.run_engine(requests=args.requests, blocks=args.blocks,
+                               in_flight=args.in_flight, seed=7, tag="threads")
+        after = {pid: thread_cpu(pid) for pid in pids["ranks"]}
+        time.sleep(args.settle)
+        server_ms = (cpu_seconds(pids["server"]) - server_before) * 1e3 / args.requests
+    finally:
+        fleet.stop()
+    if run.failures or run.leaked:
+        print(f"run: {len(run.failures)} failed, {run.leaked} blocks leaked", file=sys.stderr)
+    per_kind: dict[tuple[str, str], float] = defaultdict(float)
+    ranks_of: dict[str, int] = defaultdict(int)
+    for pid, role, known in zip(pids["ranks"], roles, names, strict=True):
+        ranks_of[role] += 1
+        known = {int(k): v for k, v in known.items()}
+        for tid, cpu in after[pid].items():
+            used = cpu - before[pid].get(tid, 0.0)
+            per_kind[(role, kind_of(known.get(tid)))] += used * 1e3 / args.requests
+    total = sum(per_kind.values()) + server_ms
+    print(f"{args.requests} requests of {args.blocks} blocks, {args.in_flight} in flight: "
+          f"{run.throughput():.0f} transfers/s; {os.cpu_count()} logical CPUs; load average "
+          f"before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
+          f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print()
+    print("| process | thread | CPU ms/request | share |")
+    print("|---|---|---:|---:|")
+    for (role, kind), ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+        if ms >= 0.005:
+            print(f"| {role} ranks ({ranks_of[role]}) | {kind} | {ms:.2f} | "
+                  f"{100 * ms / total:.0f} % |")
+    print(f"| control plane | all threads | {server_ms:.2f} | {100 * server_ms / total:.0f} % |")
+    print(f"| **all** | | **{total:.2f}** | |")
+    print()
+    print(f"CPU ceiling on {os.cpu_count()} CPUs at this cost: "
+          f"{(os.cpu_count() or 1) * 1e3 / total:.0f} transfers/s")
+    return 0 if not run.failures and not run.leaked else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
