@@ -104,9 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * ms / total:.0f} % |")
     print(f"| control plane | all threads | {server_ms:.2f} | {100 * server_ms / total:.0f} % |")
     print(f"| **all** | | **{total:.2f}** | |")
-    print()
-    print(f"CPU ceiling on {os.cpu_count()} CPUs at this cost: "
-          f"{(os.cpu_count() or 1) * 1e3 / total:.0f} transfers/s")
     return 0 if not run.failures and not run.leaked else 1
 
 

@@ -332,6 +332,13 @@ def _logical_ids(side: Any, total: int, cp: int) -> tuple[np.ndarray, np.ndarray
     return arr, total - arr.size + np.arange(arr.size, dtype=np.int64)
 
 
+def _flat(side: Any) -> bool:
+    """A flat id list (not one list per CP rank)."""
+    if isinstance(side, np.ndarray):
+        return side.ndim == 1
+    return not (len(side) and isinstance(side[0], (list, tuple, np.ndarray)))
+
+
 def _count(side: Any) -> int:
     if len(side) and all(isinstance(x, (list, tuple, np.ndarray)) for x in side):
         return sum(len(x) for x in side)
@@ -364,6 +371,14 @@ def align_blocks(
             continue
         if route.large_side is not None:
             src[g], dst[g] = _align_ratio(route, blocks[g])
+            continue
+        if cp == 1 and _flat(blocks[g][0]) and _flat(blocks[g][1]):
+            # The common case: both lists end at the request's last block, so the pairs are
+            # the two lists' last min(len) entries (the rule below, without the set algebra).
+            a = np.asarray(blocks[g][0], dtype=np.int64).reshape(-1)
+            b = np.asarray(blocks[g][1], dtype=np.int64).reshape(-1)
+            n = min(a.size, b.size)
+            src[g], dst[g] = a[a.size - n:], b[b.size - n:]
             continue
         total = max(_count(blocks[g][0]), _count(blocks[g][1]))
         a, la = _logical_ids(blocks[g][0], total, cp if route.cp_side == "context" else 1)

@@ -135,6 +135,8 @@ def _flat_ids(raw: Any, g: int, side: str) -> list[int]:
 
 def _side_ids(raw: Any, g: int, side: str) -> list[int] | list[list[int]]:
     """A flat id list, or one list per CP rank (helix: each CP rank's own block table)."""
+    if type(raw) is list and all(type(x) is int for x in raw):
+        return raw  # the usual form, already what the rest expects
     if (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)) and len(raw)
             and all(isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes))
                     for x in raw)):
