@@ -78,14 +78,11 @@ import numpy as np
 from workers.directory import Directory, HandoverError, PeerWorker, PlanEntry
 from workers.executors import (
     BlockRangeError,
-    FragmentTable,
     Route,
     StagingChunk,
     StagingLayout,
     align_blocks,
     expand_fragments,
-    fragment_indices,
-    fragment_tables,
     fragments_crc32,
     gather,
     scatter,
@@ -94,7 +91,7 @@ from workers.executors import (
 from workers.transport import PeerUnreachable, TransportError
 
 if TYPE_CHECKING:
-    from workers.transport.nixl import NixlTransport, PeerInfo, _Pending
+    from workers.transport.nixl import NixlTransport, _Pending
 
 log = logging.getLogger("kvplane.handover")
 
@@ -411,9 +408,6 @@ class Handover:
         self._loaded: set[str] = set()
         self._next_resend = 0.0
         self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
-        # per (peer agent, route fingerprint): the peer endpoint they were built for, and tables
-        self._tables: dict[tuple[str, str],
-                           tuple[PeerInfo, tuple[FragmentTable, FragmentTable] | None]] = {}
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -856,30 +850,18 @@ class Handover:
         tp = self.transport
         if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
             notif = _msg("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
-            info = tp.peer_info_of(agent)
             if op.verify:
-                frags = expand_fragments(state.route, tp.pools, info.pools, state.src, state.dst)
+                frags = expand_fragments(state.route, tp.pools, tp.peer_info_of(agent).pools,
+                                         state.src, state.dst)
                 state.checksum = fragments_crc32(tp.pools, frags, side="src")
-            tables = self._fragment_tables(state.route, agent, info)
             state.written = True
-            if not nbytes:
+            pending = tp.post_fragments(agent, state.route, state.src, state.dst, notif,
+                                        f"fragments to rank {state.receiver_rank}")
+            if pending is None:  # no block to move: the notification alone
                 tp.send_notif(agent, notif)
                 self._route_sent(state)
-            elif tables is not None:  # the usual case: prepared descriptor lists, by index
-                local_idx, remote_idx = fragment_indices(state.route, tables, state.src,
-                                                         state.dst)
-                state.pending.append(tp.post_prepared_write(
-                    agent, state.route.fingerprint, tables, local_idx, remote_idx, notif, nbytes,
-                    f"{local_idx.size} fragments"))
-            else:  # tables too large to prepare: this request's descriptors only
-                frags = expand_fragments(state.route, tp.pools, info.pools, state.src, state.dst)
-                local = np.concatenate([tp.desc(tp.pools[sp].base_address + so, ln, tp.device_id)
-                                        for (sp, _), (so, _, ln) in frags.items()])
-                remote = np.concatenate([
-                    tp.desc(info.pools[dp].base_address + do, ln, info.device_id)
-                    for (_, dp), (_, do, ln) in frags.items()])
-                state.pending.append(tp.post_write(agent, local, remote, notif,
-                                                   f"{local.shape[0]} fragments"))
+            else:
+                state.pending.append(pending)
             return True
         area = self.areas.alloc(nbytes)
         if area is None:
@@ -907,21 +889,6 @@ class Handover:
         if op.verify:
             state.checksum = crc & 0xFFFFFFFF
         return True
-
-    def _fragment_tables(self, route: Route, agent: str,
-                         info: PeerInfo) -> tuple[FragmentTable, FragmentTable] | None:
-        """Both sides' fragment tables of ``route`` to ``agent`` (None when too large to
-        prepare), built once per peer endpoint: a peer loaded again, e.g. back with other pools
-        under the same agent name, gets new ones (as it gets new prepared lists)."""
-        key = (agent, route.fingerprint)
-        cached = self._tables.get(key)
-        if cached is None or cached[0] is not info:
-            if len(self._tables) >= 1024:
-                del self._tables[next(iter(self._tables))]
-            cached = self._tables[key] = (info, fragment_tables(
-                route, {pid: p.spec for pid, p in self.transport.pools.items()},
-                {pid: p.spec for pid, p in info.pools.items()}))
-        return cached[1]
 
     def _poll_writes(self, state: _RouteState) -> None:
         try:

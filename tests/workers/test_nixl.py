@@ -205,14 +205,11 @@ def test_prepared_fragment_writes_land_and_follow_a_restarted_peer(pair):
     # The handover's per-fragment path: NIXL prepared descriptor lists per route and peer,
     # fragments named by index. A peer that comes back under the same agent name with new pools
     # must get a fresh list: a cached one would write into its old addresses.
-    from workers.executors import fragment_indices, fragment_tables
-
     hs, src, dst, size, make = pair
     route = hs.route()
     sender = make("ps", src, size)
     receivers = [make("pr", dst, size)]
     sender.add_peer(receivers[0].peer_info().to_json())
-    specs = {pid: p.spec for pid, p in src.items()}
     for attempt, (bs, bd) in enumerate([([0, 1, 2], [5, 6, 7]), ([3, 3, 7], [0, 4, 2])]):
         pools = dst if attempt == 0 else allocate_pools([hs.receiver_spec(8)])
         if attempt:  # the receiver restarts: same agent name, new pools and metadata
@@ -220,13 +217,11 @@ def test_prepared_fragment_writes_land_and_follow_a_restarted_peer(pair):
             receivers[0].close()
             receivers[0] = make("pr", pools, size)
             sender.add_peer(receivers[0].peer_info().to_json())
-        tables = fragment_tables(route, specs, {pid: p.spec for pid, p in pools.items()})
-        assert tables is not None
-        local, remote = fragment_indices(route, tables, np.array(bs), np.array(bd))
         nbytes = staging_layout(route, bs).nbytes
-        pending = sender.post_prepared_write("pr", route.fingerprint, tables, local, remote,
-                                             b"done", nbytes, "prepared")
-        assert pending.nbytes == nbytes
+        pending = sender.post_fragments("pr", route, np.array(bs), np.array(bd), b"done",
+                                        "prepared")
+        assert pending is not None and pending.nbytes == nbytes
+        assert sender._tables[("pr", route.fingerprint)] is not None  # the prepared path
         _wait_done(sender, pending)
         want = allocate_pools([hs.receiver_spec(8)])
         fill_pattern(1, want[0])

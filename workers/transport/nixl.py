@@ -11,8 +11,9 @@ Lifecycle of a worker's :class:`NixlTransport`:
    buffer, one NIXL WRITE of that chunk into the receiver's staging area at the writer's exact
    offset with a notification ``<tag>|<chunk>|<chunks>``, gather the next chunk while it flies; the
    receiver :meth:`receive_staged` scatters each chunk as its notification arrives;
-4. per-fragment path: :meth:`write_fragments` posts one descriptor per fragment straight into
-   the receiver's pools (no staging, no receiver copy) — the comparison baseline;
+4. per-fragment path: :meth:`post_fragments` (the handover's) and :meth:`write_fragments` post
+   one descriptor per fragment straight into the receiver's pools (no staging, no receiver
+   copy), from descriptor lists prepared once per route and peer;
 5. a restarted peer comes back with a new agent: :meth:`remove_peer` the old one, add the new;
 6. :meth:`close` releases handles, drops peers and deregisters memory.
 
@@ -57,6 +58,8 @@ from workers.executors import (
     _normalize_blocks,
     as_route,
     expand_fragments,
+    fragment_indices,
+    fragment_tables,
     gather,
     scatter,
     staging_layout,
@@ -241,7 +244,9 @@ class NixlTransport:
         self._peers: dict[str, PeerInfo] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._outstanding: dict[str, int] = {}  # posted WRITEs not yet released, per peer
-        # NIXL prepared descriptor lists by (agent, route fingerprint); "" is this worker
+        # Per-fragment path, by (peer agent, route fingerprint): both sides' fragment tables
+        # (None: too large to prepare), and NIXL prepared descriptor lists ("": this worker's)
+        self._tables: dict[tuple[str, str], tuple[FragmentTable, FragmentTable] | None] = {}
         self._prepped: dict[tuple[str, str], Any] = {}
         self._closed = False
         # Set by the owner (the worker) when the control plane withdrew the current job: every
@@ -318,6 +323,8 @@ class NixlTransport:
     def remove_peer(self, agent: str) -> None:
         """Forget a peer (e.g. it restarted with a new agent); unknown names are ignored."""
         self._release_prepared([k for k in self._prepped if k[0] == agent])
+        for key in [k for k in self._tables if k[0] == agent]:  # its pools may differ next time
+            del self._tables[key]
         if self._peers.pop(agent, None) is not None:
             try:
                 self._agent.remove_remote_agent(agent)
@@ -494,21 +501,47 @@ class NixlTransport:
         """Post one WRITE (descriptor arrays ``[addr, len, dev]``) with a notification."""
         return self._post(self._peer(peer), local, remote, notif, what)
 
-    def post_prepared_write(
-        self, peer: str, key: str, tables: tuple[FragmentTable, FragmentTable],
-        local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes, nbytes: int, what: str,
-    ) -> _Pending:
-        """Post one WRITE of the fragments at ``local_idx`` of ``tables[0]`` to ``remote_idx``
-        of ``tables[1]`` (see :func:`~workers.executors.fragment_indices`) through NIXL
-        prepared descriptor lists, built once per ``key`` (the route's fingerprint) and peer:
-        no per-request address lookup."""
-        def make(info: PeerInfo) -> Any:
-            local = self._prepared(None, key, tables[0])
-            remote = self._prepared(info, key, tables[1])
+    def post_fragments(
+        self, peer: str, route: Route | Mapping[str, Any], src_blocks: Blocks,
+        dst_blocks: Blocks, notif: bytes, what: str,
+    ) -> _Pending | None:
+        """Post one WRITE of every fragment of these (aligned) block lists, pool to pool, with
+        ``notif``; None when there is no fragment (nothing posted).
+
+        The descriptors come from NIXL lists prepared once per route and peer over every slot's
+        fragments (:func:`~workers.executors.fragment_tables`): a request names its fragments
+        by index, with no addresses to compute or look up. A route whose tables would be larger
+        than ``FRAGMENT_TABLE_MAX`` posts this request's descriptors instead. Raises
+        :class:`BlockRangeError` for a block id outside its pool.
+        """
+        info = self._peer(peer)
+        route = as_route(route)
+        key = (info.agent, route.fingerprint)
+        if key not in self._tables:
+            self._tables[key] = fragment_tables(
+                route, {pid: p.spec for pid, p in self.pools.items()},
+                {pid: p.spec for pid, p in info.pools.items()})
+        tables = self._tables[key]
+        if tables is None:
+            frags = expand_fragments(route, self.pools, info.pools, src_blocks, dst_blocks)
+            locs, rems = [], []
+            for (sp_id, dp_id), (so, do, ln) in frags.items():
+                locs.append(self._desc(self.pools[sp_id].base_address + so, ln, self.device_id))
+                rems.append(self._desc(info.pools[dp_id].base_address + do, ln, info.device_id))
+            if not locs or not sum(len(x) for x in locs):
+                return None
+            return self._post(info, np.concatenate(locs), np.concatenate(rems), notif, what)
+        local_idx, remote_idx = fragment_indices(route, tables, src_blocks, dst_blocks)
+        if not local_idx.size:
+            return None
+
+        def make(peer_info: PeerInfo) -> Any:
+            local = self._prepared(None, route.fingerprint, tables[0])
+            remote = self._prepared(peer_info, route.fingerprint, tables[1])
             return self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx,
                                                  notif)
 
-        return self._post_with(self._peer(peer), make, nbytes, what)
+        return self._post_with(info, make, staging_layout(route, src_blocks).nbytes, what)
 
     def poll(self, pending: _Pending) -> bool:
         """Whether ``pending`` completed; raises :class:`TransportError` on NIXL's error."""
@@ -732,17 +765,11 @@ class NixlTransport:
                 raise BlockRangeError(f"layer group {g}: block lists differ in length")
             _check_ids(bs[g], sp, g, "source", unique=False)
             _check_ids(bd[g], dp, g, "destination", unique=True)  # type: ignore[arg-type]
-        frags = expand_fragments(route, self.pools, info.pools, bs, bd)
-        locs, rems = [], []
-        for (sp_id, dp_id), (so, do, ln) in frags.items():
-            locs.append(self._desc(self.pools[sp_id].base_address + so, ln, self.device_id))
-            rems.append(self._desc(info.pools[dp_id].base_address + do, ln, info.device_id))
-        if not locs:
+        p = self.post_fragments(peer, route, bs, bd, tag, "fragments")
+        if p is None:
             return 0
-        local, remote = np.concatenate(locs), np.concatenate(rems)
-        p = self._post(info, local, remote, tag, f"{local.shape[0]} fragments")
         self._wait([p], time.monotonic() + timeout_s)
-        return int(local[:, 1].sum())
+        return p.nbytes
 
     def write_raw(
         self,
