@@ -270,9 +270,10 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``.
 
     Set-wise, whatever the batch's size: one locking read of its transfers, one read of their
-    recorded parts, one multi-row insert, one read of the touched transfers' parts to settle
-    them. (Per record, the same work took ~10 statements; at 6 parts per request it was the
-    control plane's largest cost.)
+    recorded parts, one multi-row insert, then one read of the transfers this batch can decide
+    and of their parts. A transfer is read by six batches (one per rank), so these reads take
+    plain rows of the columns they need, not ORM objects: whole ORM rows (JSON columns
+    decoded) were a third of the control plane's CPU per engine-path request.
     """
     worker = current_worker_or_gone(session, body.worker_id)
     for record in body.records:
@@ -286,23 +287,31 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     # (transfer id, record) in id order; an engine-path id is a digest, computed once here
     records = sorted(((_record_transfer_id(r), r) for r in body.records), key=lambda p: p[0])
     ids = sorted({tid for tid, _ in records})
-    _insert_engine_rows(session, records, now)
+    plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]] = {}
+    _insert_engine_rows(session, records, now, plans)
     # Lock the batch's transfers first, in id order. Otherwise a part's insert takes a key-share
     # lock on its transfer and settling then waits for FOR UPDATE: two workers' batches over the
     # same transfers deadlock on PostgreSQL. The lock also makes the check-then-insert of parts
     # safe against the same batch arriving twice at once.
-    transfers = {row.id: row for row in session.scalars(
-        select(TransferRow).where(TransferRow.id.in_(ids)).order_by(TransferRow.id)
-        .with_for_update().execution_options(populate_existing=True))}
-    plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]] = {}
+    transfers: dict[str, Any] = {row.id: row for row in session.execute(
+        select(*_LOCKED).where(TransferRow.id.in_(ids)).order_by(TransferRow.id)
+        .with_for_update())}
+    described: dict[str, TransferRow] = {}
     for tid, record in records:
         row = transfers.get(tid)
-        if record.transfer_id is None and row is not None and not row.blocks and record.blocks:
-            _describe(session, row, record, plans)  # the first record(s) may lack block lists
+        if (record.transfer_id is None and row is not None and row.pairing_id is None
+                and record.blocks and tid not in described):
+            # The first record(s) may lack block lists: one that has them describes it.
+            orm = session.get(TransferRow, tid, populate_existing=True)
+            assert orm is not None
+            if not orm.blocks:
+                _set_columns(orm, _description(session, tid, record, plans))
+                session.flush()
+            described[tid] = orm
     recorded = {tuple(row) for row in session.execute(
         select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
         .where(JobRow.transfer_id.in_(ids)))}
-    touched: dict[str, int] = {}
+    deciding: dict[str, Any] = {}
     rows = []
     for tid, record in records:
         transfer = transfers.get(tid)
@@ -322,12 +331,27 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
             continue  # a repeated record (a retried batch): stored once
         recorded.add(key)
         rows.append(_part_row(transfer, worker, record, now))
-        touched[transfer.id] = transfer.attempt
+        # Without verify, a sender's successful part decides nothing (the receivers' parts
+        # do): the transfer is not settled for it.
+        if record.side == "receive" or record.status == "failed" or transfer.verify:
+            deciding[transfer.id] = transfer
     if rows:  # plain INSERT of dicts: an ORM object per part cost a quarter of the batch
         session.connection().execute(insert(cast(Table, JobRow.__table__)), rows)
-    settled = settle_many(session=session, transfers=[transfers[t] for t in sorted(touched)],
-                          now=now)
-    return len(rows), settled
+    if not deciding:
+        return len(rows), []
+    # Their status and summary as they are now (locked above): plain rows, or the ORM row of
+    # one described here.
+    current = [described.get(row.id, row) for row in session.execute(
+        select(*_DECIDING).where(TransferRow.id.in_(sorted(deciding))).order_by(TransferRow.id))]
+    return len(rows), settle_many(session=session, transfers=current, now=now)
+
+
+# What record_parts reads of the batch's transfers (their JSON columns only where it settles)
+_LOCKED = (TransferRow.id, TransferRow.attempt, TransferRow.context_name,
+           TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id)
+# What deciding a transfer reads of it (settle_many, _outcome, finish)
+_DECIDING = (TransferRow.id, TransferRow.attempt, TransferRow.status, TransferRow.verify,
+             TransferRow.summary)
 
 
 def _record_transfer_id(record: wire.TransferRecord) -> str:
@@ -337,9 +361,10 @@ def _record_transfer_id(record: wire.TransferRecord) -> str:
                               record.request_id)
 
 
-def _insert_engine_rows(session: Session,
-                        records: Sequence[tuple[str, wire.TransferRecord]],
-                        now: datetime) -> None:
+def _insert_engine_rows(
+        session: Session, records: Sequence[tuple[str, wire.TransferRecord]], now: datetime,
+        plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]],
+) -> None:
     """Create the rows of the batch's engine-path transfers that do not exist yet, before any
     row lock is taken, in id order, each ``ON CONFLICT DO NOTHING``.
 
@@ -360,6 +385,8 @@ def _insert_engine_rows(session: Session,
     for tid, record in records:
         if tid in engine_ids and tid not in rows:
             rows[tid] = _engine_row(tid, record, now)
+            if record.blocks:  # described at once: no UPDATE of the new row later
+                rows[tid].update(_description(session, tid, record, plans))
     if not rows:
         return
     from sqlalchemy.dialects import postgresql, sqlite
@@ -400,15 +427,15 @@ def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
         return row
 
 
-def _describe(session: Session, row: TransferRow, record: wire.TransferRecord,
-              plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]]
-              ) -> None:
-    """Fill an engine-path transfer's pairing, plan, blocks and summary from a record
-    (``plans``: the batch's pairings and plans, looked up and parsed once)."""
+def _description(session: Session, tid: str, record: wire.TransferRecord,
+                 plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None,
+                                                   Plan | None]]) -> dict[str, Any]:
+    """An engine-path transfer's pairing, plan, blocks and summary from a record, as column
+    values (``plans``: the batch's pairings and plans, looked up and parsed once)."""
     key = (record.pairing_id, record.context_epoch, record.generation_epoch,
            record.context_dp_rank, record.generation_dp_rank)
     if key not in plans:
-        plans[key] = _plan_of(session, row, record)
+        plans[key] = _plan_of(session, tid, record)
     pairing, plan_row, plan = plans[key]
     blocks = record.blocks or {}
     summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
@@ -419,16 +446,19 @@ def _describe(session: Session, row: TransferRow, record: wire.TransferRecord,
                 for g, v in blocks.items()
             }).to_summary()
         except Exception as error:  # a record is kept whatever its blocks say
-            log.warning("engine transfer %s: cannot expand its blocks: %s", row.id, error)
-    row.pairing_id = None if pairing is None else pairing.id
-    row.plan_id = None if plan_row is None else plan_row.id
-    row.blocks = blocks
-    row.summary = summary
-    row.bytes = int(summary["bytes"])
-    row.fragments = int(summary["fragments"])
+            log.warning("engine transfer %s: cannot expand its blocks: %s", tid, error)
+    return {"pairing_id": None if pairing is None else pairing.id,
+            "plan_id": None if plan_row is None else plan_row.id,
+            "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
+            "fragments": int(summary["fragments"])}
 
 
-def _plan_of(session: Session, row: TransferRow, record: wire.TransferRecord
+def _set_columns(row: TransferRow, values: dict[str, Any]) -> None:
+    for name, value in values.items():
+        setattr(row, name, value)
+
+
+def _plan_of(session: Session, tid: str, record: wire.TransferRecord
              ) -> tuple[PairingRow | None, PlanRow | None, Plan | None]:
     """The pairing and plan an engine-path record names (compiled if it is not cached yet)."""
     pairing = session.get(PairingRow, record.pairing_id)
@@ -452,17 +482,17 @@ def _plan_of(session: Session, row: TransferRow, record: wire.TransferRecord
                                           generation_dp_rank=record.generation_dp_rank)
             plan_row = session.get(PlanRow, plan_id)
         except (Conflict, KvplaneError) as error:
-            log.warning("engine transfer %s: no plan: %s", row.id, error)
+            log.warning("engine transfer %s: no plan: %s", tid, error)
     if plan_row is None:
         return pairing, None, None
     try:
         return pairing, plan_row, Plan.from_dict(plan_row.body)
     except Exception as error:  # a record is kept whatever its plan says
-        log.warning("engine transfer %s: unreadable plan %s: %s", row.id, plan_row.id, error)
+        log.warning("engine transfer %s: unreadable plan %s: %s", tid, plan_row.id, error)
         return pairing, plan_row, None
 
 
-def _part_row(transfer: TransferRow, worker: WorkerRow, record: wire.TransferRecord,
+def _part_row(transfer: Any, worker: WorkerRow, record: wire.TransferRecord,
               now: datetime) -> dict[str, Any]:
     """The ``jobs`` row of one recorded part, as INSERT parameters."""
     return {
@@ -489,10 +519,10 @@ def settle(*, session: Session, transfer_id: str, attempt: int, now: datetime) -
     return bool(settle_many(session=session, transfers=[transfer], now=now))
 
 
-def settle_many(*, session: Session, transfers: Sequence[TransferRow],
-                now: datetime) -> list[str]:
+def settle_many(*, session: Session, transfers: Sequence[Any], now: datetime) -> list[str]:
     """Finish every transfer (locked by the caller) whose parts decide it, reading all their
-    parts at once; returns the ids this call finished."""
+    parts at once; returns the ids this call finished. ``transfers``: ORM rows, or plain rows
+    of at least the columns in ``_DECIDING``."""
     active = [t for t in transfers if t.status in ACTIVE]
     if not active:
         return []
@@ -524,12 +554,12 @@ def settle_many(*, session: Session, transfers: Sequence[TransferRow],
             .returning(TransferRow.id)
             .execution_options(synchronize_session=False)).all()
         for transfer in active:
-            if transfer.id in done:
+            if transfer.id in done and isinstance(transfer, TransferRow):
                 session.expire(transfer)
     return sorted(finished)
 
 
-def _outcome(transfer: TransferRow, parts: Sequence[Any],
+def _outcome(transfer: Any, parts: Sequence[Any],
              now: datetime) -> tuple[str, str | None] | None:
     """``(status, error)`` when the recorded parts decide the transfer, else None."""
     failed = [p for p in parts if p.state == "failed"]
@@ -568,9 +598,10 @@ def _checksum_mismatch(parts: Sequence[Any]) -> str | None:
     return None
 
 
-def finish(session: Session, transfer: TransferRow, status: str, now: datetime,
+def finish(session: Session, transfer: Any, status: str, now: datetime,
            error: str | None = None) -> bool:
-    """One guarded UPDATE: exactly one caller finishes a transfer."""
+    """One guarded UPDATE: exactly one caller finishes a transfer (an ORM row, refreshed, or a
+    plain row with its id)."""
     changed = session.execute(
         update(TransferRow)
         .where(TransferRow.id == transfer.id, TransferRow.status.in_(ACTIVE))
@@ -579,7 +610,8 @@ def finish(session: Session, transfer: TransferRow, status: str, now: datetime,
         .returning(TransferRow.id)
         .execution_options(synchronize_session=False)
     ).scalar_one_or_none()
-    session.refresh(transfer)
+    if isinstance(transfer, TransferRow):
+        session.refresh(transfer)
     if changed is not None and status == "failed":
         log.warning("transfer %s failed: %s", transfer.id, error)
     return changed is not None

@@ -180,6 +180,28 @@ def test_engine_records_create_one_transfer_per_request(db: Database) -> None:
     assert len({r["sender_rank"] for r in row.summary["routes"]}) == 2
 
 
+def test_an_engine_transfer_is_described_by_its_first_record_with_blocks(db: Database) -> None:
+    """The row is complete from the first record that carries the block lists (the insert
+    describes it), a sender's part leaves it running, and the receiver's part settles it."""
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    blocks = {"0": {"context": [3, 4, 5], "generation": [7, 8, 9]}}
+    record(db, fleet["workers"][("ctx", 1)], None, side="send", rank=1, request_id="req-9",
+           blocks=blocks)
+    with db.read() as session:
+        rows, _ = transfer_service.list_transfers(session=session)
+    assert [(r.status, r.blocks) for r in rows] == [("running", blocks)]
+    assert rows[0].pairing_id is not None and rows[0].plan_id is not None
+    assert rows[0].bytes > 0 and len(rows[0].summary["routes"]) == 2
+    record(db, fleet["workers"][("ctx", 0)], None, side="send", rank=0, request_id="req-9",
+           blocks=blocks)
+    accepted, settled = record(db, fleet["workers"][("gen", 0)], None, side="receive", rank=0,
+                               request_id="req-9", blocks=blocks)
+    assert (accepted, settled) == (1, [rows[0].id])
+    with db.read() as session:
+        row = transfer_service.get_transfer(session=session, transfer_id=rows[0].id)
+        assert (row.status, row.blocks, row.bytes) == ("done", blocks, rows[0].bytes)
+
+
 def test_reaping_overdue_transfers_is_bounded_per_call(db: Database) -> None:
     """Issue 13 item 1, on what replaced the claim: a rank whose worker vanished leaves many
     dispatched transfers behind; one request fails a bounded batch of them, never all at once,
