@@ -400,6 +400,21 @@ class EngineRank:
         result.verified_bytes = self.worker.stats.verified_bytes - verified_before
         return asdict(result)
 
+    def try_start(self, *, request_id: str, blocks: Mapping[int, Any], mode: str = "auto",
+                  peer: str | None = None) -> dict[str, Any]:
+        """Call ``send``/``expect`` with these blocks as an engine would (for tests of what the
+        engine API refuses): ``{"code", "message"}`` when it refuses, else the handle's state
+        once it resolved (at most 5 s; a start that nobody answers fails at 1 s)."""
+        from workers.directory import HandoverError
+
+        call = self.worker.send if self.spec.role == "context" else self.worker.expect
+        try:
+            handle = call(request_id, peer or self.spec.peer, blocks, mode=mode, timeout_s=1.0)
+        except HandoverError as error:
+            return {"code": error.code, "message": str(error)}
+        handle.wait(5.0)
+        return {"state": handle.state, "reason": handle.reason}
+
     # --- raw NIXL, the same processes --------------------------------------------------------
 
     def raw(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,

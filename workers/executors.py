@@ -864,14 +864,18 @@ def fragment_indices(
     ids = (_normalize_blocks(route, src_blocks, "src_blocks"),
            _normalize_blocks(route, dst_blocks, "dst_blocks"))
     out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    checked: set[tuple[int, int, int, int]] = set()  # segments of one group share their ids
     for i, seg in enumerate(route.segments):
         k = np.arange(seg.fragments[2].size, dtype=np.int64)
         for side, what in ((0, "context"), (1, "generation")):
             col = _column(ids[side][seg.layer_group], seg)
             slots = tables[side].slots[i]
-            if col.size and (int(col.min()) < 0 or int(col.max()) >= slots):
-                raise BlockRangeError(f"layer group {seg.layer_group}: {what} block ids must be "
-                                      f"in 0..{slots - 1}")
+            key = (side, seg.layer_group, seg.sub_block, slots)
+            if col.size and key not in checked:
+                checked.add(key)
+                if int(col.min()) < 0 or int(col.max()) >= slots:
+                    raise BlockRangeError(f"layer group {seg.layer_group}: {what} block ids "
+                                          f"must be in 0..{slots - 1}")
             out[side].append((tables[side].bases[i] + col[:, None] * k.size + k).reshape(-1))
     return tuple(np.concatenate(x).astype(np.int32) if x else np.zeros(0, np.int32)
                  for x in out)  # type: ignore[return-value]

@@ -555,6 +555,7 @@ class Handover:
     def _validate_ids(self, op: _Op) -> None:
         """Block ids against this rank's pools, before anything is granted or written."""
         pools = self.transport.pools
+        checked: set[tuple[int, int]] = set()  # (id of an id array, pool size): checked once
         for state in op.routes:
             ids = state.src if op.side == "send" else state.dst
             for seg in state.route.segments:
@@ -564,11 +565,16 @@ class Handover:
                     raise HandoverError(f"pool {pool_id} is not on rank {self.rank}",
                                         code="invalid_blocks")
                 arr = ids[seg.layer_group]
-                if arr.size and (arr.min() < 0 or arr.max() >= pool.spec.num_slots):
+                num_slots = pool.spec.num_slots
+                if (id(arr), num_slots) in checked:  # views of one layer group share their ids
+                    continue
+                checked.add((id(arr), num_slots))
+                values = arr.ravel().tolist()  # a request's few ids: faster as Python ints
+                if values and (min(values) < 0 or max(values) >= num_slots):
                     raise HandoverError(
                         f"layer group {seg.layer_group}: block ids must be in [0, "
-                        f"{pool.spec.num_slots}) on rank {self.rank}", code="invalid_blocks")
-                if op.side == "receive" and np.unique(arr).size != arr.size:
+                        f"{num_slots}) on rank {self.rank}", code="invalid_blocks")
+                if op.side == "receive" and len(set(values)) != len(values):
                     raise HandoverError(f"layer group {seg.layer_group}: duplicate destination "
                                         "block ids", code="invalid_blocks")
 

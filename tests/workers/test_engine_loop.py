@@ -10,6 +10,7 @@ also for requests that ran while the control plane was down.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -167,6 +168,37 @@ def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fle
     assert {t["request_id"] for t in recorded.values()} == (
         {f"{closed.tag}-{i}" for i in range(30)} | {f"{poisson.tag}-{i}" for i in range(20)})
     assert all(t["bytes"] > 0 for t in recorded.values())
+
+
+@pytest.mark.parametrize("mode", ["staged", "fragments"])
+def test_the_engine_api_refuses_bad_block_lists_before_anything_moves(
+    fleet: Fleet, mode: str,
+) -> None:
+    """Every rank checks its own side's ids against its pools (each view's pool of the layer
+    group), and a receiver refuses duplicate destinations; nothing starts, the ranks stay
+    usable."""
+    good = list(range(BLOCKS))
+    cases = {
+        "context": [([0, 1, 2, NUM_SLOTS], good, rf"block ids must be in \[0, {NUM_SLOTS}\)"),
+                    ([-1, 1, 2, 3], good, r"block ids must be in \[0, "),
+                    ("[1, 2]", good, "flat list of integers")],
+        "generation": [(good, [5, 6, 7, NUM_SLOTS + 3], rf"must be in \[0, {NUM_SLOTS}\)"),
+                       (good, [5, 6, 5, 7], "duplicate destination block ids")],
+    }
+    for role, bad in cases.items():
+        for i, (context_ids, generation_ids, message) in enumerate(bad):
+            answers = fleet.call_role(role, "try_start", request_id=f"bad-{mode}-{role}-{i}",
+                                      blocks={0: (context_ids, generation_ids)}, mode=mode)
+            for answer in answers:
+                assert answer.get("code") == "invalid_blocks", answer
+                assert re.search(message, answer["message"]), answer
+    # The other side's ids are not its business: a context rank starts with ids that only the
+    # receiver would refuse (and, with no receiver, fails at its deadline).
+    [answer, *_] = fleet.call_role("context", "try_start", request_id=f"other-side-{mode}",
+                                   blocks={0: (good, [5, 6, 5, 7])}, mode=mode)
+    assert answer.get("state") == "failed" and "deadline" in str(answer["reason"]), answer
+    _assert_clean(fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, verify=True,
+                                   seed=31, mode=mode))
 
 
 def test_a_failed_fragments_receive_keeps_its_blocks_until_no_granted_write_can_land(
