@@ -785,7 +785,9 @@ def expand_fragments(
 
     Offsets are relative to each pool's base. Pools may be :class:`Pool` or bare
     :class:`~workers.pools.PoolSpec` (the peer's pools are only known by spec). Vectorized over
-    blocks × fragments; the per-fragment NIXL path is the only user.
+    blocks × fragments; the per-fragment NIXL path is the only user. Raises
+    :class:`BlockRangeError` for a block id outside its pool (on either side: an address past
+    the peer's pool may still be registered memory of another of its pools).
     """
     route = as_route(route)
     bs = _normalize_blocks(route, src_blocks, "src_blocks")
@@ -797,6 +799,10 @@ def expand_fragments(
         dspec = getattr(dst_pools[seg.dst_pool], "spec", dst_pools[seg.dst_pool])
         fsrc, fdst, flen = seg.fragments
         src_ids, dst_ids = _column(bs[g], seg), _column(bd[g], seg)
+        for ids, spec, what in ((src_ids, sspec, "context"), (dst_ids, dspec, "generation")):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.num_slots):
+                raise BlockRangeError(f"layer group {g}: {what} block ids must be in "
+                                      f"0..{spec.num_slots - 1}")
         so = (src_ids[:, None] * sspec.slot_stride_bytes + fsrc[None, :]).reshape(-1)
         do = (dst_ids[:, None] * dspec.slot_stride_bytes + fdst[None, :]).reshape(-1)
         ln = np.broadcast_to(flen, (src_ids.size, flen.size)).reshape(-1)

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from workers.executors import Route, staging_layout  # noqa: E402
+from workers.executors import BlockRangeError, Route, staging_layout  # noqa: E402
 from workers.pools import allocate_pools, fill_pattern  # noqa: E402
 from workers.testing import (  # noqa: E402
     HeadSlice,
@@ -228,6 +228,33 @@ def test_prepared_fragment_writes_land_and_follow_a_restarted_peer(pair):
         reference_copy(route, src, want, bs, bd)
         assert torch.equal(pools[0].tensor, want[0].tensor), f"attempt {attempt}"
         assert receivers[0].wait_notif("ps", [b"done"], timeout_s=10) == b"done"
+
+
+@pytest.mark.timeout(60)
+def test_routes_too_large_to_prepare_post_each_requests_own_descriptors(pair):
+    # The fallback of the per-fragment path (e.g. token-major runs over a large pool): tables
+    # over the limit are not prepared, and each request's fragments are posted by address.
+    hs, src, dst, size, make = pair
+    route = hs.route()
+    sender = make("fs", src, size)
+    receiver = make("fr", dst, size)
+    sender.add_peer(receiver.peer_info().to_json())
+    sender.fragment_table_max = route.fragments_per_block * 8 - 1  # one slot short
+    for bs, bd in (([0, 1, 2], [5, 6, 7]), ([7, 3, 3], [0, 4, 1])):
+        pending = sender.post_fragments("fr", route, bs, bd, b"fb", "fallback")
+        assert sender._tables[("fr", route.fingerprint)] is None  # not prepared
+        assert not sender._prepped
+        assert pending is not None and pending.nbytes == staging_layout(route, bs).nbytes
+        _wait_done(sender, pending)
+        assert receiver.wait_notif("fs", [b"fb"], timeout_s=10) == b"fb"
+    want = allocate_pools([hs.receiver_spec(8)])
+    fill_pattern(1, want[0])
+    for bs, bd in (([0, 1, 2], [5, 6, 7]), ([7, 3, 3], [0, 4, 1])):
+        reference_copy(route, src, want, bs, bd)
+    assert torch.equal(dst[0].tensor, want[0].tensor)
+    assert sender.post_fragments("fr", route, [], [], b"x", "nothing") is None
+    with pytest.raises(BlockRangeError):
+        sender.post_fragments("fr", route, [0], [8], b"x", "out of range")
 
 
 @pytest.mark.timeout(60)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from workers.executors import (
+    FRAGMENT_TABLE_MAX,
     BlockRangeError,
     Blocks,
     FragmentTable,
@@ -248,6 +249,8 @@ class NixlTransport:
         # (None: too large to prepare), and NIXL prepared descriptor lists ("": this worker's)
         self._tables: dict[tuple[str, str], tuple[FragmentTable, FragmentTable] | None] = {}
         self._prepped: dict[tuple[str, str], Any] = {}
+        # A route whose tables would hold more descriptors than this posts each request's own
+        self.fragment_table_max = FRAGMENT_TABLE_MAX
         self._closed = False
         # Set by the owner (the worker) when the control plane withdrew the current job: every
         # wait then stops at its next poll instead of running into its deadline.
@@ -511,7 +514,8 @@ class NixlTransport:
         The descriptors come from NIXL lists prepared once per route and peer over every slot's
         fragments (:func:`~workers.executors.fragment_tables`): a request names its fragments
         by index, with no addresses to compute or look up. A route whose tables would be larger
-        than ``FRAGMENT_TABLE_MAX`` posts this request's descriptors instead. Raises
+        than ``fragment_table_max`` (``FRAGMENT_TABLE_MAX``) posts this request's descriptors
+        instead. Raises
         :class:`BlockRangeError` for a block id outside its pool.
         """
         info = self._peer(peer)
@@ -520,7 +524,7 @@ class NixlTransport:
         if key not in self._tables:
             self._tables[key] = fragment_tables(
                 route, {pid: p.spec for pid, p in self.pools.items()},
-                {pid: p.spec for pid, p in info.pools.items()})
+                {pid: p.spec for pid, p in info.pools.items()}, limit=self.fragment_table_max)
         tables = self._tables[key]
         if tables is None:
             frags = expand_fragments(route, self.pools, info.pools, src_blocks, dst_blocks)
