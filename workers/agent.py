@@ -601,7 +601,8 @@ class VerificationError(RuntimeError):
 
 
 class _AnySpec(dict):  # type: ignore[type-arg]
-    """A stand-in for a peer's pool specs where only destination offsets matter."""
+    """A stand-in for a peer's pool specs where only destination offsets matter (any source id
+    is in range: the sender checks its own)."""
 
     def __missing__(self, key: int) -> PoolSpec:
-        return PoolSpec(id=key, slot_bytes=1, slot_stride_bytes=1, num_slots=1)
+        return PoolSpec(id=key, slot_bytes=1, slot_stride_bytes=1, num_slots=1 << 62)
