@@ -31,14 +31,19 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, func, insert, or_, select, update
+from sqlalchemy import Table, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
 from api.errors import Conflict, Forbidden, KvplaneError, NotFound, Unavailable
 from api.geometry import Plan, expand
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
-from api.services.workers import current_worker, instance_by_name, live_workers
+from api.services.workers import (
+    WORKER_GONE_S,
+    current_worker,
+    instance_by_name,
+    live_workers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,26 +79,51 @@ def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, 
                       timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
     """``[(worker_id, command)]`` of ``attempt`` of ``transfer``, one per rank taking part;
     changes nothing. Raises ``503 workers_unavailable`` when a rank has no live worker."""
-    context = instance_by_name(session, transfer.context_name)
-    generation = instance_by_name(session, transfer.generation_name)
+    epochs, workers = _live_ranks(session, (transfer.context_name, transfer.generation_name),
+                                  now)
     senders, receivers = participants(transfer.summary)
-    workers = {"context": live_workers(session, context, now, ids_only=True),
-               "generation": live_workers(session, generation, now, ids_only=True)}
-    missing = [f"context rank {r}" for r in sorted(senders) if r not in workers["context"]]
-    missing += [f"generation rank {r}" for r in sorted(receivers)
-                if r not in workers["generation"]]
+    ctx, gen = workers[transfer.context_name], workers[transfer.generation_name]
+    missing = [f"context rank {r}" for r in sorted(senders) if r not in ctx]
+    missing += [f"generation rank {r}" for r in sorted(receivers) if r not in gen]
     if missing:
         raise Unavailable(
             f"no live worker for {', '.join(missing)}; start `kvplane worker` for every rank",
             code="workers_unavailable",
             headers={"Retry-After": "2"},
         )
-    command = _command(transfer, attempt, context, generation, timeout_s)
-    commands = [(workers["context"][r].id, {**command, "side": "send", "rank": r})
-                for r in sorted(senders)]
-    commands += [(workers["generation"][r].id, {**command, "side": "receive", "rank": r})
-                 for r in sorted(receivers)]
+    command = _command(transfer, attempt, epochs[transfer.context_name],
+                       epochs[transfer.generation_name], timeout_s)
+    commands = [(ctx[r], {**command, "side": "send", "rank": r}) for r in sorted(senders)]
+    commands += [(gen[r], {**command, "side": "receive", "rank": r}) for r in sorted(receivers)]
     return commands
+
+
+# Built once: composing these statements cost more than running them.
+_EPOCHS = select(InstanceRow.name, InstanceRow.epoch).where(
+    InstanceRow.name.in_(bindparam("names", expanding=True)))
+_LIVE = (select(InstanceRow.name, WorkerRow.rank, WorkerRow.id)
+         .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
+         .where(InstanceRow.name.in_(bindparam("names", expanding=True)),
+                WorkerRow.epoch == InstanceRow.epoch, WorkerRow.stopped.is_(False),
+                WorkerRow.heartbeat_at >= bindparam("cutoff"))
+         .order_by(WorkerRow.rank, WorkerRow.registered_at.desc()))
+
+
+def _live_ranks(session: Session, names: Sequence[str], now: datetime
+                ) -> tuple[dict[str, str], dict[str, dict[int, str]]]:
+    """``({name: epoch}, {name: {rank: worker id}})`` of these instances: the newest live worker
+    of each rank (as :func:`~api.services.workers.live_workers`), in two plain reads (every
+    REST transfer dispatches: four ORM queries here were a tenth of its control-plane CPU)."""
+    unique = sorted(set(names))
+    epochs = {name: epoch for name, epoch in session.execute(_EPOCHS, {"names": unique})}
+    for name in names:
+        if name not in epochs:
+            raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
+    ranks: dict[str, dict[int, str]] = {name: {} for name in names}
+    cutoff = now - timedelta(seconds=WORKER_GONE_S)
+    for name, rank, worker_id in session.execute(_LIVE, {"names": unique, "cutoff": cutoff}):
+        ranks[name].setdefault(rank, worker_id)
+    return epochs, ranks
 
 
 def attempt_values(*, attempt: int, commands: Sequence[Any], now: datetime,
@@ -120,8 +150,8 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
     return commands
 
 
-def _command(transfer: TransferRow, attempt: int, context: InstanceRow,
-             generation: InstanceRow, timeout_s: float) -> dict[str, Any]:
+def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation_epoch: str,
+             timeout_s: float) -> dict[str, Any]:
     """What every rank of one attempt is told (``side`` and ``rank`` added per rank)."""
     return {
         "type": "transfer",
@@ -131,8 +161,8 @@ def _command(transfer: TransferRow, attempt: int, context: InstanceRow,
         "request_id": transfer.request_id,
         "context": transfer.context_name,
         "generation": transfer.generation_name,
-        "context_epoch": context.epoch,
-        "generation_epoch": generation.epoch,
+        "context_epoch": context_epoch,
+        "generation_epoch": generation_epoch,
         "context_dp_rank": transfer.context_dp_rank,
         "generation_dp_rank": transfer.generation_dp_rank,
         "blocks": transfer.blocks,
@@ -186,7 +216,7 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
         if transfer.pairing_id is not None and transfer.id == engine_transfer_id(
                 transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id):
             continue  # an engine-path transfer: the engines started it, nobody dispatched it
-        command = _command(transfer, transfer.attempt, context, generation,
+        command = _command(transfer, transfer.attempt, context.epoch, generation.epoch,
                            (transfer.deadline_at - now).total_seconds())
         senders, receivers = participants(transfer.summary)
         for side, ranks, live in (("send", senders, senders_live),
