@@ -115,13 +115,14 @@ def _live_ranks(session: Session, names: Sequence[str], now: datetime
     of each rank (as :func:`~api.services.workers.live_workers`), in two plain reads (every
     REST transfer dispatches: four ORM queries here were a tenth of its control-plane CPU)."""
     unique = sorted(set(names))
-    epochs = {name: epoch for name, epoch in session.execute(_EPOCHS, {"names": unique})}
+    conn = session.connection()
+    epochs = {name: epoch for name, epoch in conn.execute(_EPOCHS, {"names": unique})}
     for name in names:
         if name not in epochs:
             raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
     ranks: dict[str, dict[int, str]] = {name: {} for name in names}
     cutoff = now - timedelta(seconds=WORKER_GONE_S)
-    for name, rank, worker_id in session.execute(_LIVE, {"names": unique, "cutoff": cutoff}):
+    for name, rank, worker_id in conn.execute(_LIVE, {"names": unique, "cutoff": cutoff}):
         ranks[name].setdefault(rank, worker_id)
     return epochs, ranks
 
@@ -305,12 +306,12 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     plain rows of the columns they need, not ORM objects: whole ORM rows (JSON columns
     decoded) were a third of the control plane's CPU per engine-path request.
     """
-    worker = current_worker_or_gone(session, body.worker_id)
+    worker = recording_worker(session, body.worker_id)
     for record in body.records:
         own = record.context if record.side == "send" else record.generation
-        if own != worker.instance.name or record.rank != worker.rank:
+        if own != worker.instance_name or record.rank != worker.rank:
             raise Forbidden(
-                f"worker {worker.id} serves {worker.instance.name} rank {worker.rank}; it cannot "
+                f"worker {worker.id} serves {worker.instance_name} rank {worker.rank}; it cannot "
                 f"record {record.side} parts of {own} rank {record.rank}",
                 code="forbidden",
             )
@@ -319,13 +320,14 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
     ids = sorted({tid for tid, _ in records})
     plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]] = {}
     _insert_engine_rows(session, records, now, plans)
+    # Plain statements on the connection (the ORM's execute path cost as much as the SQL; this
+    # function flushes what it changes through the ORM itself).
+    conn = session.connection()
     # Lock the batch's transfers first, in id order. Otherwise a part's insert takes a key-share
     # lock on its transfer and settling then waits for FOR UPDATE: two workers' batches over the
     # same transfers deadlock on PostgreSQL. The lock also makes the check-then-insert of parts
     # safe against the same batch arriving twice at once.
-    transfers: dict[str, Any] = {row.id: row for row in session.execute(
-        select(*_LOCKED).where(TransferRow.id.in_(ids)).order_by(TransferRow.id)
-        .with_for_update())}
+    transfers: dict[str, Any] = {row.id: row for row in conn.execute(_LOCK, {"ids": ids})}
     described: dict[str, TransferRow] = {}
     for tid, record in records:
         row = transfers.get(tid)
@@ -338,9 +340,7 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
                 _set_columns(orm, _description(session, tid, record, plans))
                 session.flush()
             described[tid] = orm
-    recorded = {tuple(row) for row in session.execute(
-        select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
-        .where(JobRow.transfer_id.in_(ids)))}
+    recorded = {tuple(row) for row in conn.execute(_RECORDED, {"ids": ids})}
     deciding: dict[str, Any] = {}
     rows = []
     for tid, record in records:
@@ -366,22 +366,46 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         if record.side == "receive" or record.status == "failed" or transfer.verify:
             deciding[transfer.id] = transfer
     if rows:  # plain INSERT of dicts: an ORM object per part cost a quarter of the batch
-        session.connection().execute(insert(cast(Table, JobRow.__table__)), rows)
+        session.connection().execute(_INSERT_PARTS, rows)
     if not deciding:
         return len(rows), []
     # Their status and summary as they are now (locked above): plain rows, or the ORM row of
     # one described here.
-    current = [described.get(row.id, row) for row in session.execute(
-        select(*_DECIDING).where(TransferRow.id.in_(sorted(deciding))).order_by(TransferRow.id))]
+    current = [described.get(row.id, row)
+               for row in conn.execute(_DECIDE, {"ids": sorted(deciding)})]
     return len(rows), settle_many(session=session, transfers=current, now=now)
 
 
-# What record_parts reads of the batch's transfers (their JSON columns only where it settles)
-_LOCKED = (TransferRow.id, TransferRow.attempt, TransferRow.context_name,
-           TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id)
+# The record path's statements, built once (composing a statement costs about as much as
+# running it on SQLite, and a REST transfer's urgent records come one per batch). What
+# record_parts reads of the batch's transfers (JSON columns only where it settles):
+
+
+def _ids() -> Any:
+    return bindparam("ids", expanding=True)
+
+
+_LOCK = (select(TransferRow.id, TransferRow.attempt, TransferRow.context_name,
+                TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id)
+         .where(TransferRow.id.in_(_ids())).order_by(TransferRow.id).with_for_update())
+_RECORDED = select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank).where(
+    JobRow.transfer_id.in_(_ids()))
+_INSERT_PARTS = insert(cast(Table, JobRow.__table__))
 # What deciding a transfer reads of it (settle_many, _outcome, finish)
-_DECIDING = (TransferRow.id, TransferRow.attempt, TransferRow.status, TransferRow.verify,
-             TransferRow.summary)
+_DECIDE = (select(TransferRow.id, TransferRow.attempt, TransferRow.status, TransferRow.verify,
+                  TransferRow.summary).where(TransferRow.id.in_(_ids())).order_by(TransferRow.id))
+_EXISTING = select(TransferRow.id).where(TransferRow.id.in_(_ids()))
+_PART_COLUMNS = (JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank, JobRow.state,
+                 JobRow.error, JobRow.finished_at)
+_PARTS = select(*_PART_COLUMNS).where(JobRow.transfer_id.in_(_ids()))
+_PARTS_RESULTS = select(*_PART_COLUMNS, JobRow.result).where(JobRow.transfer_id.in_(_ids()))
+_SETTLE_DONE = (update(TransferRow)
+                .where(TransferRow.id.in_(_ids()), TransferRow.status.in_(ACTIVE))
+                .values(status="done", error=None,
+                        finished_at=bindparam("now", type_=TransferRow.finished_at.type),
+                        updated_at=bindparam("now", type_=TransferRow.updated_at.type))
+                .returning(TransferRow.id)
+                .execution_options(synchronize_session=False))
 
 
 def _record_transfer_id(record: wire.TransferRecord) -> str:
@@ -409,8 +433,8 @@ def _insert_engine_rows(
         return
     # Most of a batch's transfers exist already (another rank's record came first): building
     # and sending their rows only for the conflict to drop them cost more than this read.
-    engine_ids -= set(session.scalars(select(TransferRow.id).where(
-        TransferRow.id.in_(sorted(engine_ids)))))
+    engine_ids -= set(session.connection().execute(
+        _EXISTING, {"ids": sorted(engine_ids)}).scalars())
     rows: dict[str, dict[str, Any]] = {}
     for tid, record in records:
         if tid in engine_ids and tid not in rows:
@@ -446,15 +470,23 @@ def _engine_row(tid: str, record: wire.TransferRecord, now: datetime) -> dict[st
     }
 
 
-def current_worker_or_gone(session: Session, worker_id: str) -> WorkerRow:
-    """Records of a worker whose instance re-registered since are still the truth about what
-    happened then: only an unknown worker is refused."""
-    try:
-        return current_worker(session=session, worker_id=worker_id)
-    except Conflict:
-        row = session.get(WorkerRow, worker_id)
-        assert row is not None
-        return row
+_RECORDER = (select(WorkerRow.id, WorkerRow.instance_id, WorkerRow.rank, WorkerRow.epoch,
+                    InstanceRow.name.label("instance_name"))
+             .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
+             .where(WorkerRow.id == bindparam("worker_id")))
+
+
+def recording_worker(session: Session, worker_id: str) -> Any:
+    """The worker posting records: its id, instance (id and ``instance_name``), rank and epoch.
+    Records of a worker that was stopped, or whose instance re-registered since, are still the
+    truth about what happened then: only an unknown worker is refused. (One plain read: the
+    ORM row carries the worker's NIXL metadata, and a REST transfer's records come one per
+    batch.)"""
+    row = session.connection().execute(
+        _RECORDER, {"worker_id": worker_id}).one_or_none()
+    if row is None:
+        raise NotFound(f"worker {worker_id!r} is not registered", code="worker_not_found")
+    return row
 
 
 def _description(session: Session, tid: str, record: wire.TransferRecord,
@@ -522,7 +554,7 @@ def _plan_of(session: Session, tid: str, record: wire.TransferRecord
         return pairing, plan_row, None
 
 
-def _part_row(transfer: Any, worker: WorkerRow, record: wire.TransferRecord,
+def _part_row(transfer: Any, worker: Any, record: wire.TransferRecord,
               now: datetime) -> dict[str, Any]:
     """The ``jobs`` row of one recorded part, as INSERT parameters."""
     return {
@@ -560,11 +592,8 @@ def settle_many(*, session: Session, transfers: Sequence[Any], now: datetime) ->
     attempts = {t.id: t.attempt for t in active}
     # Plain rows, not ORM objects: a batch of 256 records settles ~1,500 parts at once. Their
     # results (JSON) only matter for the checksums of verified transfers.
-    columns = [JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank, JobRow.state,
-               JobRow.error, JobRow.finished_at]
-    if any(t.verify for t in active):
-        columns.append(JobRow.result)
-    for part in session.execute(select(*columns).where(JobRow.transfer_id.in_(list(parts)))):
+    statement = _PARTS_RESULTS if any(t.verify for t in active) else _PARTS
+    for part in session.execute(statement, {"ids": list(parts)}):
         if part.attempt == attempts[part.transfer_id]:
             parts[part.transfer_id].append(part)
     finished, done = [], []
@@ -577,12 +606,7 @@ def settle_many(*, session: Session, transfers: Sequence[Any], now: datetime) ->
         elif finish(session, transfer, outcome[0], now, outcome[1]):
             finished.append(transfer.id)
     if done:  # one guarded UPDATE for all of them
-        finished += session.scalars(
-            update(TransferRow)
-            .where(TransferRow.id.in_(done), TransferRow.status.in_(ACTIVE))
-            .values(status="done", error=None, finished_at=now, updated_at=now)
-            .returning(TransferRow.id)
-            .execution_options(synchronize_session=False)).all()
+        finished += session.scalars(_SETTLE_DONE, {"ids": done, "now": now}).all()
         for transfer in active:
             if transfer.id in done and isinstance(transfer, TransferRow):
                 session.expire(transfer)
