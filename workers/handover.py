@@ -200,7 +200,7 @@ class Handle:
         self.reusable_at: float | None = None
         self._quiet_s = 0.0
         self.context: dict[str, Any] = {}  # caller's extras (e.g. REST transfer id, verify)
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made by the first wait(): most never wait
         self._callbacks: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
 
@@ -218,7 +218,13 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until resolved (or ``timeout``); returns the state."""
-        self._event.wait(timeout)
+        with self._lock:
+            if self.done:
+                return self.state
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait(timeout)
         return self.state
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
@@ -239,7 +245,9 @@ class Handle:
             self.finished_at = time.time()
             self.reusable_at = self.finished_at + self._quiet_s
             callbacks, self._callbacks = self._callbacks, []
-        self._event.set()
+            event = self._event
+        if event is not None:
+            event.set()
         for callback in callbacks:
             try:
                 callback(self)
