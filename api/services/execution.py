@@ -366,7 +366,7 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         if record.side == "receive" or record.status == "failed" or transfer.verify:
             deciding[transfer.id] = transfer
     if rows:  # plain INSERT of dicts: an ORM object per part cost a quarter of the batch
-        session.connection().execute(_INSERT_PARTS, rows)
+        conn.execute(_INSERT_PARTS, rows)
     if not deciding:
         return len(rows), []
     # Their status and summary as they are now (locked above): plain rows, or the ORM row of
@@ -377,14 +377,14 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
 
 
 # The record path's statements, built once (composing a statement costs about as much as
-# running it on SQLite, and a REST transfer's urgent records come one per batch). What
-# record_parts reads of the batch's transfers (JSON columns only where it settles):
+# running it on SQLite, and a REST transfer's urgent records come one per batch).
 
 
 def _ids() -> Any:
     return bindparam("ids", expanding=True)
 
 
+# What record_parts reads of the batch's transfers (their JSON columns only where it settles)
 _LOCK = (select(TransferRow.id, TransferRow.attempt, TransferRow.context_name,
                 TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id)
          .where(TransferRow.id.in_(_ids())).order_by(TransferRow.id).with_for_update())
