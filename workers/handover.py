@@ -870,7 +870,7 @@ class Handover:
                 state.checksum = fragments_crc32(tp.pools, frags, side="src")
             state.written = True
             pending = tp.post_fragments(agent, state.route, state.src, state.dst, notif,
-                                        f"fragments to rank {state.receiver_rank}")
+                                        f"fragments to rank {state.receiver_rank}", nbytes)
             if pending is None:  # no block to move: the notification alone
                 tp.send_notif(agent, notif)
                 self._route_sent(state)

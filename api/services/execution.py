@@ -38,12 +38,7 @@ from api import schemas_exec as wire
 from api.errors import Conflict, Forbidden, KvplaneError, NotFound, Unavailable
 from api.geometry import Plan, expand
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
-from api.services.workers import (
-    WORKER_GONE_S,
-    current_worker,
-    instance_by_name,
-    live_workers,
-)
+from api.services.workers import current_worker, instance_by_name, live_worker_ids, live_workers
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +74,8 @@ def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, 
                       timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
     """``[(worker_id, command)]`` of ``attempt`` of ``transfer``, one per rank taking part;
     changes nothing. Raises ``503 workers_unavailable`` when a rank has no live worker."""
-    epochs, workers = _live_ranks(session, (transfer.context_name, transfer.generation_name),
-                                  now)
+    epochs, workers = live_worker_ids(
+        session, (transfer.context_name, transfer.generation_name), now)
     senders, receivers = participants(transfer.summary)
     ctx, gen = workers[transfer.context_name], workers[transfer.generation_name]
     missing = [f"context rank {r}" for r in sorted(senders) if r not in ctx]
@@ -96,35 +91,6 @@ def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, 
     commands = [(ctx[r], {**command, "side": "send", "rank": r}) for r in sorted(senders)]
     commands += [(gen[r], {**command, "side": "receive", "rank": r}) for r in sorted(receivers)]
     return commands
-
-
-# Built once: composing these statements cost more than running them.
-_EPOCHS = select(InstanceRow.name, InstanceRow.epoch).where(
-    InstanceRow.name.in_(bindparam("names", expanding=True)))
-_LIVE = (select(InstanceRow.name, WorkerRow.rank, WorkerRow.id)
-         .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
-         .where(InstanceRow.name.in_(bindparam("names", expanding=True)),
-                WorkerRow.epoch == InstanceRow.epoch, WorkerRow.stopped.is_(False),
-                WorkerRow.heartbeat_at >= bindparam("cutoff"))
-         .order_by(WorkerRow.rank, WorkerRow.registered_at.desc()))
-
-
-def _live_ranks(session: Session, names: Sequence[str], now: datetime
-                ) -> tuple[dict[str, str], dict[str, dict[int, str]]]:
-    """``({name: epoch}, {name: {rank: worker id}})`` of these instances: the newest live worker
-    of each rank (as :func:`~api.services.workers.live_workers`), in two plain reads (every
-    REST transfer dispatches: four ORM queries here were a tenth of its control-plane CPU)."""
-    unique = sorted(set(names))
-    conn = session.connection()
-    epochs = {name: epoch for name, epoch in conn.execute(_EPOCHS, {"names": unique})}
-    for name in names:
-        if name not in epochs:
-            raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
-    ranks: dict[str, dict[int, str]] = {name: {} for name in names}
-    cutoff = now - timedelta(seconds=WORKER_GONE_S)
-    for name, rank, worker_id in conn.execute(_LIVE, {"names": unique, "cutoff": cutoff}):
-        ranks[name].setdefault(rank, worker_id)
-    return epochs, ranks
 
 
 def attempt_values(*, attempt: int, commands: Sequence[Any], now: datetime,

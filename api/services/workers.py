@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import bindparam, or_, select
 from sqlalchemy.orm import Session, load_only
 
 from api import schemas_exec as wire
@@ -182,31 +182,62 @@ def worker_read(row: WorkerRow, now: datetime, *, connected: bool = False,
     )
 
 
+def _live(cutoff: Any) -> tuple[Any, ...]:
+    """What makes a worker live, besides its instance's current epoch: not stopped, and a
+    heartbeat since ``cutoff`` (a datetime, or a bound parameter of a prepared statement)."""
+    return (WorkerRow.stopped.is_(False), WorkerRow.heartbeat_at >= cutoff)
+
+
 def live_workers(session: Session, instance: InstanceRow, now: datetime, *,
                  ids_only: bool = False) -> dict[int, WorkerRow]:
     """The newest live worker of each rank of ``instance`` (current epoch, heartbeating).
 
     ``ids_only``: load only each row's id, rank and registration time, not its endpoint (the
-    NIXL metadata, kilobytes of JSON per worker): dispatch and the directory's revision need
-    no more, and decoding it cost each REST transfer a third of its planning."""
+    NIXL metadata, kilobytes of JSON per worker): the directory's revision and a stream's owed
+    commands need no more."""
     cutoff = now - timedelta(seconds=WORKER_GONE_S)
     query = select(WorkerRow)
     if ids_only:
         query = query.options(load_only(WorkerRow.id, WorkerRow.rank, WorkerRow.registered_at))
     rows = session.scalars(
         query
-        .where(
-            WorkerRow.instance_id == instance.id,
-            WorkerRow.epoch == instance.epoch,
-            WorkerRow.stopped.is_(False),
-            WorkerRow.heartbeat_at >= cutoff,
-        )
+        .where(WorkerRow.instance_id == instance.id, WorkerRow.epoch == instance.epoch,
+               *_live(cutoff))
         .order_by(WorkerRow.rank, WorkerRow.registered_at.desc())
     )
     found: dict[int, WorkerRow] = {}
     for row in rows:
         found.setdefault(row.rank, row)
     return found
+
+
+# Built once: composing these statements cost more than running them.
+_EPOCHS = select(InstanceRow.name, InstanceRow.epoch).where(
+    InstanceRow.name.in_(bindparam("names", expanding=True)))
+_LIVE_IDS = (select(InstanceRow.name, WorkerRow.rank, WorkerRow.id)
+             .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
+             .where(InstanceRow.name.in_(bindparam("names", expanding=True)),
+                    WorkerRow.epoch == InstanceRow.epoch, *_live(bindparam("cutoff")))
+             .order_by(WorkerRow.rank, WorkerRow.registered_at.desc()))
+
+
+def live_worker_ids(session: Session, names: Sequence[str], now: datetime
+                    ) -> tuple[dict[str, str], dict[str, dict[int, str]]]:
+    """``({name: epoch}, {name: {rank: worker id}})`` of these instances: the id of each rank's
+    newest live worker (as :func:`live_workers`), in two plain reads. Every REST transfer
+    dispatches: the four ORM queries this replaced were a tenth of its control-plane CPU.
+    Raises ``404 instance_not_found``."""
+    unique = sorted(set(names))
+    conn = session.connection()
+    epochs = {name: epoch for name, epoch in conn.execute(_EPOCHS, {"names": unique})}
+    for name in names:
+        if name not in epochs:
+            raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
+    ranks: dict[str, dict[int, str]] = {name: {} for name in names}
+    cutoff = now - timedelta(seconds=WORKER_GONE_S)
+    for name, rank, worker_id in conn.execute(_LIVE_IDS, {"names": unique, "cutoff": cutoff}):
+        ranks[name].setdefault(rank, worker_id)
+    return epochs, ranks
 
 
 # --- the directory ---------------------------------------------------------------------------

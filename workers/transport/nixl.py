@@ -506,17 +506,17 @@ class NixlTransport:
 
     def post_fragments(
         self, peer: str, route: Route | Mapping[str, Any], src_blocks: Blocks,
-        dst_blocks: Blocks, notif: bytes, what: str,
+        dst_blocks: Blocks, notif: bytes, what: str, nbytes: int | None = None,
     ) -> _Pending | None:
         """Post one WRITE of every fragment of these (aligned) block lists, pool to pool, with
-        ``notif``; None when there is no fragment (nothing posted).
+        ``notif``; None when there is no fragment (nothing posted). ``nbytes``: the bytes they
+        hold, when the caller knows them already (else computed).
 
         The descriptors come from NIXL lists prepared once per route and peer over every slot's
         fragments (:func:`~workers.executors.fragment_tables`): a request names its fragments
         by index, with no addresses to compute or look up. A route whose tables would be larger
         than ``fragment_table_max`` (``FRAGMENT_TABLE_MAX``) posts this request's descriptors
-        instead. Raises
-        :class:`BlockRangeError` for a block id outside its pool.
+        instead. Raises :class:`BlockRangeError` for a block id outside its pool.
         """
         info = self._peer(peer)
         route = as_route(route)
@@ -545,7 +545,9 @@ class NixlTransport:
             return self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx,
                                                  notif)
 
-        return self._post_with(info, make, staging_layout(route, src_blocks).nbytes, what)
+        if nbytes is None:
+            nbytes = staging_layout(route, src_blocks).nbytes
+        return self._post_with(info, make, nbytes, what)
 
     def poll(self, pending: _Pending) -> bool:
         """Whether ``pending`` completed; raises :class:`TransportError` on NIXL's error."""
