@@ -170,6 +170,32 @@ def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fle
     assert all(t["bytes"] > 0 for t in recorded.values())
 
 
+def test_a_released_send_is_recorded_only_when_it_has_something_to_say(fleet: Fleet) -> None:
+    """Without verify, the receivers' parts decide an engine transfer and list every route's
+    bytes: the senders' successful parts are not recorded (two part rows per transfer, not
+    six). With verify, every sender's part (its crc32) is there too."""
+    assert fleet.client is not None
+    plain = fleet.run_engine(requests=6, blocks=BLOCKS, in_flight=2, seed=11)
+    verified = fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, seed=12, verify=True)
+    _assert_clean(plain)
+    _assert_clean(verified)
+    recorded = _wait_recorded(fleet, _engine_ids(fleet, plain) | _engine_ids(fleet, verified),
+                              timeout_s=15)
+    plain_ids = _engine_ids(fleet, plain)
+    for tid, transfer in recorded.items():
+        parts = fleet.client.list_parts(tid)["items"]
+        sides = sorted((p["kind"], p["rank"]) for p in parts)
+        assert all(p["state"] == "done" for p in parts), parts
+        if tid not in plain_ids:
+            assert sides == [("receive", 0), ("receive", 1)] + [("send", r) for r in range(4)]
+            continue
+        assert sides == [("receive", 0), ("receive", 1)], sides
+        # The receivers' route results still account for every sender and every byte.
+        routes = [r for p in parts for r in p["result"]["routes"]]
+        assert {r["sender_rank"] for r in routes} == {0, 1, 2, 3}
+        assert sum(r["bytes"] for r in routes) == transfer["bytes"] > 0
+
+
 @pytest.mark.parametrize("mode", ["staged", "fragments"])
 def test_the_engine_api_refuses_bad_block_lists_before_anything_moves(
     fleet: Fleet, mode: str,
