@@ -165,12 +165,22 @@ def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> 
             hub.deliver_now(await run_in_threadpool(owed))
             while True:
                 try:
-                    message = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):  # no Task per message (wait_for)
+                        message = await queue.get()
                 except TimeoutError:
                     message = {"type": "ping"}
+                # Commands queued meanwhile leave in the same chunk: one write, and one pass
+                # through the middleware, for all of them.
+                batch = [message]
+                while message is not None and not queue.empty():
+                    message = queue.get_nowait()
+                    batch.append(message)
+                chunk = b"".join(json.dumps(m, separators=(",", ":")).encode() + b"\n"
+                                 for m in batch if m is not None)
+                if chunk:
+                    yield chunk
                 if message is None:  # replaced by a newer stream of the same worker
                     return
-                yield json.dumps(message, separators=(",", ":")).encode() + b"\n"
         finally:
             hub.disconnect(worker_id, queue)
 
