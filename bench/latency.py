@@ -11,6 +11,12 @@ flight (closed loop), three paths between the same six processes:
   per route, in a tight loop (the handover's progress thread paused meanwhile). A sender keeps
   ``in flight`` requests' WRITEs posted; latency = last receiver's last notification − last
   sender's post. The physical limit of this machine's loopback.
+- **raw fragments** (``--paths`` ``rawfrag``): plain NIXL WRITEs of each request's own
+  fragments (its block ids, as the engine path gets them), pool to pool from the descriptor lists
+  prepared per route, one WRITE and one notification per route, the same tight loop. The memory
+  traffic of a handover (scattered 16 KiB head slices of random blocks) without its protocol:
+  the engine path's ratio to it is what kvplane's protocol and bookkeeping add, while the ratio
+  to **raw** also counts what the layout costs.
 - **engine**: ``worker.send`` / ``worker.expect`` per request on every rank, with paged-cache
   accounting (each rank keeps ``in flight`` of its own handles pending); latency = last generation
   handle ``arrived`` − last rank's call. All ranks share the machine clock (``time.time()``).
@@ -70,6 +76,7 @@ REST_EXTRA = (4, 8)  # (blocks, in flight): the issue's REST goal
 REST_GOAL_REQUESTS = 160
 REST_RETRIES = 5
 RECORD_SETTLE_S = 1.2
+RAW_FRAGMENTS = "raw fragments"
 
 
 def cpu_model() -> str:
@@ -152,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure every cell this many times, the paths taking turns")
     parser.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
     parser.add_argument("--in-flight", default=",".join(map(str, IN_FLIGHT)))
-    parser.add_argument("--paths", default="raw,engine,rest")
+    parser.add_argument("--paths", default="raw,rawfrag,engine,rest",
+                        help="raw (staging to staging), rawfrag (the requests' fragments, pool "
+                        "to pool), engine, rest")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--workdir", type=Path, help="logs and database (default: a temp dir)")
     parser.add_argument("--hosts", action="store_true",
@@ -235,6 +244,18 @@ def main(argv: list[str] | None = None) -> int:
                     cell.append(row("raw", blocks, in_flight, nbytes, lat, raw.throughput(),
                                     requests - len(lat), meter.per_request_ms(requests)))
                     cell[-1]["nic_mb"] = nic_mb() - nic
+                if "rawfrag" in paths and not extra:
+                    meter, nic = CpuMeter(fleet), nic_mb()
+                    raw = fleet.run_raw(requests=requests, blocks=blocks, in_flight=in_flight,
+                                        seed=rep_seed, layout="fragments")
+                    if raw.errors:
+                        print(f"raw fragments {blocks}x{in_flight}: {raw.errors}",
+                              file=sys.stderr)
+                    lat = raw.latencies_s()
+                    cell.append(row(RAW_FRAGMENTS, blocks, in_flight, nbytes, lat,
+                                    raw.throughput(), requests - len(lat),
+                                    meter.per_request_ms(requests)))
+                    cell[-1]["nic_mb"] = nic_mb() - nic
                 if "engine" in paths and not extra:
                     meter, nic = CpuMeter(fleet), nic_mb()
                     run = fleet.run_engine(requests=requests, blocks=blocks,
@@ -262,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                                     meter.per_request_ms(requests)))
                     cell[-1]["retries_503"] = len(rest["retries"])
                     cell[-1]["nic_mb"] = nic_mb() - nic
-            for path in ("raw", "engine", "REST"):
+            for path in ("raw", RAW_FRAGMENTS, "engine", "REST"):
                 reps = [r for r in cell if r["path"] == path]
                 if reps:
                     rows.append(merge_reps(reps))
@@ -309,7 +330,7 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
           + "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if hosts else "")
           + "---:|---:|---:|")
-    order = {"raw": 0, "engine": 1, "REST": 2}
+    order = {"raw": 0, RAW_FRAGMENTS: 1, "engine": 2, "REST": 3}
     for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"], order[r["path"]])):
         base = raw.get((r["blocks"], r["in_flight"]))
         if base and r["path"] != "raw":
@@ -330,6 +351,17 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
     print("Goals (issue 11):")
     for goal, met in goals(rows):
         print(f"- {goal}: {'met' if met else 'NOT met'}")
+    frag = {(r["blocks"], r["in_flight"]): r for r in rows if r["path"] == RAW_FRAGMENTS}
+    if frag:
+        print()
+        print(f"The engine path against {RAW_FRAGMENTS} (the same fragments pool to pool, no "
+              "protocol), p50 and transfers/s ratios:")
+        for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"])):
+            base = frag.get((r["blocks"], r["in_flight"]))
+            if r["path"] == "engine" and base:
+                print(f"- {r['blocks']} blocks, {r['in_flight']} in flight: p50 "
+                      f"{r['p50_ms'] / base['p50_ms']:.1f}×, transfers/s "
+                      f"{r['per_s'] / base['per_s']:.2f}×")
 
 
 def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:

@@ -418,9 +418,15 @@ class EngineRank:
     # --- raw NIXL, the same processes --------------------------------------------------------
 
     def raw(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
-            run_timeout_s: float = 120.0) -> dict[str, Any]:
-        """Plain NIXL WRITEs of this rank's routes (staging → peer staging, one notification per
-        route), closed loop over ``in_flight`` requests, with the handover paused meanwhile.
+            run_timeout_s: float = 120.0, layout: str = "staging") -> dict[str, Any]:
+        """Plain NIXL WRITEs of this rank's routes (one WRITE and one notification per route),
+        closed loop over ``in_flight`` requests, with the handover paused meanwhile.
+
+        ``layout``: ``staging`` writes each route's byte count from this rank's staging into the
+        peer's, contiguous, at the same offsets every time (the lower bound of moving those
+        bytes); ``fragments`` writes each request's own fragments (its block ids, as the
+        engine path gets them) pool to pool, from the NIXL descriptor lists prepared per route:
+        the same memory traffic as a handover, without its protocol.
 
         Sender: posts its routes of request ``i`` (one WRITE each), records the post time, keeps
         ``in_flight`` requests' WRITEs pending. Receiver: records the time the last of request
@@ -428,6 +434,8 @@ class EngineRank:
         """
         from workers.executors import align_blocks, staging_layout
 
+        if layout not in ("staging", "fragments"):
+            raise ValueError(f"layout {layout!r}: staging or fragments")
         worker = self.worker
         handover = worker.handover
         assert handover is not None and worker.transport is not None
@@ -440,6 +448,15 @@ class EngineRank:
             nbytes = staging_layout(route, src).nbytes
             if nbytes:
                 routes.append((route.sender_rank, route.receiver_rank, nbytes))
+        # fragments: every request's aligned block lists of this rank's routes, made before
+        # the clock starts (the engine path's requests name the same ones)
+        aligned: list[dict[int, tuple[Any, Any, Any]]] = []
+        if layout == "fragments" and self.spec.role == "context":
+            mine_routes = [r for r in entry.routes if r.sender_rank == self.spec.rank]
+            for i in range(requests):
+                request = request_blocks(seed, i, blocks, self.num_slots)
+                aligned.append({r.receiver_rank: (r, *align_blocks(r, request))
+                                for r in mine_routes})
         # Pause the handover's progress thread (it would eat our notifications): it runs the
         # blocking function below from its inbox until the raw run is over.
         paused, resume = threading.Event(), threading.Event()
@@ -461,7 +478,8 @@ class EngineRank:
                     assert peer is not None
                     handover._load_peer(peer)
                     agents[receiver] = (peer.agent, tp.peer_info_of(peer.agent))
-                self._raw_send(out, mine, agents, requests, in_flight, start_at, run_timeout_s)
+                self._raw_send(out, mine, agents, requests, in_flight, start_at, run_timeout_s,
+                               aligned)
             else:
                 expected = sum(1 for _, r, _ in routes if r == self.spec.rank)
                 self._raw_receive(out, expected, requests, run_timeout_s)
@@ -473,7 +491,8 @@ class EngineRank:
 
     def _raw_send(self, out: dict[str, Any], mine: list[tuple[int, int]],
                   agents: Mapping[int, tuple[str, Any]], requests: int, in_flight: int,
-                  start_at: float, run_timeout_s: float) -> None:
+                  start_at: float, run_timeout_s: float,
+                  aligned: Sequence[Mapping[int, tuple[Any, Any, Any]]] = ()) -> None:
         tp = self.worker.transport
         assert tp is not None
         local_bytes = max((n for _, n in mine), default=0)
@@ -493,6 +512,16 @@ class EngineRank:
             posted = []
             for receiver, nbytes in mine:
                 agent, info = agents[receiver]
+                notif = f"R|{i}|{self.spec.rank}".encode()
+                if aligned:  # this request's fragments, pool to pool
+                    route, src, dst = aligned[i][receiver]
+                    pending_write = tp.post_fragments(agent, route, src, dst, notif, "raw",
+                                                      nbytes)
+                    if pending_write is None:
+                        tp.send_notif(agent, notif)
+                    else:
+                        posted.append(pending_write)
+                    continue
                 # Writers land in distinct parts of the receiver's staging where they fit.
                 offset = self.spec.rank * nbytes
                 if offset + nbytes > info.staging_bytes:
@@ -500,7 +529,7 @@ class EngineRank:
                 remote = tp.desc(np.array([info.staging_address + offset]), np.array([nbytes]),
                                  info.device_id)
                 posted.append(tp.post_write(agent, tp.local_staging_desc(0, nbytes), remote,
-                                            f"R|{i}|{self.spec.rank}".encode(), "raw"))
+                                            notif, "raw"))
             pending.append((i, posted))
         while pending:
             if not self._raw_reap(pending):
@@ -894,9 +923,9 @@ class Fleet:
         return EngineRun(tag, requests, [RunResult(**r) for r in results])
 
     def run_raw(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
-                start_delay_s: float = 0.3) -> RawRun:
+                start_delay_s: float = 0.3, layout: str = "staging") -> RawRun:
         results = self.call_all("raw", requests=requests, blocks=blocks, in_flight=in_flight,
-                                seed=seed, start_at=time.time() + start_delay_s)
+                                seed=seed, start_at=time.time() + start_delay_s, layout=layout)
         return RawRun(requests, [(spec.role, r) for (spec, _, _), r in zip(self.ranks, results,
                                                                                strict=True)])
 
