@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         known = {int(k): v for k, v in known.items()}
         for tid, (cpu, system) in after[pid].items():
             was, was_system = before[pid].get(tid, (0.0, 0.0))
-            per_kind[(role, kind_of(known.get(tid)))] += (cpu - was) * 1e3 / args.requests
-            kernel[(role, kind_of(known.get(tid)))] += (system - was_system) * 1e3 / args.requests
+            key = (role, kind_of(known.get(tid)))
+            per_kind[key] += (cpu - was) * 1e3 / args.requests
+            kernel[key] += (system - was_system) * 1e3 / args.requests
     total = sum(per_kind.values()) + server_ms
     print(f"{args.requests} requests of {args.blocks} blocks, {args.in_flight} in flight: "
           f"{run.throughput():.0f} transfers/s; {os.cpu_count()} logical CPUs; load average "
