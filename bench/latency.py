@@ -20,6 +20,13 @@ flight (closed loop), three paths between the same six processes:
 - **engine**: ``worker.send`` / ``worker.expect`` per request on every rank, with paged-cache
   accounting (each rank keeps ``in flight`` of its own handles pending); latency = last generation
   handle ``arrived`` − last rank's call. All ranks share the machine clock (``time.time()``).
+- **engine, receiver ahead** (``--paths`` ``ahead``): the engine path in the usual order of
+  disaggregated serving: a generation rank calls ``expect`` as soon as it admitted the request,
+  while a context rank computes the prompt's KV for ``--prefill-ms`` (default 5) and only then
+  calls ``send``. The receiver's grant is then waiting when ``send`` comes, so latency = last
+  generation handle ``arrived`` − last context rank's ``send``: the handover on the time-to-
+  first-token path. ``in flight`` counts a context rank's requests in prefill too, and the
+  rate includes the modelled prefill, so the row has no rate ratio.
 - **REST**: ``POST /v1/transfers`` (``execute=true``) + ``GET /v1/transfers/{id}?wait=30``
   from ``in flight`` client threads; the same workers serve it through their command stream.
   Latency = POST sent → GET answered ``done``.
@@ -77,6 +84,8 @@ REST_GOAL_REQUESTS = 160
 REST_RETRIES = 5
 RECORD_SETTLE_S = 1.2
 RAW_FRAGMENTS = "raw fragments"
+AHEAD = "engine, receiver ahead"
+PATH_ORDER = ("raw", RAW_FRAGMENTS, "engine", AHEAD, "REST")
 
 
 def cpu_model() -> str:
@@ -159,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure every cell this many times, the paths taking turns")
     parser.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
     parser.add_argument("--in-flight", default=",".join(map(str, IN_FLIGHT)))
-    parser.add_argument("--paths", default="raw,rawfrag,engine,rest",
+    parser.add_argument("--paths", default="raw,rawfrag,engine,ahead,rest",
                         help="raw (staging to staging), rawfrag (the requests' fragments, pool "
-                        "to pool), engine, rest")
+                        "to pool), engine, ahead (the engine path, generation ranks expecting "
+                        "--prefill-ms before the context ranks send), rest")
+    parser.add_argument("--prefill-ms", type=float, default=5.0,
+                        help="ahead: how long a context rank computes before it sends")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--workdir", type=Path, help="logs and database (default: a temp dir)")
     parser.add_argument("--hosts", action="store_true",
@@ -178,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     block_counts = [int(x) for x in args.blocks.split(",")]
     flights = [int(x) for x in args.in_flight.split(",")]
     paths = args.paths.split(",")
+    unknown = set(paths) - {"raw", "rawfrag", "engine", "ahead", "rest"}
+    if unknown:
+        parser.error(f"--paths: unknown {', '.join(sorted(unknown))}")
+    if args.prefill_ms < 0:
+        parser.error("--prefill-ms must be >= 0")
     num_slots = max(64, max(block_counts) * max(flights + [REST_EXTRA[1]]))
 
     load_before = os.getloadavg()
@@ -256,17 +273,21 @@ def main(argv: list[str] | None = None) -> int:
                                     raw.throughput(), requests - len(lat),
                                     meter.per_request_ms(requests)))
                     cell[-1]["nic_mb"] = nic_mb() - nic
-                if "engine" in paths and not extra:
+                for key, name, prefill_ms in (("engine", "engine", 0.0),
+                                              ("ahead", AHEAD, args.prefill_ms)):
+                    if key not in paths or extra:
+                        continue
                     meter, nic = CpuMeter(fleet), nic_mb()
                     run = fleet.run_engine(requests=requests, blocks=blocks,
-                                           in_flight=in_flight, seed=rep_seed)
+                                           in_flight=in_flight, seed=rep_seed,
+                                           prefill_ms=prefill_ms)
                     if run.failures or run.leaked or run.stalled:
-                        print(f"engine {blocks}x{in_flight}: failures "
+                        print(f"{name} {blocks}x{in_flight}: failures "
                               f"{list(run.failures.items())[:3]} leaked {run.leaked} "
                               f"stalled {run.stalled}", file=sys.stderr)
                     lat = run.latencies_s()
                     time.sleep(RECORD_SETTLE_S)  # the batched records belong to this measurement
-                    cell.append(row("engine", blocks, in_flight, nbytes, lat, run.throughput(),
+                    cell.append(row(name, blocks, in_flight, nbytes, lat, run.throughput(),
                                     requests - len(lat), meter.per_request_ms(requests)))
                     cell[-1]["nic_mb"] = nic_mb() - nic
                 if "rest" in paths:
@@ -283,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                                     meter.per_request_ms(requests)))
                     cell[-1]["retries_503"] = len(rest["retries"])
                     cell[-1]["nic_mb"] = nic_mb() - nic
-            for path in ("raw", RAW_FRAGMENTS, "engine", "REST"):
+            for path in PATH_ORDER:
                 reps = [r for r in cell if r["path"] == path]
                 if reps:
                     rows.append(merge_reps(reps))
@@ -330,12 +351,12 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
           + "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if hosts else "")
           + "---:|---:|---:|")
-    order = {"raw": 0, RAW_FRAGMENTS: 1, "engine": 2, "REST": 3}
+    order = {path: i for i, path in enumerate(PATH_ORDER)}
     for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"], order[r["path"]])):
         base = raw.get((r["blocks"], r["in_flight"]))
         if base and r["path"] != "raw":
             ratio = f"{r['p50_ms'] / base['p50_ms']:.1f}×"
-            tput = f"{r['per_s'] / base['per_s']:.2f}×"
+            tput = "–" if r["path"] == AHEAD else f"{r['per_s'] / base['per_s']:.2f}×"
         else:
             ratio = tput = "–"
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
@@ -351,6 +372,16 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
     print("Goals (issue 11):")
     for goal, met in goals(rows):
         print(f"- {goal}: {'met' if met else 'NOT met'}")
+    ahead = [r for r in rows if r["path"] == AHEAD and (r["blocks"], r["in_flight"]) in raw]
+    if ahead:
+        print()
+        print(f"{AHEAD} (context ranks send {args.prefill_ms:g} ms after the generation ranks "
+              "expect; latency from the last send), p50 against raw (the goals above are "
+              "judged on the engine row):")
+        for r in sorted(ahead, key=lambda r: (r["blocks"], r["in_flight"])):
+            base = raw[(r["blocks"], r["in_flight"])]
+            print(f"- {r['blocks']} blocks, {r['in_flight']} in flight: {r['p50_ms']:.2f} ms, "
+                  f"{r['p50_ms'] / base['p50_ms']:.1f}× raw")
     frag = {(r["blocks"], r["in_flight"]): r for r in rows if r["path"] == RAW_FRAGMENTS}
     if frag:
         print()

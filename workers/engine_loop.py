@@ -316,9 +316,15 @@ class EngineRank:
     def run(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
             tag: str, arrival: str = "closed", rate: float = 100.0, verify: bool = False,
             mode: str = "auto", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
-            contiguous: bool = False, num_slots: int | None = None) -> dict[str, Any]:
+            contiguous: bool = False, num_slots: int | None = None,
+            prefill_ms: float = 0.0) -> dict[str, Any]:
         """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict
-        (``num_slots``: use only block ids below it, leaving the rest to REST transfers)."""
+        (``num_slots``: use only block ids below it, leaving the rest to REST transfers).
+
+        ``prefill_ms``: a context rank computes each request's KV for this long after it
+        admitted it (its blocks reserved) and only then calls ``send``, while a generation rank
+        calls ``expect`` as soon as it admitted it: the usual order in disaggregated serving,
+        where the decode side allocates and expects during the prefill."""
         spec = self.spec
         slots = min(num_slots or self.num_slots, self.num_slots)
         result = RunResult(rank=spec.rank, role=spec.role)
@@ -327,6 +333,9 @@ class EngineRank:
         schedule = arrivals(seed, requests, rate) if arrival == "poisson" else None
         verified_before = self.worker.stats.verified_bytes
         outstanding: dict[int, tuple[Any, dict[int, list[int]], float]] = {}
+        prefill_s = prefill_ms / 1e3 if spec.role == "context" else 0.0
+        # Admitted (blocks reserved), computing their KV until due: (index, due, pairs, mine).
+        admitted: deque[tuple[int, float, dict[int, Any], dict[int, list[int]]]] = deque()
         nxt = 0
         while time.time() < start_at:
             time.sleep(min(0.01, max(0.0, start_at - time.time())))
@@ -338,7 +347,7 @@ class EngineRank:
                 next_due = self._release_held()
                 if next_due is not None:
                     wait_s = min(wait_s, max(0.0005, next_due - time.time()))
-            while nxt < requests and len(outstanding) < in_flight:
+            while nxt < requests and len(outstanding) + len(admitted) < in_flight:
                 if schedule is not None:
                     due = t0 + float(schedule[nxt])
                     if time.time() < due:
@@ -356,21 +365,25 @@ class EngineRank:
                     result.records.append((nxt, time.time(), time.time(), "failed", str(error)))
                     nxt += 1
                     continue
+                admitted.append((nxt, time.time() + prefill_s, pairs, mine))
+                nxt += 1
+            while admitted and admitted[0][1] <= time.time():  # its KV is computed: send it
+                index, _, pairs, mine = admitted.popleft()
                 issued = time.time()
                 try:
-                    handle = call(f"{tag}-{nxt}", spec.peer, pairs, timeout_s=timeout_s,
-                                  verify=verify, mode=mode, context={"engine_index": nxt})
+                    handle = call(f"{tag}-{index}", spec.peer, pairs, timeout_s=timeout_s,
+                                  verify=verify, mode=mode, context={"engine_index": index})
                 except Exception as error:  # the request could not start: blocks back
                     for g, ids in mine.items():
                         self.caches[g].free(ids)
-                    result.records.append((nxt, issued, time.time(), "failed",
+                    result.records.append((index, issued, time.time(), "failed",
                                            f"{type(error).__name__}: {error}"))
-                    nxt += 1
                     continue
-                outstanding[nxt] = (handle, mine, issued)
-                nxt += 1
+                outstanding[index] = (handle, mine, issued)
+            if admitted:
+                wait_s = min(wait_s, max(0.0, admitted[0][1] - time.time()))
             if time.monotonic() > give_up:
-                result.stalled = sorted(outstanding)
+                result.stalled = sorted([*outstanding, *(a[0] for a in admitted)])
                 break
             try:
                 handle = self._done.get(timeout=max(0.0005, wait_s))
@@ -389,6 +402,9 @@ class EngineRank:
                     handle = self._done.get_nowait()
                 except queue.Empty:
                     break
+        for _, _, _, mine in admitted:  # admitted, never sent (a stall): blocks back
+            for g, ids in mine.items():
+                self.caches[g].free(ids)
         result.records.sort()
         result.failed = sum(1 for r in result.records if r[3] == "failed")
         result.verify_errors = [r[4] for r in result.records

@@ -170,6 +170,40 @@ def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fle
     assert all(t["bytes"] > 0 for t in recorded.values())
 
 
+def test_sends_after_a_prefill_find_their_grants_waiting_and_move_every_byte(
+        fleet: Fleet) -> None:
+    """The usual order (bench/latency.py's "receiver ahead" row): generation ranks expect as
+    soon as they admit a request, context ranks send ``prefill_ms`` after they admitted it, up
+    to ``in_flight`` of them computing at once. The grants wait for their send; every request
+    arrives verified and no block leaks."""
+    run = fleet.run_engine(requests=8, blocks=BLOCKS, in_flight=4, seed=13, prefill_ms=200.0,
+                           verify=True)
+    _assert_clean(run)
+    assert _verified(run) > 0
+    assert len(run.latencies_s()) == 8
+    # The context ranks sent the first request 200 ms after the generation ranks expected it
+    # (later ones depend on which side freed its slot first: each expect takes several ms
+    # here, as this fleet's fill mode notes every byte it will write).
+    leads = _leads(run)
+    assert leads[0] > 0.15, leads
+    # Each context rank computed its first four requests at once, not one after the other
+    # (that would put 200 ms between its sends).
+    for rank in run.ranks:
+        if rank.role == "context":
+            sends = [t_issue for index, t_issue, *_ in rank.records if index < 4]
+            assert max(sends) - min(sends) < 0.15, sends
+
+
+def _leads(run: EngineRun) -> list[float]:
+    """Per request: the last context rank's send − the last generation rank's expect."""
+    issued: dict[str, dict[int, float]] = {"context": {}, "generation": {}}
+    for rank in run.ranks:
+        for index, t_issue, *_ in rank.records:
+            side = issued[rank.role]
+            side[index] = max(side.get(index, 0.0), t_issue)
+    return [issued["context"][i] - issued["generation"][i] for i in sorted(issued["context"])]
+
+
 def test_a_released_send_is_recorded_only_when_it_has_something_to_say(fleet: Fleet) -> None:
     """Without verify, the receivers' parts decide an engine transfer and list every route's
     bytes: the senders' successful parts are not recorded (two part rows per transfer, not
