@@ -25,9 +25,11 @@ At the end every cache must be whole again: :attr:`BlockCache.leaked` is 0.
 Driving. Each rank runs its own loop with no coordinator (requests in index order): ``closed``
 keeps ``in_flight`` of its own handles pending; ``poisson`` issues request ``i`` at a shared,
 seeded arrival time (exponential gaps, ``rate`` per second), still bounded by ``in_flight`` and
-free blocks. Every rank records per request its issue time (just before ``send``/``expect``),
-its outcome time (``handle.finished_at``), the state and the reason; all ranks share one machine
-clock (``time.time()``), so the driver computes a request's handover latency as *last generation
+free blocks. With ``prefill_ms`` a context rank calls ``send`` that long after it admitted a
+request (its prefill), while the generation ranks ``expect`` at once. Every rank records per
+request its issue time (just before ``send``/``expect``), its outcome time
+(``handle.finished_at``), the state and the reason; all ranks share one machine clock
+(``time.time()``), so the driver computes a request's handover latency as *last generation
 handle arrived − last rank's issue*.
 
 Processes. :class:`Fleet` starts the control plane (``kvplane serve`` on SQLite, see
