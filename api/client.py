@@ -35,6 +35,8 @@ log = logging.getLogger("kvplane.client")
 
 DEFAULT_TIMEOUT_S = 30.0
 RETRY_STATUSES = (502, 503, 504)
+ENCODE_SLICE = 64  # records per json.dumps slice of a record batch (~0.5-1.5 ms of work)
+ENCODE_PAUSE_S = 0.0002  # the pause between slices
 
 
 class ApiError(Exception):
@@ -317,6 +319,20 @@ class _Retry:
 _NETWORK_ERRORS = (httpx.TransportError, httpx.TimeoutException)
 
 
+def encode_records(worker_id: str, records: Sequence[Mapping[str, Any]]) -> bytes:
+    """The JSON body ``{"worker_id": ..., "records": [...]}``, one record per ``json.dumps``
+    call; after every ``ENCODE_SLICE`` records the calling thread sleeps a moment so that the
+    process's other threads get the GIL (a bare release is not enough: the releasing thread
+    takes it straight back)."""
+    parts = []
+    for i, record in enumerate(records, start=1):
+        parts.append(json.dumps(record, separators=(",", ":")))
+        if i % ENCODE_SLICE == 0 and i < len(records):
+            time.sleep(ENCODE_PAUSE_S)
+    return (json.dumps({"worker_id": worker_id})[:-1]
+            + ',"records":[' + ",".join(parts) + "]}").encode()
+
+
 class Client(_Calls):
     """Synchronous client; ``with Client(url) as c: c.get_instance("ctx")``.
 
@@ -360,6 +376,15 @@ class Client(_Calls):
             time.sleep(self._retry.next_attempt(self._endpoints, index, tried, attempt,
                                                 response, error))
             attempt += 1
+
+    def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
+        """As for every client, but the body is encoded in slices (:func:`encode_records`):
+        a worker posts a second's records at once, and ``json.dumps`` of the whole batch is one
+        C call that keeps the rank's other threads (its progress thread) off the GIL until it
+        returns: 24-28 us of CPU per record inside a busy rank here, 12-14 ms for 500."""
+        return self._request("POST", "/v1/transfers/records",
+                             content=encode_records(worker_id, records),
+                             headers={"Content-Type": "application/json"})
 
     def stream_commands(self, worker_id: str, *, read_timeout_s: float = 30.0) -> Iterator[Any]:
         """The worker's command stream: yields each JSON line as it arrives (no retries: the

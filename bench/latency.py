@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             run_rest(fleet.server.url, requests=2, blocks=4, in_flight=1, num_slots=num_slots,
                      seed=2, tag="warm-rest")
         cells = [(b, n) for b in block_counts for n in flights]
-        if "rest" in paths and REST_EXTRA[0] in block_counts:
+        if "rest" in paths and REST_EXTRA[0] in block_counts and REST_EXTRA not in cells:
             cells.append(REST_EXTRA)
         for seed, (blocks, in_flight) in enumerate(cells, start=10):
             nbytes = request_bytes(num_slots, blocks)

@@ -4,7 +4,10 @@ A worker's :class:`Recorder` collects one record per finished handle and posts t
 ``POST /v1/transfers/records``: one request per ``batch`` records or per ``interval_s``, whichever
 comes first, and at once for a record somebody waits for (a REST-dispatched transfer, whose
 ``GET ?wait=`` long-poll wakes when it settles). Posting happens on its own thread: recording
-never blocks a transfer. While the control plane is unreachable records stay queued (at most
+never blocks a transfer, nor holds the GIL for long: :meth:`api.client.Client.record_transfers`
+encodes a batch record by record and sleeps briefly between slices (``json.dumps`` of a whole
+batch is one C call, and every other thread of the rank, the progress thread included, waits
+until it returns). While the control plane is unreachable records stay queued (at most
 ``max_pending``; the oldest are dropped beyond that, and counted) and are retried with backoff,
 so the record catches up when it returns. A repeated record is ignored by the control plane, so a
 batch whose answer was lost is simply sent again.

@@ -245,3 +245,25 @@ def test_a_dropped_command_stream_moves_the_client_to_the_next_url() -> None:
         assert api.url == "http://b"
         assert list(api.stream_commands("w1")) == [{"type": "hello"}]
     assert seen == ["a", "b"]
+
+
+def test_record_batches_are_encoded_in_slices_and_arrive_whole(_no_sleep: list[float]) -> None:
+    """``Client.record_transfers`` encodes record by record, pausing (a GIL release that lets
+    the rank's progress thread run) after every ENCODE_SLICE records, and the control plane
+    gets exactly the JSON that one ``json.dumps`` of the batch would have given."""
+    records = [{"request_id": f"r-{i}", "rank": i % 4, "bytes": 1 << 20, "error": None,
+                "note": 'quote " and ünïcode', "routes": [{"sender_rank": 0, "bytes": 7}]}
+               for i in range(2 * client_module.ENCODE_SLICE + 5)]
+    handler, seen = _sequence(httpx.Response(200, json={"accepted": len(records),
+                                                        "settled": []}))
+    client = Client("http://cp", transport=httpx.MockTransport(handler))
+    assert client.record_transfers('w-"1', records) == {"accepted": len(records),
+                                                         "settled": []}
+    (request,) = seen
+    assert request.url.path == "/v1/transfers/records"
+    assert request.headers["content-type"] == "application/json"
+    assert json.loads(request.content) == {"worker_id": 'w-"1', "records": records}
+    assert _no_sleep == [client_module.ENCODE_PAUSE_S] * 2  # after slices 1 and 2, not the end
+    _no_sleep.clear()
+    assert json.loads(client_module.encode_records("w", [])) == {"worker_id": "w", "records": []}
+    assert _no_sleep == []
