@@ -250,7 +250,7 @@ def test_a_dropped_command_stream_moves_the_client_to_the_next_url() -> None:
 def test_record_batches_are_encoded_in_slices_and_arrive_whole(_no_sleep: list[float]) -> None:
     """``Client.record_transfers`` encodes record by record, pausing (a GIL release that lets
     the rank's progress thread run) after every ENCODE_SLICE records, and the control plane
-    gets exactly the JSON that one ``json.dumps`` of the batch would have given."""
+    gets the same JSON value that one ``json.dumps`` of the batch would have given."""
     records = [{"request_id": f"r-{i}", "rank": i % 4, "bytes": 1 << 20, "error": None,
                 "note": 'quote " and ünïcode', "routes": [{"sender_rank": 0, "bytes": 7}]}
                for i in range(2 * client_module.ENCODE_SLICE + 5)]
