@@ -329,7 +329,7 @@ def encode_records(worker_id: str, records: Sequence[Mapping[str, Any]]) -> byte
         parts.append(json.dumps(record, separators=(",", ":")))
         if i % ENCODE_SLICE == 0 and i < len(records):
             time.sleep(ENCODE_PAUSE_S)
-    return (json.dumps({"worker_id": worker_id})[:-1]
+    return ('{"worker_id":' + json.dumps(worker_id)
             + ',"records":[' + ",".join(parts) + "]}").encode()
 
 
