@@ -79,6 +79,7 @@ import numpy as np
 
 from api.client import Client
 from api.geometry.builders import ViewSpec, instance_body
+from api.logs import QUIET_LOGGERS
 
 CONTEXT = "demo-ctx-tp4"
 GENERATION = "demo-gen-tp2"
@@ -644,6 +645,8 @@ def _rank_main(spec: RankSpec, conn: Connection) -> None:
     if spec.log_path:
         logging.basicConfig(filename=spec.log_path, level=logging.INFO,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        for name in QUIET_LOGGERS:  # a line per record batch and heartbeat otherwise
+            logging.getLogger(name).setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us
     engine = None
     try:

@@ -179,8 +179,8 @@ def test_restarted_peer_is_replaced_and_old_agent_dropped(pair):
     second = make("r", dst2, size)
     sender.add_peer(second.peer_info().to_json())
     assert sender.peers == ("r",)
-    # The WRITE completes while the receiver does not poll (as when its receive job has not been
-    # claimed yet): NIXL's progress thread drives the receiving side.
+    # The WRITE completes while the receiver does not poll (it calls receive_staged only after
+    # write_staged returned): NIXL's progress thread drives the receiving side.
     sender.write_staged("r", hs.route(), [0, 1, 2], dst_offset=0, tag=b"x", timeout_s=10)
     second.receive_staged("s", hs.route(), [5, 6, 7], offset=0, tag=b"x", timeout_s=10)
     want = allocate_pools([hs.receiver_spec(8)])

@@ -206,6 +206,64 @@ def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> No
     assert torch.equal(worker.pools[0].tensor[:64], pattern_tensor(0, 0, 64))
 
 
+def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
+        worker: Worker) -> None:
+    """A real head-slice route (sender rank 1's 2 heads into heads 2-3 of receiver rank 0, HND,
+    blocks 3 and 0 into slots 1 and 2): a correct copy passes and counts both slots; a wrong
+    byte, a block copied from the wrong slot or a stray write beside the fragments fails it,
+    naming the first offset."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from workers.agent import VerificationError
+    from workers.pools import Pool, pattern_tensor
+    from workers.testing import HeadSlice, reference_copy
+
+    hs = HeadSlice("HND", layers=3, tokens_per_block=4, head_dim=8, elem_bytes=2,
+                   sender_heads=2, receiver_heads=4, src_head=0, dst_head=2, heads=2)
+    route = dataclasses.replace(hs.route(), sender_rank=1, receiver_rank=0)
+    send_spec, recv_spec = hs.sender_spec(4), hs.receiver_spec(4)
+    sender = {0: Pool(send_spec, pattern_tensor(1, 0, send_spec.nbytes).clone())}
+    worker.rank = 0
+    worker.pools = {0: Pool(recv_spec, pattern_tensor(0, 0, recv_spec.nbytes).clone())}
+    worker._touched = {0: np.zeros(recv_spec.nbytes, dtype=bool)}
+    pools_wire = [{"id": 0, "slot_bytes": send_spec.slot_bytes, "num_slots": 4}]
+    worker.handover = SimpleNamespace(  # type: ignore[assignment]
+        peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire}))
+    handle = Handle("r-1", "receive", "ctx", dataclasses.replace(ENTRY, routes=(route,)), 30.0)
+    handle.context.update({"blocks": {"0": {"context": [3, 0], "generation": [1, 2]}},
+                           "verify": True})
+
+    worker._mark_targeted(handle)
+    target = worker.pools[0].tensor
+    before = target.clone()
+    reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
+    changed = (target != before).numpy()
+    written = 2 * route.segments[0].runs[0].len * len(route.segments[0].runs)
+    assert int(worker._touched[0].sum()) == written  # exactly the fragments' bytes ...
+    assert not (changed & ~worker._touched[0]).any()  # ... and every changed byte among them
+    assert worker.verify_transfer(handle) == 2 * recv_spec.slot_bytes  # written + the rest
+
+    written_at = int(np.flatnonzero(worker._touched[0])[5])
+    target[written_at] ^= 0x01
+    with pytest.raises(VerificationError,
+                       match=f"1 wrong bytes among those written from rank 1 \\(first at "
+                             f"offset {written_at}\\)"):
+        worker.verify_transfer(handle)
+    target.copy_(before)  # the receiver's slot 1 holds sender block 0 instead of block 3
+    reference_copy(route, sender, worker.pools, {0: [0, 0]}, {0: [1, 2]})
+    with pytest.raises(VerificationError, match="wrong bytes among those written from rank 1"):
+        worker.verify_transfer(handle)
+    reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
+    stray = recv_spec.slot_stride_bytes * 2 + int(np.flatnonzero(~worker._touched[0][
+        recv_spec.slot_stride_bytes * 2:])[0])
+    target[stray] ^= 0x80  # beside the fragments of slot 2: nobody targeted it
+    with pytest.raises(VerificationError,
+                       match=f"1 bytes that no transfer targeted but that changed \\(first at "
+                             f"offset {stray}\\)"):
+        worker.verify_transfer(handle)
+
+
 def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
     code = (
         "import sys, workers.metrics, workers.agent, workers.handover, api.logs; "

@@ -222,8 +222,10 @@ class NixlTransport:
         self.staging = torch.zeros(max(int(staging_bytes), 1), dtype=torch.uint8, device=device)
         self.mem_type, self.device_id = _device_of(self.staging)
         # NIXL's progress thread is required for correctness here: a WRITE into this agent must
-        # complete while this worker is not polling (its receive job runs only after every
-        # writer is done; without the thread such a WRITE times out, see test_nixl.py). It polls
+        # complete while this agent's owner is not polling it (a receiver whose handover loop
+        # sleeps between polls or is busy with another handle, or a caller that calls
+        # receive_staged only after the writer's write_staged returned; without the thread such
+        # a WRITE times out, see test_nixl.py). It polls
         # without sleeping, which costs a core: on the 2-core dev host a raw WRITE ran at 2.0
         # GB/s without it, 0.8 with it (bench/transfer.py --no-progress-thread).
         backends = list(backends)
