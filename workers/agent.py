@@ -614,8 +614,10 @@ class Worker:
     def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
         from workers.pools import pattern_span
 
-        image = self.pools[pid].tensor[lo:hi].detach().cpu().numpy().view(np.uint8)
         untouched = ~self._touched[pid][lo:hi]
+        if not untouched.any():  # a slot the transfers filled whole: nothing of its own left
+            return 0
+        image = self.pools[pid].tensor[lo:hi].detach().cpu().numpy().view(np.uint8)
         wrong = np.flatnonzero((image != pattern_span(self.rank, pid, lo, hi - lo)) & untouched)
         if wrong.size:
             raise VerificationError(
