@@ -136,9 +136,10 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
               "gather, scatter or checks); engine: send/expect in process, the request's last "
               "call to its last arrival; REST: POST /v1/transfers + GET ?wait= from a client. "
               "Checks 'every byte': crc32 on both sides, and each receiving rank checks every "
-              "byte the request wrote before it says arrived (numpy, fragment by fragment: "
-              "milliseconds per request, more than the transfer itself). bench/latency.py "
-              "measures the paths without checks, in more shapes.")
+              "byte the request wrote before it says arrived (in Python, which dominates "
+              "these rows' latencies). Checks 'none' still pays the fill pattern's bookkeeping "
+              "(each receive marks the bytes it will write, in Python, before its grant). "
+              "bench/latency.py measures the paths without fill mode, in more shapes.")
         if problems:
             ok = False
             print(f"FAILED burst: {len(problems)} request(s) failed: {problems[:3]}")

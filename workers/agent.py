@@ -513,17 +513,14 @@ class Worker:
         """Fill mode, before the first byte lands: the bytes this receive will write."""
         if handle.side != "receive":
             return
-        for _, dst_pool, _, dst, lengths in self._planned_writes(handle, sources=False):
-            touched = self._touched[dst_pool]
-            for d, n in zip(dst.tolist(), lengths.tolist(), strict=True):
-                touched[d:d + n] = True
+        for _, dst_pool, _, starts in self._planned_writes(handle, sources=False):
+            self._touched[dst_pool][starts] = True
 
     def _planned_writes(self, handle: Handle, *, sources: bool = True
-                        ) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
-        """What ``handle`` writes into this rank's pools, fragment by fragment, per pool pair:
+                        ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """What ``handle`` writes into this rank's pools, byte by byte, per pool pair:
         ``(sender rank × 10⁶ + sender pool, destination pool, source offsets, destination
-        offsets, lengths)`` (empty fragments left out); without ``sources`` the source offsets
-        are meaningless (no peer needed)."""
+        offsets)``; without ``sources`` the source offsets are meaningless (no peer needed)."""
         from workers.executors import align_blocks
         from workers.handover import normalize_blocks
 
@@ -543,9 +540,9 @@ class Worker:
             src, dst = align_blocks(route, pairs)
             fragments = expand_fragments(route, src_specs, self.pools, src, dst)
             for (src_pool, dst_pool), (so, do, ln) in fragments.items():
-                keep = ln > 0
+                within = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
                 out.append((route.sender_rank * 1_000_000 + src_pool, dst_pool,
-                            so[keep], do[keep], ln[keep]))
+                            np.repeat(so, ln) + within, np.repeat(do, ln) + within))
         return out
 
     def _check_filled(self, handle: Handle) -> str | None:
@@ -565,36 +562,26 @@ class Worker:
     def verify_transfer(self, handle: Handle) -> int:
         """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned
         source offsets) and, in the slots it wrote, every byte no transfer has targeted (still
-        this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools.
-
-        Fragment by fragment: a comparison of the fragment's bytes with the sender's pattern
-        there (:func:`~workers.pools.pattern_span`), so the check costs about what reading the
-        bytes does."""
-        from workers.pools import pattern_span
+        this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools."""
+        from workers.pools import pattern_at
 
         checked = 0
-        images = {pid: pool.tensor.detach().cpu().numpy().reshape(-1).view(np.uint8)
+        images = {pid: pool.tensor.detach().cpu().numpy().reshape(-1)
                   for pid, pool in self.pools.items()}
         slots: dict[int, set[int]] = {}
-        for source, dst_pool, src, dst, lengths in self._planned_writes(handle):
+        for source, dst_pool, sources, starts in self._planned_writes(handle):
             sender, src_pool = divmod(source, 1_000_000)
-            image = images[dst_pool]
-            wrong, first = 0, -1
-            for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
-                bad = np.flatnonzero(image[d:d + n] != pattern_span(sender, src_pool, s, n))
-                if bad.size:
-                    wrong += bad.size
-                    first = d + int(bad[0]) if first < 0 else first
-            if wrong:
+            expected = pattern_at(sender, src_pool, sources)
+            wrong = np.flatnonzero(images[dst_pool].view(np.uint8)[starts] != expected)
+            if wrong.size:
                 raise VerificationError(
-                    f"verification failed: pool {dst_pool} has {wrong} wrong bytes among "
-                    f"those written from rank {sender} (first at offset {first})")
-            checked += int(lengths.sum())
+                    f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes among "
+                    f"those written from rank {sender} (first at offset "
+                    f"{int(starts[wrong[0]])})")
+            checked += starts.size
             stride = self.pools[dst_pool].spec.slot_stride_bytes
-            within = slots.setdefault(dst_pool, set())
-            for lo, hi in set(zip((dst // stride).tolist(),
-                                  ((dst + lengths - 1) // stride).tolist(), strict=True)):
-                within.update(range(lo, hi + 1))
+            heads = starts[np.flatnonzero(np.diff(starts, prepend=-2) != 1)]  # run starts
+            slots.setdefault(dst_pool, set()).update(np.unique(heads // stride).tolist())
         for pid, touched in slots.items():
             spec = self.pools[pid].spec
             for slot in sorted(touched):
@@ -612,13 +599,13 @@ class Worker:
         return checked
 
     def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
-        from workers.pools import pattern_span
+        from workers.pools import pattern_at
 
+        image = self.pools[pid].tensor.detach().cpu().reshape(-1).view(-1).numpy().view(
+            np.uint8)[lo:hi]
+        own = pattern_at(self.rank, pid, np.arange(lo, hi, dtype=np.int64))
         untouched = ~self._touched[pid][lo:hi]
-        if not untouched.any():  # a slot the transfers filled whole: nothing of its own left
-            return 0
-        image = self.pools[pid].tensor[lo:hi].detach().cpu().numpy().view(np.uint8)
-        wrong = np.flatnonzero((image != pattern_span(self.rank, pid, lo, hi - lo)) & untouched)
+        wrong = np.flatnonzero((image != own) & untouched)
         if wrong.size:
             raise VerificationError(
                 f"verification failed: pool {pid} has {wrong.size} bytes that no transfer "

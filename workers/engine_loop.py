@@ -54,6 +54,7 @@ import it.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import itertools
 import logging
@@ -647,6 +648,9 @@ def _rank_main(spec: RankSpec, conn: Connection) -> None:
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         for name in QUIET_LOGGERS:  # a line per record batch and heartbeat otherwise
             logging.getLogger(name).setLevel(logging.WARNING)
+        # A crash inside NIXL or UCX (SIGSEGV) leaves every thread's Python stack in the log.
+        crash_log = open(spec.log_path, "a")  # noqa: SIM115 (open for the process's life)
+        faulthandler.enable(crash_log, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us
     engine = None
     try:

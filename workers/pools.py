@@ -17,7 +17,6 @@ and a per-page constant, which makes filling a multi-GiB pool one broadcast add 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -174,33 +173,13 @@ def expected_bytes(rank: int, pool_id: int, offsets: torch.Tensor) -> torch.Tens
     return ((lo.to(torch.uint8)) + _hi_term(o >> 16, rank, pool_id)).to(torch.uint8)
 
 
-def pattern_span(rank: int, pool_id: int, start: int, length: int) -> np.ndarray:
-    """The pattern bytes at offsets ``[start, start + length)`` of ``rank``'s pool ``pool_id``, in
-    numpy (host-side checks: no torch kernel per call).
-
-    One ``uint8`` add per 64 KiB page the span touches (the page's constant onto a slice of the
-    ``lo`` table), so checking a fragment costs about as much as comparing it: no per-byte
-    ``int64`` offsets, which made a fill check of a 4-block request take 50-200 ms."""
-    lo = _lo_np()
-    out = np.empty(length, dtype=np.uint8)
-    pos = 0
-    while pos < length:
-        offset = start + pos
-        within = offset & (_PAGE_BYTES - 1)
-        n = min(length - pos, _PAGE_BYTES - within)
-        h = offset >> 16
-        hi = (13 * h + 31 * (h >> 8) + 59 * rank + 97 * pool_id + 1) & 0xFF
-        np.add(lo[within:within + n], np.uint8(hi), out=out[pos:pos + n])
-        pos += n
-    return out
-
-
-@functools.cache
-def _lo_np() -> np.ndarray:
-    x = np.arange(_PAGE_BYTES, dtype=np.int64)
-    table = (((x & 0xFF) + 7 * (x >> 8)) & 0xFF).astype(np.uint8)
-    table.flags.writeable = False
-    return table
+def pattern_at(rank: int, pool_id: int, offsets: np.ndarray) -> np.ndarray:
+    """:func:`expected_bytes` in numpy (host-side checks: no torch kernel per call)."""
+    o = np.asarray(offsets, dtype=np.int64)
+    lo = ((o & 0xFF) + 7 * ((o & (_PAGE_BYTES - 1)) >> 8)) & 0xFF
+    h = o >> 16
+    hi = (13 * h + 31 * (h >> 8) + 59 * rank + 97 * pool_id + 1) & 0xFF
+    return ((lo + hi) & 0xFF).astype(np.uint8)
 
 
 def pattern_tensor(rank: int, pool_id: int, nbytes: int, device: str | torch.device = "cpu"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,6 @@ from workers.pools import (
     attach_pools,
     expected_bytes,
     fill_pattern,
-    pattern_span,
     pattern_tensor,
 )
 
@@ -71,20 +69,6 @@ def test_pattern_is_deterministic_and_distinguishes_rank_pool_and_offset():
     big = torch.arange(0, 1 << 25, 4099)
     for delta in (1, 256, 1 << 16, 1 << 24):
         assert (expected_bytes(0, 0, big) != expected_bytes(0, 0, big + delta)).all()
-
-
-def test_pattern_span_is_the_pattern_across_page_boundaries():
-    rng = np.random.default_rng(3)
-    n = (1 << 18) + 777
-    for rank, pool in ((0, 0), (3, 1)):
-        whole = pattern_tensor(rank, pool, n).numpy()
-        spans = [(0, n), (0, 0), ((1 << 16) - 5, 10), (1 << 17, 1)]
-        spans += [(int(a), int(b)) for a, b in zip(rng.integers(0, n // 2, 20),
-                                                  rng.integers(0, n // 2, 20), strict=True)]
-        for start, length in spans:
-            got = pattern_span(rank, pool, start, length)
-            assert got.dtype == np.uint8 and got.shape == (length,)
-            assert np.array_equal(got, whole[start:start + length]), (start, length)
 
 
 def test_worker_modules_import_without_the_control_plane():
