@@ -10,7 +10,8 @@
    sender and receiver crc32 agree;
 5. a burst of small requests on the same processes: raw NIXL WRITEs (the physical limit), the
    engine path (``send``/``expect`` in process) and REST, with latency percentiles side by side;
-   the engine path and REST twice, as they serve requests (no checks) and verified like step 4;
+   the engine path and REST twice, without checks (fill mode still marks each receive's bytes)
+   and verified like step 4;
 6. sweep every pool byte that no transfer targeted (each must still hold its own pattern), check
    that no block leaked and that the control plane lists every transfer as done, print the
    tables and stop everything. The database keeps the record.
@@ -107,8 +108,8 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
                             in_flight=BURST_IN_FLIGHT, seed=7)
         burst = [("raw NIXL", "none", raw.latencies_s(), raw.throughput(), len(raw.errors))]
         problems: list[str] = list(raw.errors)
-        # Each path twice: as it serves requests (no checks: the latency an engine sees), then
-        # with every byte checked (the proof); the same six processes, other seeds.
+        # Each path twice: without checks (still with fill mode's marking of each receive's
+        # bytes), then with every byte checked; the same six processes, other seeds.
         for verify, checks, seed in ((False, "none", 8), (True, "every byte", 10)):
             engine = fleet.run_engine(requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
                                       in_flight=BURST_IN_FLIGHT, seed=seed, verify=verify)
