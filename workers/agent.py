@@ -52,7 +52,7 @@ import numpy as np
 from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
 from workers.directory import Directory, HandoverError
 from workers.executors import expand_fragments
-from workers.handover import CHUNK_BLOCKS, FAILED, BlockMap, Finished, Handle, Handover
+from workers.handover import CHUNK_BLOCKS, FAILED, Ask, BlockMap, Finished, Handle, Handover
 from workers.pools import Pool, PoolSpec, allocate_pools, attach_pools, fill_pattern
 from workers.records import Recorder
 
@@ -101,6 +101,7 @@ class Worker:
         ucx_tls: str | None = None,
         ucx_net_devices: str | None = None,
         record_releases: bool = False,
+        on_ask: Callable[[Ask], None] | None = None,
     ) -> None:
         self.client = client
         self.instance = instance
@@ -115,6 +116,8 @@ class Worker:
         self.ucx_net_devices = ucx_net_devices
         # Engine path: also record the sends that succeeded without verify (see _recorded).
         self.record_releases = record_releases
+        # Context side: answers generation ranks' asks (expect(..., ask=True)); see Ask.
+        self.on_ask = on_ask
         self.pools: dict[int, Pool] = {}
         self.transport: NixlTransport | None = None
         self.handover: Handover | None = None
@@ -207,7 +210,7 @@ class Worker:
                                      on_start=self._mark_targeted if self.fill else None,
                                      check=self._check_filled if self.fill else None,
                                      chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
-                                     hold_s=self.hold_s)
+                                     hold_s=self.hold_s, on_ask=self.on_ask)
             log.info("worker %s attached to %s rank %d (%s, agent %s, UCX tls=%s devices=%s)",
                      self.worker_id, self.instance, self.rank, self.device, agent,
                      self.transport.ucx.tls, self.transport.ucx.net_devices)

@@ -63,6 +63,7 @@ that another transfer owns.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -101,6 +102,7 @@ CHUNK_BLOCKS = 16
 QUARANTINE_MARGIN_S = 5.0
 GRANT_RESEND_S = 1.0  # a granted route that heard nothing this long sends its grant again
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
+ASKED_TTL_S = 600.0  # an ask already served (or refused) is ignored when it comes again
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
 # While a handle is pending, the loop polls NIXL every BUSY_SLEEP_S: a notification (a grant,
 # a chunk) waits at most that long to be seen, and every hop of a handover pays it (0.5 ms here
@@ -361,10 +363,46 @@ class _Op:
     deadline: float
     routes: list[_RouteState] = field(default_factory=list)
     hold_until: float = 0.0
+    ask: bool = False  # receiver: ask each writer to send (see Ask)
+    dp: tuple[int | None, int | None] = (None, None)  # context and generation DP ranks
 
 
 def _msg(*parts: object) -> bytes:
     return "|".join(str(p) for p in parts).encode()
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A generation rank's request that this context rank send ``request_id``.
+
+    Engines whose context side finishes a request before the generation side has allocated its
+    blocks (vLLM, SGLang: the prefill engine answers, then a router sends the request to the
+    decode engine) cannot call ``send`` with both block lists. The generation rank then calls
+    ``expect(..., ask=True)``: before its grant it sends each writer an ``A`` notification with
+    the request's block map and options, and the context rank's ``on_ask`` hook answers with
+    :meth:`Handover.send` (the engine checks that it still holds the blocks) or
+    :meth:`Handover.refuse`. An ask comes again with each re-sent grant until a send starts; a
+    request id that was already sent or refused here is ignored.
+    """
+
+    agent: str
+    peer: str  # the generation instance
+    peer_rank: int
+    request_id: str
+    blocks: Mapping[str, Any]  # the REST form, both sides' lists
+    context_dp_rank: int | None
+    generation_dp_rank: int | None
+    timeout_s: float  # what is left of the receiver's deadline
+    mode: str
+    verify: bool
+    epochs: tuple[str, str]
+    route: tuple[int, int]  # (sender rank, receiver rank)
+
+    def send_options(self) -> dict[str, Any]:
+        """Keyword arguments of :meth:`Handover.send` that match the receiver's."""
+        return {"context_dp_rank": self.context_dp_rank,
+                "generation_dp_rank": self.generation_dp_rank,
+                "timeout_s": self.timeout_s, "mode": self.mode, "verify": self.verify}
 
 
 class Handover:
@@ -383,6 +421,7 @@ class Handover:
         chunk_blocks: int = CHUNK_BLOCKS,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         hold_s: float = 0.0,
+        on_ask: Callable[[Ask], None] | None = None,
     ) -> None:
         self.transport = transport
         self.instance = instance
@@ -397,6 +436,9 @@ class Handover:
         # Fault injection for tests and chaos drills: a receiver holds its grants, a sender
         # its writes, this long after the handle started (a frozen or dying peer).
         self.hold_s = hold_s
+        # Context side: called on the progress thread with each new Ask (keep it short).
+        self.on_ask = on_ask
+        self._asked: dict[str, float] = {}  # request ids asked for here: when
         self.areas = StagingAreas(int(transport.staging.numel()))
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
@@ -443,11 +485,23 @@ class Handover:
     def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
                context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
                timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-               context: Mapping[str, Any] | None = None) -> Handle:
+               context: Mapping[str, Any] | None = None, ask: bool = False) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
-        (same options as :meth:`send`; the handle becomes ``arrived``)."""
+        (same options as :meth:`send`; the handle becomes ``arrived``). ``ask``: the context
+        side has not called ``send``; ask each writer to (see :class:`Ask`)."""
         return self._start("receive", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context)
+                           generation_dp_rank, timeout_s, mode, verify, context, ask)
+
+    def refuse(self, ask: Ask, reason: str) -> None:
+        """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
+        ce, ge = ask.epochs
+        self._asked[ask.request_id] = time.monotonic()
+        try:
+            self.transport.send_notif(ask.agent, _msg(
+                "X", ask.request_id, ce, ge, ask.route[0], ask.route[1],
+                reason[:200].replace("|", "/")))
+        except Exception as error:  # the asking rank is gone: its deadline covers it
+            log.debug("refusal to %s failed: %s", ask.agent, error)
 
     def get_finished(self) -> Finished:
         """Request ids whose handles resolved since the last call (connector-style poll)."""
@@ -496,7 +550,7 @@ class Handover:
     def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
                context_dp_rank: int | None, generation_dp_rank: int | None,
                timeout_s: float | None, mode: str, verify: bool,
-               context: Mapping[str, Any] | None) -> Handle:
+               context: Mapping[str, Any] | None, ask: bool = False) -> Handle:
         if self._closed:
             raise HandoverError("this worker's handover is closed", code="closed")
         if not isinstance(request_id, str) or not _ID.match(request_id):
@@ -522,7 +576,8 @@ class Handover:
         handle.context.update(blocks=blocks_of(pairs), verify=verify)
         now = time.monotonic()
         op = _Op(handle, request_id, side, peer, mode, verify, now + timeout,
-                 hold_until=now + self.hold_s)
+                 hold_until=now + self.hold_s, ask=ask and side == "receive",
+                 dp=(context_dp_rank, generation_dp_rank))
         for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
             mine = route.sender_rank if side == "send" else route.receiver_rank
             if mine != self.rank:
@@ -717,6 +772,8 @@ class Handover:
         if time.monotonic() < op.hold_until:
             return True
         if op.side == "receive" and not state.granted:
+            if op.ask:
+                self._send_ask(state)
             return not self._grant(state)
         if op.side == "send" and state.grant is not None and not state.written:
             if state.grant[0] != state.agent:
@@ -779,6 +836,53 @@ class Handover:
             self._on_unreachable(state.agent, PeerUnreachable(
                 "the connection failed while this rank waited for its bytes"), reload=False)
 
+    def _send_ask(self, state: _RouteState) -> None:
+        """Ask the writer of ``state`` to send (before the grant, so both land together)."""
+        op = state.op
+        ce, ge = op.handle.entry.epochs()
+        payload = json.dumps({
+            "q": op.handle.request_id, "b": op.handle.context["blocks"],
+            "cdp": op.dp[0], "gdp": op.dp[1], "m": op.mode, "v": op.verify,
+            "t": round(max(0.001, op.deadline - time.monotonic()), 3)},
+            separators=(",", ":"))
+        assert state.agent is not None
+        try:
+            self.transport.send_notif(state.agent, _msg(
+                "A", op.xid, ce, ge, state.sender_rank, state.receiver_rank, payload))
+        except TransportError as error:  # the grant right after it fails the route
+            log.debug("ask to %s failed: %s", state.agent, error)
+
+    def _on_ask(self, agent: str, fields: list[str]) -> None:
+        """A generation rank asks this rank to send (see :class:`Ask`)."""
+        xid = fields[1]
+        if self.on_ask is None or self.directory.role == "generation" or xid in self._asked:
+            return
+        if any(key[0] == xid for key in self._send):
+            return  # already sending: the ask of another receiving rank of the same request
+        peer = self._agents.get(agent)
+        if peer is None:  # not a worker of a paired instance (yet): the ask comes again
+            log.debug("ask for %s from unknown agent %s", xid, agent)
+            return
+        try:
+            body = json.loads("|".join(fields[6:]))
+            ask = Ask(agent=agent, peer=peer.instance, peer_rank=peer.rank,
+                      request_id=str(body["q"]), blocks=dict(body["b"]),
+                      context_dp_rank=body.get("cdp"), generation_dp_rank=body.get("gdp"),
+                      timeout_s=float(body["t"]), mode=str(body.get("m", "auto")),
+                      verify=bool(body.get("v", False)), epochs=(fields[2], fields[3]),
+                      route=(int(fields[4]), int(fields[5])))
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("malformed ask from %s: %s", agent, error)
+            return
+        now = time.monotonic()
+        self._asked[xid] = now
+        if len(self._asked) > 4096:
+            self._asked = {k: t for k, t in self._asked.items() if now - t < ASKED_TTL_S}
+        try:
+            self.on_ask(ask)
+        except Exception:
+            log.exception("on_ask hook failed for %s", xid)
+
     def _resend_grants(self, now: float) -> None:
         """Granted routes that heard nothing for a while send their grant again: a grant lost on
         a connection that failed while idle gets through, and a failed one shows."""
@@ -786,6 +890,8 @@ class Handover:
             if (state.granted and not state.done and not state.op.handle.done
                     and now - state.heard_at > GRANT_RESEND_S):
                 offset = -1 if state.mode == "fragments" else int(state.area or 0)
+                if state.op.ask:
+                    self._send_ask(state)
                 self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)),
                                  again=True)
 
@@ -967,6 +1073,9 @@ class Handover:
             key = (fields[1], int(fields[4]), int(fields[5]))
         except (UnicodeDecodeError, IndexError, ValueError):
             return  # not ours (or mangled): nothing waits for it
+        if kind == "A":
+            self._on_ask(agent, fields)
+            return
         index = self._send if kind == "G" or (kind == "X" and
                                               self.directory.role == "context") else self._recv
         state = index.get(key)
