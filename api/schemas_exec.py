@@ -15,6 +15,9 @@ PartState = Literal["done", "failed"]
 Transport = Literal["nixl"]
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")]
 MAX_METADATA_B64 = 1 << 20  # NIXL agent metadata is a few KiB; refuse anything absurd
+# Unix seconds a record's timestamps may take at all (2100-01-01): beyond it a datetime of the
+# database overflows. The control plane also holds them to a window around its own clock.
+MAX_UNIX_S = 4_102_444_800.0
 
 
 class _Request(BaseModel):
@@ -203,8 +206,12 @@ class TransferRecord(_Request):
     bytes: int = Field(ge=0, le=1 << 50)
     mode: Literal["auto", "staged", "fragments"] = "staged"
     verify: bool = False
-    started_at: float = Field(ge=0, description="Unix time the rank started its part")
-    finished_at: float = Field(ge=0, description="Unix time the rank finished its part")
+    started_at: float = Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False,
+                              description="Unix time the rank started its part (within a day "
+                              "before and a few minutes after the control plane's clock)")
+    finished_at: float = Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False,
+                               description="Unix time the rank finished its part (not before "
+                               "started_at)")
     routes: list[RouteResult] = Field(default_factory=list, max_length=4096)
     verified_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
     timeout_s: float | None = Field(

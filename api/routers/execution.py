@@ -210,10 +210,14 @@ def stop_worker(worker_id: WorkerId, db: DbDep) -> Response:
 def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
                      metrics: MetricsDep) -> wire.RecordsAccepted:
     """A worker's batch of finished transfer parts (repeats are ignored). Settles transfers
-    and wakes their `?wait=` long-polls."""
+    and wakes their `?wait=` long-polls. Refused whole: times outside a window of the control
+    plane's clock (422 `record_time_out_of_range`), a pairing that is not the record's own
+    instances' (403 `pairing_mismatch`), blocks its plan cannot expand (422 `invalid_blocks`)."""
     now = now_of(request)
+    stored: list[wire.TransferRecord] = []
     with db.write() as session:
-        accepted, settled = execution.record_parts(session=session, body=body, now=now)
+        accepted, settled = execution.record_parts(session=session, body=body, now=now,
+                                                   stored=stored)
         finished = stats.finished(session=session, transfer_ids=settled)
     completions: Completions = request.app.state.completions
     completions.settled(settled)
@@ -221,7 +225,7 @@ def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
     if settled and relay is not None:  # waiters on the other API processes wake too
         relay.publish_settled(settled)
     metrics.record_batches.inc()
-    for record in body.records:
+    for record in stored:  # repeats, other attempts' and unknown transfers' records: not
         metrics.part_results.labels(state=record.status).inc()
         metrics.moved_bytes.labels(kind=record.side).inc(record.bytes)
     metrics.transfers_settled(finished)

@@ -35,7 +35,7 @@ from sqlalchemy import Table, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
-from api.errors import Conflict, Forbidden, KvplaneError, NotFound, Unavailable
+from api.errors import BadRequest, Conflict, Forbidden, KvplaneError, NotFound, Unavailable
 from api.geometry import Plan, expand
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
 from api.services.workers import current_worker, instance_by_name, live_worker_ids, live_workers
@@ -262,9 +262,17 @@ def _unix(value: float) -> datetime:
     return datetime.fromtimestamp(value, tz=UTC)
 
 
-def record_parts(*, session: Session, body: wire.TransferRecords,
-                 now: datetime) -> tuple[int, list[str]]:
-    """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``.
+def record_parts(*, session: Session, body: wire.TransferRecords, now: datetime,
+                 stored: list[wire.TransferRecord] | None = None) -> tuple[int, list[str]]:
+    """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``
+    and appends to ``stored`` the records that were new (what the metrics count).
+
+    What a record may say is checked before anything is stored (the batch is refused whole; the
+    worker's recorder then splits it and drops the bad record): its times lie in a window of the
+    control plane's clock (422 ``record_time_out_of_range``), an engine-path record names a
+    pairing of its own two instances (403 ``pairing_mismatch``) and block lists the pairing's
+    plan can expand (422 ``invalid_blocks``). A part of a rank that takes no part in the
+    transfer (no route of its plan) is ignored: it can neither settle nor fail it.
 
     Set-wise, whatever the batch's size: one locking read of its transfers, one read of their
     recorded parts, one multi-row insert, then one read of the transfers this batch can decide
@@ -281,6 +289,8 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
                 f"record {record.side} parts of {own} rank {record.rank}",
                 code="forbidden",
             )
+    _check_times(body.records, now)
+    _check_pairings(session, body.records)
     # (transfer id, record) in id order; an engine-path id is a digest, computed once here
     records = sorted(((_record_transfer_id(r), r) for r in body.records), key=lambda p: p[0])
     ids = sorted({tid for tid, _ in records})
@@ -313,6 +323,11 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         transfer = transfers.get(tid)
         if transfer is None or transfer.attempt != record.attempt:
             continue  # an older attempt's news (or an unknown REST id): nothing to change
+        summary = described[tid].summary if tid in described else transfer.summary
+        if not _takes_part(session, tid, record, summary, plans):
+            log.info("transfer %s: %s rank %d takes no part in it; its record is ignored",
+                     tid, record.side, record.rank)
+            continue
         if (transfer.context_name, transfer.generation_name) != (record.context,
                                                                  record.generation):
             # A worker records parts of its own instance's transfers only: a record naming
@@ -327,6 +342,8 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
             continue  # a repeated record (a retried batch): stored once
         recorded.add(key)
         rows.append(_part_row(transfer, worker, record, now))
+        if stored is not None:
+            stored.append(record)
         # Without verify, a sender's successful part decides nothing (the receivers' parts
         # do): the transfer is not settled for it.
         if record.side == "receive" or record.status == "failed" or transfer.verify:
@@ -352,7 +369,8 @@ def _ids() -> Any:
 
 # What record_parts reads of the batch's transfers (their JSON columns only where it settles)
 _LOCK = (select(TransferRow.id, TransferRow.attempt, TransferRow.context_name,
-                TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id)
+                TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id,
+                TransferRow.summary)
          .where(TransferRow.id.in_(_ids())).order_by(TransferRow.id).with_for_update())
 _RECORDED = select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank).where(
     JobRow.transfer_id.in_(_ids()))
@@ -372,6 +390,84 @@ _SETTLE_DONE = (update(TransferRow)
                         updated_at=bindparam("now", type_=TransferRow.updated_at.type))
                 .returning(TransferRow.id)
                 .execution_options(synchronize_session=False))
+
+
+RECORD_MAX_AGE_S = 86_400.0  # records queued through an outage longer than this are refused
+RECORD_CLOCK_SKEW_S = 300.0  # how far ahead of the control plane's clock a worker's may run
+
+
+def _check_times(records: Sequence[wire.TransferRecord], now: datetime) -> None:
+    """422 ``record_time_out_of_range`` unless every record started at most a day ago, finished
+    after it started and at most a few minutes ahead of the control plane's clock. (A forged
+    time would keep an engine-path transfer running for years, or top every listing.)"""
+    now_s = now.timestamp()
+    errors: list[dict[str, Any]] = []
+    for index, record in enumerate(records):
+        if record.started_at < now_s - RECORD_MAX_AGE_S:
+            errors.append({"loc": ["body", "records", index, "started_at"],
+                           "msg": f"more than {RECORD_MAX_AGE_S:.0f} s before the control "
+                           "plane's clock"})
+        if record.finished_at > now_s + RECORD_CLOCK_SKEW_S:
+            errors.append({"loc": ["body", "records", index, "finished_at"],
+                           "msg": f"more than {RECORD_CLOCK_SKEW_S:.0f} s after the control "
+                           "plane's clock"})
+        if record.finished_at < record.started_at:
+            errors.append({"loc": ["body", "records", index, "finished_at"],
+                           "msg": "before started_at"})
+    if errors:
+        raise BadRequest(
+            f"{len(errors)} record time(s) outside the window of the control plane's clock "
+            f"({now.isoformat()}): a worker's clock must be synchronized",
+            code="record_time_out_of_range", errors=errors[:20])
+
+
+_PAIRING_NAMES = (select(PairingRow.id, InstanceRow.name, PairingRow.generation_id)
+                  .join(InstanceRow, InstanceRow.id == PairingRow.context_id)
+                  .where(PairingRow.id.in_(_ids())))
+_NAMES = select(InstanceRow.id, InstanceRow.name).where(InstanceRow.id.in_(_ids()))
+
+
+def _check_pairings(session: Session, records: Sequence[wire.TransferRecord]) -> None:
+    """403 ``pairing_mismatch`` unless every engine-path record names a pairing of its own
+    context and generation: a worker cannot make up a transfer with an instance it is not
+    paired with. (A REST record names its transfer, which says who takes part.)"""
+    wanted = {r.pairing_id for r in records if r.transfer_id is None}
+    if not wanted:
+        return
+    conn = session.connection()
+    rows = list(conn.execute(_PAIRING_NAMES, {"ids": sorted(wanted)}))
+    names = dict(conn.execute(_NAMES, {"ids": sorted({row[2] for row in rows})}).all())
+    pairs = {pid: (context, names.get(gen_id)) for pid, context, gen_id in rows}
+    for record in records:
+        if record.transfer_id is None and pairs.get(record.pairing_id) != (
+                record.context, record.generation):
+            raise Forbidden(
+                f"pairing {record.pairing_id!r} is not a pairing of {record.context} with "
+                f"{record.generation}: a record names its own instances' pairing",
+                code="pairing_mismatch")
+
+
+def _takes_part(session: Session, tid: str, record: wire.TransferRecord,
+                summary: dict[str, Any] | None,
+                plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None,
+                                                   Plan | None]]) -> bool:
+    """Whether the record's rank moves bytes in the transfer: by its summary's routes, or for
+    an engine-path transfer not described yet, by its plan's (no plan known: its own word)."""
+    if summary and summary.get("routes"):
+        senders, receivers = participants(summary)
+    elif record.transfer_id is None:
+        key = (record.pairing_id, record.context_epoch, record.generation_epoch,
+               record.context_dp_rank, record.generation_dp_rank)
+        if key not in plans:
+            plans[key] = _plan_of(session, tid, record)
+        plan = plans[key][2]
+        if plan is None:
+            return True
+        senders = {route.sender_rank for route in plan.routes}
+        receivers = {route.receiver_rank for route in plan.routes}
+    else:
+        return True
+    return record.rank in (senders if record.side == "send" else receivers)
 
 
 def _record_transfer_id(record: wire.TransferRecord) -> str:
@@ -473,8 +569,12 @@ def _description(session: Session, tid: str, record: wire.TransferRecord,
                 int(g): (v.get("context", []), v.get("generation", []))
                 for g, v in blocks.items()
             }).to_summary()
-        except Exception as error:  # a record is kept whatever its blocks say
-            log.warning("engine transfer %s: cannot expand its blocks: %s", tid, error)
+        except Exception as error:  # stored, it would settle the transfer with 0 bytes
+            raise BadRequest(
+                f"engine transfer {tid}: its blocks do not fit the pairing's plan: {error}",
+                code="invalid_blocks",
+                errors=[{"loc": ["body", "records", "blocks"], "msg": str(error)[:500]}],
+            ) from None
     return {"pairing_id": None if pairing is None else pairing.id,
             "plan_id": None if plan_row is None else plan_row.id,
             "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
@@ -582,12 +682,15 @@ def settle_many(*, session: Session, transfers: Sequence[Any], now: datetime) ->
 def _outcome(transfer: Any, parts: Sequence[Any],
              now: datetime) -> tuple[str, str | None] | None:
     """``(status, error)`` when the recorded parts decide the transfer, else None."""
+    senders, receivers = participants(transfer.summary)
+    if transfer.summary.get("routes"):  # a rank that moves no bytes decides nothing
+        parts = [p for p in parts
+                 if p.rank in (senders if p.kind == "send" else receivers)]
     failed = [p for p in parts if p.state == "failed"]
     if failed:
         first = min(failed, key=lambda p: (p.finished_at or now, p.kind, p.rank))
         side = "context" if first.kind == "send" else "generation"
         return "failed", f"{side} rank {first.rank}: {first.error or 'failed'}"
-    senders, receivers = participants(transfer.summary)
     done = {(p.kind, p.rank) for p in parts if p.state == "done"}
     if not transfer.summary.get("routes"):  # an engine record without blocks: its own word
         senders, receivers = set(), {p.rank for p in parts if p.kind == "receive"}

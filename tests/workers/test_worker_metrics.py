@@ -173,6 +173,33 @@ def test_a_refused_record_is_dropped_alone_and_not_retried_forever() -> None:
     assert recorder.posted == 2
 
 
+def test_a_record_refused_with_any_4xx_is_dropped_and_later_records_flow() -> None:
+    """A refusal the worker cannot fix (413, or a 4xx this worker does not know) must not stay
+    at the head of the queue: the records behind it would never be posted."""
+
+    class Refusing(StubClient):
+        def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
+            refusal = next((r["refuse"] for r in records if "refuse" in r), None)
+            if refusal is not None:
+                raise ApiError(refusal, "refused", "no")
+            return super().record_transfers(worker_id, records)
+
+    client = Refusing()
+    recorder = Recorder(client, lambda: "w-1", batch=4, interval_s=3600)  # type: ignore[arg-type]
+    try:
+        recorder.add({"n": 0, "refuse": 413})
+        recorder.add({"n": 1, "refuse": 410})
+        recorder.add({"n": 2})
+        recorder.add({"n": 3, "refuse": 400})
+        _wait(lambda: recorder.pending == 0, timeout_s=5)
+        recorder.add({"n": 4})
+        recorder.flush()
+    finally:
+        recorder.close(timeout_s=0.1)
+    assert [r["n"] for batch in client.batches for r in batch] == [2, 4]
+    assert recorder.refused == 3 and recorder.posted == 2
+
+
 def test_the_backlog_is_bounded_and_counts_what_it_dropped() -> None:
     client = StubClient([TransportError(0, "unreachable", "refused")] * 1000)
     recorder = Recorder(client, lambda: "w-1", batch=1000, interval_s=3600,  # type: ignore[arg-type]
