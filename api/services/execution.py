@@ -87,7 +87,8 @@ def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, 
             headers={"Retry-After": "2"},
         )
     command = _command(transfer, attempt, epochs[transfer.context_name],
-                       epochs[transfer.generation_name], timeout_s)
+                       epochs[transfer.generation_name], now + timedelta(seconds=timeout_s),
+                       now)
     commands = [(ctx[r], {**command, "side": "send", "rank": r}) for r in sorted(senders)]
     commands += [(gen[r], {**command, "side": "receive", "rank": r}) for r in sorted(receivers)]
     return commands
@@ -118,8 +119,12 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
 
 
 def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation_epoch: str,
-             timeout_s: float) -> dict[str, Any]:
-    """What every rank of one attempt is told (``side`` and ``rank`` added per rank)."""
+             deadline: datetime, now: datetime) -> dict[str, Any]:
+    """What every rank of one attempt is told (``side`` and ``rank`` added per rank).
+
+    ``deadline_at`` is the attempt's deadline (Unix seconds); ``timeout_s`` what is left of it
+    now. The command stream writes ``timeout_s`` again as each line leaves
+    (``api/dispatch.py``), so a command that waited does not run past the deadline."""
     return {
         "type": "transfer",
         "transfer_id": transfer.id,
@@ -135,7 +140,8 @@ def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation
         "blocks": transfer.blocks,
         "mode": transfer.mode,
         "verify": transfer.verify,
-        "timeout_s": timeout_s,
+        "deadline_at": deadline.timestamp(),
+        "timeout_s": (deadline - now).total_seconds(),
     }
 
 
@@ -184,7 +190,7 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
                 transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id):
             continue  # an engine-path transfer: the engines started it, nobody dispatched it
         command = _command(transfer, transfer.attempt, context.epoch, generation.epoch,
-                           (transfer.deadline_at - now).total_seconds())
+                           transfer.deadline_at, now)
         senders, receivers = participants(transfer.summary)
         for side, ranks, live in (("send", senders, senders_live),
                                   ("receive", receivers, receivers_live)):
@@ -196,6 +202,32 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
                     continue
                 owed.append((target.id, {**command, "side": side, "rank": rank}))
     return owed
+
+
+def commands_for_refs(*, session: Session, refs: Sequence[tuple[str, str, int, str, int]],
+                      now: datetime) -> list[tuple[str, dict[str, Any]]]:
+    """The commands that relayed references name (``(worker_id, transfer_id, attempt, side,
+    rank)``), built from the database as :func:`commands_owed` builds them: only for a transfer
+    still running that attempt with time left (others are news too old to act on)."""
+    ids = sorted({ref[1] for ref in refs})
+    transfers = {row.id: row for row in session.scalars(
+        select(TransferRow).where(TransferRow.id.in_(ids)))}
+    epochs = dict(session.execute(select(InstanceRow.name, InstanceRow.epoch).where(
+        InstanceRow.name.in_({name for t in transfers.values()
+                              for name in (t.context_name, t.generation_name)}))).all())
+    commands: list[tuple[str, dict[str, Any]]] = []
+    for worker_id, transfer_id, attempt, side, rank in refs:
+        transfer = transfers.get(transfer_id)
+        if (transfer is None or transfer.status not in ACTIVE or transfer.attempt != attempt
+                or transfer.deadline_at is None
+                or (transfer.deadline_at - now).total_seconds() <= MIN_RESEND_S
+                or transfer.context_name not in epochs
+                or transfer.generation_name not in epochs):
+            continue
+        command = _command(transfer, attempt, epochs[transfer.context_name],
+                           epochs[transfer.generation_name], transfer.deadline_at, now)
+        commands.append((worker_id, {**command, "side": side, "rank": rank}))
+    return commands
 
 
 def commands_owed_to(*, session: Session, worker_id: str,
@@ -743,6 +775,12 @@ def finish(session: Session, transfer: Any, status: str, now: datetime,
 # --- deadlines and instance changes ----------------------------------------------------------
 
 
+def settled_among(*, session: Session, transfer_ids: Sequence[str]) -> list[str]:
+    """Those of ``transfer_ids`` that are no longer active (one read)."""
+    return list(session.scalars(select(TransferRow.id).where(
+        TransferRow.id.in_(list(transfer_ids)), TransferRow.status.not_in(ACTIVE))))
+
+
 def overdue_transfer_ids(*, session: Session, now: datetime,
                          limit: int = REAP_BATCH) -> list[str]:
     """Dispatched transfers past their deadline (plus the record's grace), oldest first, at most
@@ -775,6 +813,18 @@ def reap_overdue(*, session: Session, now: datetime, limit: int = REAP_BATCH) ->
                   f"transfer's deadline (worker gone, or the control plane restarted)"):
             reaped.append(transfer.id)
     return reaped
+
+
+def fail_transfers(*, session: Session, transfer_ids: Sequence[str], now: datetime,
+                   reason: str) -> list[str]:
+    """Fail these transfers if they are still active (in id order); the ids it failed."""
+    failed = []
+    for transfer_id in sorted(transfer_ids):
+        transfer = session.get(TransferRow, transfer_id, with_for_update=True,
+                               populate_existing=True)
+        if transfer is not None and finish(session, transfer, "failed", now, reason):
+            failed.append(transfer_id)
+    return failed
 
 
 def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datetime,
