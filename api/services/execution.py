@@ -805,14 +805,36 @@ def reap_overdue(*, session: Session, now: datetime, limit: int = REAP_BATCH) ->
             select(JobRow.kind, JobRow.rank).where(JobRow.transfer_id == transfer.id,
                                                    JobRow.attempt == transfer.attempt))}
         senders, receivers = participants(transfer.summary)
-        silent = [f"context rank {r}" for r in sorted(senders) if ("send", r) not in reported]
-        silent += [f"generation rank {r}" for r in sorted(receivers)
+        silent = [("context", transfer.context_name, r) for r in sorted(senders)
+                  if ("send", r) not in reported]
+        silent += [("generation", transfer.generation_name, r) for r in sorted(receivers)
                    if ("receive", r) not in reported]
-        if finish(session, transfer, "failed", now,
-                  f"deadline: no report from {', '.join(silent) or 'some rank'} within the "
-                  f"transfer's deadline (worker gone, or the control plane restarted)"):
+        if finish(session, transfer, "failed", now, _silence(session, silent, now)):
             reaped.append(transfer.id)
     return reaped
+
+
+def _silence(session: Session, silent: Sequence[tuple[str, str, int]], now: datetime) -> str:
+    """Why a transfer is reaped: the silent ranks whose workers still heartbeat (they ran out
+    of time, e.g. a peer unreachable across a network cut) apart from those whose worker is
+    gone (or never was)."""
+    if not silent:
+        return ("deadline: no report within the transfer's deadline (the control plane "
+                "restarted, or its records were lost)")
+    try:
+        _, live = live_worker_ids(session, sorted({name for _, name, _ in silent}), now)
+    except NotFound:
+        live = {}
+    alive = [f"{side} rank {r}" for side, name, r in silent if r in live.get(name, {})]
+    gone = [f"{side} rank {r}" for side, name, r in silent if r not in live.get(name, {})]
+    reasons = []
+    if alive:
+        reasons.append(f"no report from {', '.join(alive)} within the transfer's deadline "
+                       "(workers alive)")
+    if gone:
+        reasons.append(f"no report from {', '.join(gone)}: worker gone (or the control plane "
+                       "restarted)")
+    return "deadline: " + "; ".join(reasons)
 
 
 def fail_transfers(*, session: Session, transfer_ids: Sequence[str], now: datetime,
