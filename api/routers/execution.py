@@ -133,19 +133,20 @@ def worker_heartbeat(
     response_model=wire.WorkerDirectory,
     responses=problem_responses(404, 409, 422, 503),
 )
-def get_worker_directory(worker_id: WorkerId, request: Request,
-                         db: DbDep) -> wire.WorkerDirectory:
+def get_worker_directory(worker_id: WorkerId, request: Request, db: DbDep) -> Response:
     """The worker's directory: compiled templates of every pairing that involves its instance
     (every DP combination, its rank's routes) and its peers' live workers and endpoints."""
     now = now_of(request)
+    # Answered as the JSON encoded when the revision was built: no validation per request.
     try:
         with db.read() as session:  # a plan missing from the cache: compiled in a write below
-            return service.worker_directory(session=session, worker_id=worker_id, now=now,
-                                            read_only=True)
+            body = service.worker_directory_json(session=session, worker_id=worker_id, now=now,
+                                                 read_only=True)
     except service.PlanNotCached:
-        pass
-    with db.write() as session:
-        return service.worker_directory(session=session, worker_id=worker_id, now=now)
+        with db.write() as session:
+            body = service.worker_directory_json(session=session, worker_id=worker_id,
+                                                 now=now)
+    return Response(content=body, media_type="application/json")
 
 
 @workers_router.get(

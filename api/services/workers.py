@@ -347,10 +347,8 @@ def directory_revision(*, session: Session, worker: WorkerRow, now: datetime) ->
     """The revision of ``worker``'s directory: one read of its instance's kept counter, bumped
     by every change the directory depends on (``services/pairings.py``, bump_directories):
     epochs, pairings, peer workers attaching, stopping, coming back or going silent."""
-    epoch, counter = session.execute(
-        select(InstanceRow.epoch, InstanceRow.directory_revision)
-        .where(InstanceRow.id == worker.instance_id)).one()
-    return revision_of(epoch, counter, worker.rank)
+    instance = worker.instance  # loaded with the worker (current_worker reads its epoch)
+    return revision_of(instance.epoch, instance.directory_revision, worker.rank)
 
 
 def fell_silent(*, session: Session, since: datetime, now: datetime) -> list[int]:
@@ -370,7 +368,7 @@ def bump_gone(*, session: Session, instance_ids: Sequence[int]) -> None:
 
 
 DIRECTORY_CACHE_SIZE = 256  # built directories kept per process, by worker and revision
-_directories: OrderedDict[tuple[str, str], wire.WorkerDirectory] = OrderedDict()
+_directories: OrderedDict[tuple[str, str], tuple[wire.WorkerDirectory, bytes]] = OrderedDict()
 _directories_lock = threading.Lock()
 
 
@@ -380,6 +378,18 @@ class PlanNotCached(Exception):
 
 def worker_directory(*, session: Session, worker_id: str, now: datetime,
                      read_only: bool = False) -> wire.WorkerDirectory:
+    """The worker's directory (see :func:`worker_directory_json`)."""
+    return _directory(session, worker_id, now, read_only)[0]
+
+
+def worker_directory_json(*, session: Session, worker_id: str, now: datetime,
+                          read_only: bool = False) -> bytes:
+    """The worker's directory as the JSON the route answers (encoded once per revision)."""
+    return _directory(session, worker_id, now, read_only)[1]
+
+
+def _directory(session: Session, worker_id: str, now: datetime,
+               read_only: bool) -> tuple[wire.WorkerDirectory, bytes]:
     """The worker's directory: its pairings' plans (its routes only) and its peers.
 
     Built once per revision (the kept counter changes with everything it shows) and kept in
@@ -395,11 +405,12 @@ def worker_directory(*, session: Session, worker_id: str, now: datetime,
             _directories.move_to_end(key)
             return hit
     directory = _build_directory(session, worker, revision, now, read_only)
+    built = (directory, directory.model_dump_json().encode())
     with _directories_lock:
-        _directories[key] = directory
+        _directories[key] = built
         while len(_directories) > DIRECTORY_CACHE_SIZE:
             _directories.popitem(last=False)
-    return directory
+    return built
 
 
 def _build_directory(session: Session, worker: WorkerRow, revision: str, now: datetime,
