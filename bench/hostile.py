@@ -297,16 +297,15 @@ def row_4(polls: int) -> str:
             k = iter(range(10**6))
             idle_post = timed(lambda: api.post(
                 "/v1/transfers", json=transfer(f"p{next(k)}", execute=False)), 50)
-            done = threading.Event()
+            held: list[Any] = []
 
             async def hold() -> None:
                 limits = httpx.Limits(max_connections=polls + 10)
                 async with httpx.AsyncClient(base_url=base, limits=limits,
                                              timeout=120) as client:
-                    await asyncio.gather(*[
+                    held.extend(await asyncio.gather(*[
                         client.get(f"/v1/transfers/{running['id']}", params={"wait": 40})
-                        for _ in range(polls)], return_exceptions=True)
-                done.set()
+                        for _ in range(polls)], return_exceptions=True))
 
             thread = threading.Thread(target=lambda: asyncio.run(hold()), daemon=True)
             thread.start()
@@ -317,7 +316,10 @@ def row_4(polls: int) -> str:
                 "/v1/transfers", json=transfer(f"p{next(k)}", execute=False)), 50)
             busy = (cpu_s(pid) - cpu0)
             thread.join(timeout=60)
-    return (f"row 4: {polls} held long polls: /healthz p50 {p50_ms(health):.1f} ms (idle "
+    waited = sum(1 for r in held if isinstance(r, httpx.Response)
+                 and r.json().get("status") == "running")
+    return (f"row 4: {polls} held long polls ({waited} answered `running` at the end of their "
+            f"40 s wait): /healthz p50 {p50_ms(health):.1f} ms (idle "
             f"{p50_ms(idle_health):.1f}), POST /v1/transfers p50 {p50_ms(post):.1f} ms (idle "
             f"{p50_ms(idle_post):.1f}); server CPU {busy:.2f} s over those 100 requests")
 
