@@ -298,3 +298,28 @@ def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_superseded_worker_stops_instead_of_attaching_again() -> None:
+    """Another worker took the rank over: attaching again would take it back, and the two would
+    fight over the rank. The heartbeat's 409 worker_superseded stops this one."""
+    from api.client import ConflictError
+
+    class Superseded(StubClient):
+        attaches = 0
+
+        def heartbeat(self, worker_id: str, **_: Any) -> Any:
+            raise ConflictError(409, "worker_superseded", "worker w-2 took rank 1 over")
+
+        def get_instance(self, name: str) -> Any:
+            self.attaches += 1
+            raise AssertionError("a superseded worker must not attach again")
+
+    client = Superseded()
+    agent = Worker(client, "ctx", 1, device="cpu")  # type: ignore[arg-type]
+    agent.worker_id = "w-1"
+    agent.heartbeat_interval_s = 0.01
+    thread = threading.Thread(target=agent._heartbeat_loop, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and agent.superseded and client.attaches == 0
