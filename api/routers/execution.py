@@ -93,14 +93,16 @@ def list_workers(
     instance: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 500,
     offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
-) -> wire.WorkerList:
+) -> Response:
     """Workers with their status (alive, gone, stopped, stale)."""
     now = now_of(request)
     hub = hub_of(request)
     with db.read() as session:
         rows = service.list_workers(session=session, instance=instance, limit=limit, offset=offset)
-        return wire.WorkerList(items=[
-            service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows])
+    listing = wire.WorkerList(items=[
+        service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows])
+    # Built and validated once here: serialized directly, not validated again on the way out.
+    return Response(content=listing.model_dump_json(), media_type="application/json")
 
 
 @workers_router.post(
