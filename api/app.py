@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from sqlalchemy.exc import IntegrityError
@@ -78,7 +79,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         own_relay = hub.relay is None and db.engine.dialect.name == "postgresql"
         if own_relay:
             # Several API processes may share this database: relay commands between them.
-            hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub, completions)
+            hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub, completions,
+                                      resolve=_resolver(app))
             # Ready only once commands pushed by other processes can reach this one.
             from fastapi.concurrency import run_in_threadpool
 
@@ -155,32 +157,79 @@ def _libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-REAP_INTERVAL_S = 5.0
+WAKE_CHECK_S = 1.0  # waiters woken, overdue transfers reaped: one read each per round
+GONE_CHECK_S = 5.0  # workers that fell silent looked for
+
+
+def _resolver(app: FastAPI) -> Any:
+    """What the relay calls with references to commands for workers whose streams this process
+    holds: the commands, built from the database (one read per notification)."""
+    from api.services import execution
+
+    def resolve(refs: list[tuple[str, str, int, str, int]]) -> list[tuple[str, dict[str, Any]]]:
+        db: Database = app.state.db
+        with db.read() as session:
+            return execution.commands_for_refs(session=session, refs=refs,
+                                               now=app.state.clock())
+
+    return resolve
 
 
 async def _reap_overdue_forever(app: FastAPI) -> None:
-    """Every few seconds, fail dispatched transfers past their deadline that nobody waits for
-    (a waiter reaps them too); read-only unless there is something to fail."""
+    """The process's housekeeping, one database read a second whatever the number of waiters:
+
+    - wake the ``?wait=`` long-polls whose transfers settled without this process hearing it
+      (a relay notification missed, or another process on SQLite): one read of every waited
+      id, so that no waiter polls the database itself;
+    - fail dispatched transfers past their deadline (and wake their waiters);
+    - every few seconds, bump the directories of the peers of workers that just fell silent.
+
+    Read-only unless there is something to change."""
     from fastapi.concurrency import run_in_threadpool
 
     from api.services import execution
+    from api.services import workers as worker_service
 
     db: Database = app.state.db
+    completions: Completions = app.state.completions
+    last_gone_check = app.state.clock()
 
-    def reap() -> None:
-        now = app.state.clock()
+    def wake() -> None:
+        waited = completions.waited()
+        if not waited:
+            return
         with db.read() as session:
-            if not execution.overdue_transfer_ids(session=session, now=now, limit=1):
-                return
+            settled = execution.settled_among(session=session, transfer_ids=waited)
+        completions.settled(settled)
+
+    def reap(check_gone: bool) -> None:
+        nonlocal last_gone_check
+        now = app.state.clock()
+        gone: list[int] = []
+        with db.read() as session:
+            overdue = bool(execution.overdue_transfer_ids(session=session, now=now, limit=1))
+            if check_gone:
+                gone = worker_service.fell_silent(session=session, since=last_gone_check,
+                                                  now=now)
+                last_gone_check = now
+        if gone:
+            with db.write() as session:
+                worker_service.bump_gone(session=session, instance_ids=gone)
+        if not overdue:
+            return
         with db.write() as session:
             reaped = execution.reap_overdue(session=session, now=now)
             finished = stats.finished(session=session, transfer_ids=reaped)
+        completions.settled(reaped)
         app.state.metrics.overdue.inc(len(reaped))
         app.state.metrics.transfers_settled(finished)
 
+    rounds = 0
     while True:
-        await asyncio.sleep(REAP_INTERVAL_S)
+        await asyncio.sleep(WAKE_CHECK_S)
+        rounds += 1
         try:
-            await run_in_threadpool(reap)
+            await run_in_threadpool(wake)
+            await run_in_threadpool(reap, rounds % int(GONE_CHECK_S / WAKE_CHECK_S) == 0)
         except Exception as error:  # a busy database: the next round tries again
             log.warning("reaping overdue transfers failed: %s", error)

@@ -47,6 +47,9 @@ class InstanceRow(Base):
     header: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Migration 0007: bumped by every change its workers' directories depend on (its epoch, its
+    # pairings, its peers' epochs and workers): the heartbeat reads it, nothing recomputes it.
+    directory_revision: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     ranks: Mapped[list[RankRow]] = relationship(
         back_populates="instance",
@@ -192,6 +195,8 @@ class WorkerRow(Base):
     # What UCX uses for the worker's peer connections, as its latest heartbeat said (null: not
     # known yet): wire.UcxInUse.
     ucx_in_use: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Migration 0007: the worker that attached to this one's rank after it (it is stopped).
+    superseded_by: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
 
     instance: Mapped[InstanceRow] = relationship()
 

@@ -3,10 +3,12 @@ import it)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from api.schemas import MAX_ADDRESS, MAX_BYTES, MAX_PARALLEL, MAX_SLOTS, Name
 
@@ -14,7 +16,13 @@ PartKind = Literal["send", "receive"]
 PartState = Literal["done", "failed"]
 Transport = Literal["nixl"]
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")]
-MAX_METADATA_B64 = 1 << 20  # NIXL agent metadata is a few KiB; refuse anything absurd
+# NIXL agent metadata (UCX backend, loopback): 0.8 KiB of base64 with 4 pools, 1.5 KiB with 16;
+# about 35 bytes more per registered region and per UCX device address. 64 KiB leaves room for
+# a thousand pools and many NICs, and bounds what a listing or a directory can be made to carry.
+MAX_METADATA_B64 = 64 << 10
+# Unix seconds a record's timestamps may take at all (2100-01-01): beyond it a datetime of the
+# database overflows. The control plane also holds them to a window around its own clock.
+MAX_UNIX_S = 4_102_444_800.0
 
 
 class _Request(BaseModel):
@@ -88,13 +96,23 @@ class PeerInfo(_Request):
     """What other workers need to reach this one over NIXL (opaque metadata is base64)."""
 
     agent: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
-    metadata_b64: str = Field(min_length=1, max_length=MAX_METADATA_B64,
-                              pattern=r"^[A-Za-z0-9+/]+={0,2}$")
+    metadata_b64: str = Field(min_length=4, max_length=MAX_METADATA_B64,
+                              pattern=r"^[A-Za-z0-9+/]+={0,2}$",
+                              description="The NIXL agent metadata, base64 (at most 64 KiB)")
     mem_type: Literal["DRAM", "VRAM"]
     device_id: int = Field(ge=0, le=1024)
     pools: list[PeerPool] = Field(min_length=1, max_length=1024)
     staging: Staging
     ucx: UcxSettings | None = Field(default=None, description="Absent from older workers")
+
+    @field_validator("metadata_b64")
+    @classmethod
+    def _decodable(cls, value: str) -> str:
+        try:
+            base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("not decodable base64 (length a multiple of 4)") from None
+        return value
 
 
 class WorkerCreate(_Request):
@@ -203,8 +221,12 @@ class TransferRecord(_Request):
     bytes: int = Field(ge=0, le=1 << 50)
     mode: Literal["auto", "staged", "fragments"] = "staged"
     verify: bool = False
-    started_at: float = Field(ge=0, description="Unix time the rank started its part")
-    finished_at: float = Field(ge=0, description="Unix time the rank finished its part")
+    started_at: float = Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False,
+                              description="Unix time the rank started its part (within a day "
+                              "before and a few minutes after the control plane's clock)")
+    finished_at: float = Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False,
+                               description="Unix time the rank finished its part (not before "
+                               "started_at)")
     routes: list[RouteResult] = Field(default_factory=list, max_length=4096)
     verified_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
     timeout_s: float | None = Field(

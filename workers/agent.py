@@ -135,6 +135,7 @@ class Worker:
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
         self._seen_lock = threading.Lock()
         self.duplicate_commands = 0
+        self.superseded = False  # another worker attached to this rank; this one stopped
         # Fault injection for tests and chaos drills (see Handover.hold_s).
         self.hold_s = float(os.environ.get("KVPLANE_WORKER_HOLD_S", 0))
 
@@ -333,7 +334,16 @@ class Worker:
                         else self.client.heartbeat(self.worker_id, ucx_in_use=report))
                 if seen.get("directory_revision") != self.directory.revision:
                     self.refresh_directory()
-            except (ConflictError, NotFoundError) as error:
+            except ConflictError as error:
+                if error.code == "worker_superseded":
+                    self._superseded(error.detail)
+                    return
+                log.warning("heartbeat refused (%s); attaching again", error.detail)
+                try:
+                    self.attach()
+                except ApiError as attach_error:
+                    log.warning("attaching again failed: %s", attach_error)
+            except NotFoundError as error:
                 log.warning("heartbeat refused (%s); attaching again", error.detail)
                 try:
                     self.attach()
@@ -366,6 +376,9 @@ class Worker:
                         break
                     if command.get("type") == "transfer":
                         self.run_command(command)
+                    elif command.get("type") == "superseded":
+                        self._superseded(f"worker {command.get('by')} attached to this rank")
+                        return
             except ApiError as error:
                 if self._stop.is_set():
                     return
@@ -382,6 +395,16 @@ class Worker:
                      and failures < len(getattr(self.client, "urls", ())))
             delay = FAILOVER_DELAY_S if moved else OUTAGE_BACKOFF_S
             self._stop.wait(delay if not self._stop.is_set() else 0)
+
+    def _superseded(self, why: str) -> None:
+        """Another worker took this rank over: stop serving (attaching again would take it
+        back, and two workers would fight over the rank)."""
+        log.error("this worker was superseded on %s rank %d (%s); it stops", self.instance,
+                  self.rank, why)
+        self.superseded = True
+        self._stop.set()
+        if self.handover is not None:
+            self.handover.close("superseded: another worker attached to this rank")
 
     def _first_time(self, command: Mapping[str, Any]) -> bool:
         """Whether this command (its ``xid`` and side) is new here; remembers it."""

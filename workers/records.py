@@ -10,7 +10,9 @@ batch is one C call, and every other thread of the rank, the progress thread inc
 until it returns). While the control plane is unreachable records stay queued (at most
 ``max_pending``; the oldest are dropped beyond that, and counted) and are retried with backoff,
 so the record catches up when it returns. A repeated record is ignored by the control plane, so a
-batch whose answer was lost is simply sent again.
+batch whose answer was lost is simply sent again. A batch refused with a 4xx (other than 401,
+408 and 429) is split record by record and each refused record is dropped and logged: retrying
+it cannot succeed, and at the head of the queue it would hold back every later record.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ BATCH = 256
 INTERVAL_S = 1.0
 MAX_PENDING = 100_000
 MAX_BACKOFF_S = 10.0
-_REFUSED = (400, 403, 404, 409, 422)  # retrying the same record cannot succeed
+_TRANSIENT = (401, 408, 429)  # 4xx worth retrying: a token being rotated, a timeout, a limit
+
+
+def _refused(status: int) -> bool:
+    """Whether the control plane refused a batch for what it says (retrying the same records
+    cannot succeed: they are dropped and logged, else one bad record would wedge the queue)."""
+    return 400 <= status < 500 and status not in _TRANSIENT
 
 
 class Recorder:
@@ -46,6 +54,7 @@ class Recorder:
         self.max_pending = max_pending
         self.posted = 0
         self.dropped = 0
+        self.refused = 0  # records the control plane refused with a 4xx, dropped
         self.failures = 0
         self._pending: deque[dict[str, Any]] = deque()
         self._urgent = False
@@ -140,11 +149,12 @@ class Recorder:
         try:
             self.client.record_transfers(worker_id, batch)
         except ApiError as error:
-            if error.status not in _REFUSED:
+            if not _refused(error.status):
                 raise
             self.failures += 1
             if len(batch) == 1:
-                log.warning("control plane refused a record: %s", error)
+                self.refused += 1
+                log.warning("control plane refused a record (dropped): %s", error)
                 return 1
             done = 0
             for record in batch:

@@ -26,6 +26,7 @@ from api.db import utcnow
 from api.errors import KvplaneError, NotFound
 from api.geometry import GeometryError, Instance, active_ranks, view_geometry
 from api.routers.deps import DbDep
+from api.routers.transfers import push_commands
 from api.services import execution as execution_service
 from api.services import instances as instance_service
 from api.services import pairings as pairing_service
@@ -599,7 +600,7 @@ def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep)
         with db.write() as session:
             _, commands = execution_service.retry_transfer(
                 session=session, transfer_id=transfer_id, now=_now(request))
-        request.app.state.hub.push(commands)
+        push_commands(request, commands)  # 503 when the relay cannot deliver them
     except NotFound as error:
         return _not_found(request, error)
     except KvplaneError as error:

@@ -8,19 +8,28 @@ its batched records of finished transfer parts.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api import schemas_exec as wire
-from api.dispatch import KEEPALIVE_S, CommandHub, Completions
+from api.dispatch import (
+    HELLO,
+    KEEPALIVE_S,
+    PING,
+    CommandHub,
+    CommandStreamResponse,
+    Completions,
+    Line,
+    Ticket,
+    encode,
+    render,
+)
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import execution, stats
@@ -55,11 +64,18 @@ def hub_of(request: Request) -> CommandHub:
 def register_worker(
     body: wire.WorkerCreate, request: Request, db: DbDep, metrics: MetricsDep
 ) -> wire.WorkerAttached:
-    """Attach a worker process to one rank: its pools' addresses and its NIXL endpoint."""
+    """Attach a worker process to one rank: its pools' addresses and its NIXL endpoint. A rank
+    has one worker: the one attached there before is superseded (its heartbeat answers 409
+    `worker_superseded`, its command stream ends with a `superseded` line) and stops. 409
+    `agent_name_taken`: a live worker of another rank has this NIXL agent name."""
     now = now_of(request)
+    superseded: list[str] = []
     with db.write() as session:
-        row = service.register_worker(session=session, body=body, now=now)
+        row = service.register_worker(session=session, body=body, now=now,
+                                      superseded=superseded)
         read = service.worker_read(row, now)
+    for old in superseded:  # told on its stream (and by 409 worker_superseded on its heartbeat)
+        hub_of(request).close(old, {"type": "superseded", "by": row.id})
     metrics.worker_heartbeats.inc()
     return wire.WorkerAttached(**read.model_dump(),
                                heartbeat_interval_s=service.HEARTBEAT_INTERVAL_S)
@@ -77,14 +93,16 @@ def list_workers(
     instance: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 500,
     offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
-) -> wire.WorkerList:
+) -> Response:
     """Workers with their status (alive, gone, stopped, stale)."""
     now = now_of(request)
     hub = hub_of(request)
     with db.read() as session:
         rows = service.list_workers(session=session, instance=instance, limit=limit, offset=offset)
-        return wire.WorkerList(items=[
-            service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows])
+    listing = wire.WorkerList(items=[
+        service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows])
+    # Built and validated once here: serialized directly, not validated again on the way out.
+    return Response(content=listing.model_dump_json(), media_type="application/json")
 
 
 @workers_router.post(
@@ -101,11 +119,9 @@ def worker_heartbeat(
     body is optional). The answer's `directory_revision` tells it when to refetch its
     directory (409 `worker_stale`: its instance re-registered, attach again)."""
     now = now_of(request)
-    with db.write() as session:  # the write is one UPDATE; SQLite's write lock is precious
-        service.heartbeat(session=session, worker_id=worker_id, now=now,
-                          ucx_in_use=body.ucx_in_use if body is not None else None)
-    with db.read() as session:
-        row = service.get_worker(session=session, worker_id=worker_id)
+    with db.write() as session:  # one UPDATE and one read of the kept revision, O(1)
+        row = service.heartbeat(session=session, worker_id=worker_id, now=now,
+                                ucx_in_use=body.ucx_in_use if body is not None else None)
         revision = service.directory_revision(session=session, worker=row, now=now)
         read = service.worker_read(row, now, connected=hub_of(request).connected(row.id),
                                    revision=revision)
@@ -119,13 +135,20 @@ def worker_heartbeat(
     response_model=wire.WorkerDirectory,
     responses=problem_responses(404, 409, 422, 503),
 )
-def get_worker_directory(worker_id: WorkerId, request: Request,
-                         db: DbDep) -> wire.WorkerDirectory:
+def get_worker_directory(worker_id: WorkerId, request: Request, db: DbDep) -> Response:
     """The worker's directory: compiled templates of every pairing that involves its instance
     (every DP combination, its rank's routes) and its peers' live workers and endpoints."""
-    with db.write() as session:  # may compile and store a plan on a cache miss
-        return service.worker_directory(session=session, worker_id=worker_id,
-                                        now=now_of(request))
+    now = now_of(request)
+    # Answered as the JSON encoded when the revision was built: no validation per request.
+    try:
+        with db.read() as session:  # a plan missing from the cache: compiled in a write below
+            body = service.worker_directory_json(session=session, worker_id=worker_id, now=now,
+                                                 read_only=True)
+    except service.PlanNotCached:
+        with db.write() as session:
+            body = service.worker_directory_json(session=session, worker_id=worker_id,
+                                                 now=now)
+    return Response(content=body, media_type="application/json")
 
 
 @workers_router.get(
@@ -138,54 +161,58 @@ def get_worker_directory(worker_id: WorkerId, request: Request,
         **problem_responses(404, 409, 422, 503),
     },
 )
-def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> StreamingResponse:
+def stream_worker_commands(worker_id: WorkerId, request: Request,
+                           db: DbDep) -> StreamingResponse:
     """The push channel of REST `execute=true`: held open by the worker, one JSON line per
     command (a newer stream of the same worker replaces this one). A stream that opens first
-    re-sends the commands of running transfers its rank has not recorded yet."""
+    re-sends the commands of running transfers its rank has not recorded yet. A command's
+    `timeout_s` is what is left of its `deadline_at` (Unix seconds) when its line is written.
+    The stream ends with a `stopped` or `superseded` line when the worker is stopped or another
+    worker attaches to its rank; it is cut when the worker does not read it."""
     with db.read() as session:
         service.current_worker(session=session, worker_id=worker_id)
     hub = hub_of(request)
+    claim: list[Ticket] = []
 
-    def owed() -> list[tuple[str, dict[str, Any]]]:
+    def owed() -> list[tuple[str, Line]]:
         try:
             with db.read() as session:
-                return execution.commands_owed_to(session=session, worker_id=worker_id,
-                                                  now=now_of(request))
+                commands = execution.commands_owed_to(session=session, worker_id=worker_id,
+                                                      now=now_of(request))
+            return [(worker, encode(command)) for worker, command in commands]
         except Exception as error:  # the stream itself must not fail for it
             log.warning("worker %s: cannot look up the commands it may have missed: %s",
                         worker_id, error)
             return []
 
     async def lines() -> AsyncIterator[bytes]:
-        queue = hub.connect(worker_id)
+        ticket = hub.connect(worker_id)
+        claim.append(ticket)
         try:
-            yield b'{"type":"hello"}\n'
+            yield HELLO
             # After connecting (a push from now on lands in this queue): what the worker may
             # have missed while it held no stream here (see api/dispatch.py).
             hub.deliver_now(await run_in_threadpool(owed))
             while True:
-                try:
-                    async with asyncio.timeout(KEEPALIVE_S):  # no Task per message (wait_for)
-                        message = await queue.get()
-                except TimeoutError:
-                    message = {"type": "ping"}
-                # Commands queued meanwhile leave in the same chunk: one write, and one pass
-                # through the middleware, for all of them.
-                batch = [message]
-                while message is not None and not queue.empty():
-                    message = queue.get_nowait()
-                    batch.append(message)
-                chunk = b"".join(json.dumps(m, separators=(",", ":")).encode() + b"\n"
-                                 for m in batch if m is not None)
-                if chunk:
+                batch, final, ended = await hub.next_lines(ticket, KEEPALIVE_S)
+                # Commands queued meanwhile leave together (a chunk per MiB): few writes, and
+                # few passes through the middleware.
+                chunks = render(batch, now_of(request).timestamp())
+                for chunk in chunks:
                     yield chunk
-                if message is None:  # replaced by a newer stream of the same worker
+                if final is not None:
+                    yield final
+                if ended:  # replaced by a newer stream of the worker, stopped, or cut
                     return
+                if not chunks:
+                    yield PING
         finally:
-            hub.disconnect(worker_id, queue)
+            hub.disconnect(ticket)
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson",
-                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return CommandStreamResponse(
+        lines(), on_stall=lambda: hub.cut(claim[0] if claim else None, "a write stalled"),
+        media_type="application/x-ndjson",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
 @workers_router.delete(
@@ -194,10 +221,12 @@ def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> 
     status_code=status.HTTP_204_NO_CONTENT,
     responses=problem_responses(404, 422, 503),
 )
-def stop_worker(worker_id: WorkerId, db: DbDep) -> Response:
-    """A worker shutting down cleanly: it leaves its peers' directories."""
+def stop_worker(worker_id: WorkerId, request: Request, db: DbDep) -> Response:
+    """A worker shutting down cleanly: it leaves its peers' directories, and its command
+    stream ends (a `stopped` line)."""
     with db.write() as session:
         service.stop_worker(session=session, worker_id=worker_id)
+    hub_of(request).close(worker_id, {"type": "stopped"})
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -210,10 +239,14 @@ def stop_worker(worker_id: WorkerId, db: DbDep) -> Response:
 def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
                      metrics: MetricsDep) -> wire.RecordsAccepted:
     """A worker's batch of finished transfer parts (repeats are ignored). Settles transfers
-    and wakes their `?wait=` long-polls."""
+    and wakes their `?wait=` long-polls. Refused whole: times outside a window of the control
+    plane's clock (422 `record_time_out_of_range`), a pairing that is not the record's own
+    instances' (403 `pairing_mismatch`), blocks its plan cannot expand (422 `invalid_blocks`)."""
     now = now_of(request)
+    stored: list[wire.TransferRecord] = []
     with db.write() as session:
-        accepted, settled = execution.record_parts(session=session, body=body, now=now)
+        accepted, settled = execution.record_parts(session=session, body=body, now=now,
+                                                   stored=stored)
         finished = stats.finished(session=session, transfer_ids=settled)
     completions: Completions = request.app.state.completions
     completions.settled(settled)
@@ -221,7 +254,7 @@ def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
     if settled and relay is not None:  # waiters on the other API processes wake too
         relay.publish_settled(settled)
     metrics.record_batches.inc()
-    for record in body.records:
+    for record in stored:  # repeats, other attempts' and unknown transfers' records: not
         metrics.part_results.labels(state=record.status).inc()
         metrics.moved_bytes.labels(kind=record.side).inc(record.bytes)
     metrics.transfers_settled(finished)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
@@ -13,19 +13,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from api import schemas
-from api.dispatch import RECONNECT_GRACE_S, CommandHub, Completions
-from api.errors import problem_responses
+from api.dispatch import RECONNECT_GRACE_S, CommandHub, Completions, RelayError
+from api.errors import Unavailable, problem_responses
 from api.routers.deps import DbDep, MetricsDep
-from api.services import execution, stats
+from api.services import execution
 from api.services import transfers as service
 
 router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
-# Another API process may settle a transfer (its records went there): its NOTIFY wakes the
-# waiter here; re-read this often in case it was missed (a relay reconnecting, SQLite tests).
-CROSS_PROCESS_RECHECK_S = 1.0
 
 TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Transfer id")]
 
@@ -77,7 +74,7 @@ def create_transfer(
             commands = execution.commands_owed(session=session, now=request.app.state.clock(),
                                                transfers=[row])
         result = service.transfer_read(row)
-    _push(request, commands)
+    push_commands(request, commands)
     if created:
         metrics.transfer_planned(
             context=result.context,
@@ -90,12 +87,26 @@ def create_transfer(
     return result
 
 
-def _push(request: Request, commands: list[tuple[str, dict[str, Any]]]) -> None:
+def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) -> None:
     """Hand the commands to the workers' streams (after the commit: a worker that reports at
     once must find the transfer). A worker whose stream is not open gets its commands if it
-    opens it within the reconnect grace; else its part fails at the deadline. Say so now."""
+    opens it within the reconnect grace; else its part fails at the deadline. Say so now.
+    Commands the relay could not hand to the other API processes fail their transfers at once:
+    503 ``commands_undelivered``, never a ``201`` for a command nobody will get."""
     hub: CommandHub = request.app.state.hub
-    missed = hub.push(commands)
+    try:
+        missed = hub.push(commands)
+    except RelayError as error:
+        ids = sorted({command["transfer_id"] for _, command in commands})
+        db = request.app.state.db
+        with db.write() as session:
+            execution.fail_transfers(session=session, transfer_ids=ids,
+                                     now=request.app.state.clock(),
+                                     reason=f"commands_undelivered: {error}")
+        raise Unavailable(
+            f"the commands of transfer(s) {', '.join(ids)} could not be relayed to the API "
+            f"process that holds the workers' streams ({error}); they are failed: retry",
+            code="commands_undelivered", headers={"Retry-After": "1"}) from None
     if missed:
         log.warning("no command stream open for worker(s) %s; their commands wait %.0f s for "
                     "it, then their transfers fail at their deadline",
@@ -166,40 +177,31 @@ async def get_transfer(
                 service.get_transfer(session=session, transfer_id=transfer_id)
             )
 
-    def reap(now: datetime) -> None:
-        with db.write() as session:
-            reaped = execution.reap_overdue(session=session, now=now)
-            finished = stats.finished(session=session, transfer_ids=reaped)
-        metrics.overdue.inc(len(reaped))
-        metrics.transfers_settled(finished)
-
     if wait <= 0:
         return await run_in_threadpool(read)
     # Listen before the first read: a settle between the read and the wait still wakes us.
+    # Nothing here polls the database: the records route of this process, the relay from the
+    # others, and the process's housekeeping (app.py: settled elsewhere, or reaped at its
+    # deadline) set the event.
     event = completions.event(transfer_id)
     try:
         while True:
+            # A set before this read is answered by the read (or was stale: a transfer that
+            # settled, was retried and runs again); a set after it ends the wait below.
+            event.clear()
             result = await run_in_threadpool(read)
             if result.status not in ("queued", "running"):
                 return result
             left = deadline - time.monotonic()
             if left <= 0:
                 return result
-            try:
-                await asyncio.wait_for(event.wait(), min(left, CROSS_PROCESS_RECHECK_S))
-            except TimeoutError:
-                # A deadline passed with a rank silent: nobody else may be around to say so.
-                now = request.app.state.clock()
-                if result.started_at is not None and await run_in_threadpool(
-                        _overdue, db, now):
-                    await run_in_threadpool(reap, now)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await event.wait()
+            if not event.is_set():
+                return await run_in_threadpool(read)
     finally:
         completions.release(transfer_id)
-
-
-def _overdue(db: Any, now: datetime) -> bool:
-    with db.read() as session:
-        return bool(execution.overdue_transfer_ids(session=session, now=now))
 
 
 @router.post(
@@ -215,7 +217,7 @@ def retry_transfer(transfer_id: TransferId, request: Request, db: DbDep) -> sche
             session=session, transfer_id=transfer_id, now=request.app.state.clock()
         )
         result = service.transfer_read(row)
-    _push(request, commands)
+    push_commands(request, commands)
     return result
 
 

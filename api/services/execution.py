@@ -35,7 +35,7 @@ from sqlalchemy import Table, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
-from api.errors import Conflict, Forbidden, KvplaneError, NotFound, Unavailable
+from api.errors import BadRequest, Conflict, Forbidden, KvplaneError, NotFound, Unavailable
 from api.geometry import Plan, expand
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
 from api.services.workers import current_worker, instance_by_name, live_worker_ids, live_workers
@@ -87,7 +87,8 @@ def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, 
             headers={"Retry-After": "2"},
         )
     command = _command(transfer, attempt, epochs[transfer.context_name],
-                       epochs[transfer.generation_name], timeout_s)
+                       epochs[transfer.generation_name], now + timedelta(seconds=timeout_s),
+                       now)
     commands = [(ctx[r], {**command, "side": "send", "rank": r}) for r in sorted(senders)]
     commands += [(gen[r], {**command, "side": "receive", "rank": r}) for r in sorted(receivers)]
     return commands
@@ -118,8 +119,12 @@ def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now
 
 
 def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation_epoch: str,
-             timeout_s: float) -> dict[str, Any]:
-    """What every rank of one attempt is told (``side`` and ``rank`` added per rank)."""
+             deadline: datetime, now: datetime) -> dict[str, Any]:
+    """What every rank of one attempt is told (``side`` and ``rank`` added per rank).
+
+    ``deadline_at`` is the attempt's deadline (Unix seconds); ``timeout_s`` what is left of it
+    now. The command stream writes ``timeout_s`` again as each line leaves
+    (``api/dispatch.py``), so a command that waited does not run past the deadline."""
     return {
         "type": "transfer",
         "transfer_id": transfer.id,
@@ -135,7 +140,8 @@ def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation
         "blocks": transfer.blocks,
         "mode": transfer.mode,
         "verify": transfer.verify,
-        "timeout_s": timeout_s,
+        "deadline_at": deadline.timestamp(),
+        "timeout_s": (deadline - now).total_seconds(),
     }
 
 
@@ -184,7 +190,7 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
                 transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id):
             continue  # an engine-path transfer: the engines started it, nobody dispatched it
         command = _command(transfer, transfer.attempt, context.epoch, generation.epoch,
-                           (transfer.deadline_at - now).total_seconds())
+                           transfer.deadline_at, now)
         senders, receivers = participants(transfer.summary)
         for side, ranks, live in (("send", senders, senders_live),
                                   ("receive", receivers, receivers_live)):
@@ -196,6 +202,32 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
                     continue
                 owed.append((target.id, {**command, "side": side, "rank": rank}))
     return owed
+
+
+def commands_for_refs(*, session: Session, refs: Sequence[tuple[str, str, int, str, int]],
+                      now: datetime) -> list[tuple[str, dict[str, Any]]]:
+    """The commands that relayed references name (``(worker_id, transfer_id, attempt, side,
+    rank)``), built from the database as :func:`commands_owed` builds them: only for a transfer
+    still running that attempt with time left (others are news too old to act on)."""
+    ids = sorted({ref[1] for ref in refs})
+    transfers = {row.id: row for row in session.scalars(
+        select(TransferRow).where(TransferRow.id.in_(ids)))}
+    epochs = dict(session.execute(select(InstanceRow.name, InstanceRow.epoch).where(
+        InstanceRow.name.in_({name for t in transfers.values()
+                              for name in (t.context_name, t.generation_name)}))).all())
+    commands: list[tuple[str, dict[str, Any]]] = []
+    for worker_id, transfer_id, attempt, side, rank in refs:
+        transfer = transfers.get(transfer_id)
+        if (transfer is None or transfer.status not in ACTIVE or transfer.attempt != attempt
+                or transfer.deadline_at is None
+                or (transfer.deadline_at - now).total_seconds() <= MIN_RESEND_S
+                or transfer.context_name not in epochs
+                or transfer.generation_name not in epochs):
+            continue
+        command = _command(transfer, attempt, epochs[transfer.context_name],
+                           epochs[transfer.generation_name], transfer.deadline_at, now)
+        commands.append((worker_id, {**command, "side": side, "rank": rank}))
+    return commands
 
 
 def commands_owed_to(*, session: Session, worker_id: str,
@@ -262,9 +294,17 @@ def _unix(value: float) -> datetime:
     return datetime.fromtimestamp(value, tz=UTC)
 
 
-def record_parts(*, session: Session, body: wire.TransferRecords,
-                 now: datetime) -> tuple[int, list[str]]:
-    """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``.
+def record_parts(*, session: Session, body: wire.TransferRecords, now: datetime,
+                 stored: list[wire.TransferRecord] | None = None) -> tuple[int, list[str]]:
+    """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``
+    and appends to ``stored`` the records that were new (what the metrics count).
+
+    What a record may say is checked before anything is stored (the batch is refused whole; the
+    worker's recorder then splits it and drops the bad record): its times lie in a window of the
+    control plane's clock (422 ``record_time_out_of_range``), an engine-path record names a
+    pairing of its own two instances (403 ``pairing_mismatch``) and block lists the pairing's
+    plan can expand (422 ``invalid_blocks``). A part of a rank that takes no part in the
+    transfer (no route of its plan) is ignored: it can neither settle nor fail it.
 
     Set-wise, whatever the batch's size: one locking read of its transfers, one read of their
     recorded parts, one multi-row insert, then one read of the transfers this batch can decide
@@ -281,6 +321,8 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
                 f"record {record.side} parts of {own} rank {record.rank}",
                 code="forbidden",
             )
+    _check_times(body.records, now)
+    _check_pairings(session, body.records)
     # (transfer id, record) in id order; an engine-path id is a digest, computed once here
     records = sorted(((_record_transfer_id(r), r) for r in body.records), key=lambda p: p[0])
     ids = sorted({tid for tid, _ in records})
@@ -313,6 +355,11 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
         transfer = transfers.get(tid)
         if transfer is None or transfer.attempt != record.attempt:
             continue  # an older attempt's news (or an unknown REST id): nothing to change
+        summary = described[tid].summary if tid in described else transfer.summary
+        if not _takes_part(session, tid, record, summary, plans):
+            log.info("transfer %s: %s rank %d takes no part in it; its record is ignored",
+                     tid, record.side, record.rank)
+            continue
         if (transfer.context_name, transfer.generation_name) != (record.context,
                                                                  record.generation):
             # A worker records parts of its own instance's transfers only: a record naming
@@ -327,6 +374,8 @@ def record_parts(*, session: Session, body: wire.TransferRecords,
             continue  # a repeated record (a retried batch): stored once
         recorded.add(key)
         rows.append(_part_row(transfer, worker, record, now))
+        if stored is not None:
+            stored.append(record)
         # Without verify, a sender's successful part decides nothing (the receivers' parts
         # do): the transfer is not settled for it.
         if record.side == "receive" or record.status == "failed" or transfer.verify:
@@ -352,7 +401,8 @@ def _ids() -> Any:
 
 # What record_parts reads of the batch's transfers (their JSON columns only where it settles)
 _LOCK = (select(TransferRow.id, TransferRow.attempt, TransferRow.context_name,
-                TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id)
+                TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id,
+                TransferRow.summary)
          .where(TransferRow.id.in_(_ids())).order_by(TransferRow.id).with_for_update())
 _RECORDED = select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank).where(
     JobRow.transfer_id.in_(_ids()))
@@ -372,6 +422,84 @@ _SETTLE_DONE = (update(TransferRow)
                         updated_at=bindparam("now", type_=TransferRow.updated_at.type))
                 .returning(TransferRow.id)
                 .execution_options(synchronize_session=False))
+
+
+RECORD_MAX_AGE_S = 86_400.0  # records queued through an outage longer than this are refused
+RECORD_CLOCK_SKEW_S = 300.0  # how far ahead of the control plane's clock a worker's may run
+
+
+def _check_times(records: Sequence[wire.TransferRecord], now: datetime) -> None:
+    """422 ``record_time_out_of_range`` unless every record started at most a day ago, finished
+    after it started and at most a few minutes ahead of the control plane's clock. (A forged
+    time would keep an engine-path transfer running for years, or top every listing.)"""
+    now_s = now.timestamp()
+    errors: list[dict[str, Any]] = []
+    for index, record in enumerate(records):
+        if record.started_at < now_s - RECORD_MAX_AGE_S:
+            errors.append({"loc": ["body", "records", index, "started_at"],
+                           "msg": f"more than {RECORD_MAX_AGE_S:.0f} s before the control "
+                           "plane's clock"})
+        if record.finished_at > now_s + RECORD_CLOCK_SKEW_S:
+            errors.append({"loc": ["body", "records", index, "finished_at"],
+                           "msg": f"more than {RECORD_CLOCK_SKEW_S:.0f} s after the control "
+                           "plane's clock"})
+        if record.finished_at < record.started_at:
+            errors.append({"loc": ["body", "records", index, "finished_at"],
+                           "msg": "before started_at"})
+    if errors:
+        raise BadRequest(
+            f"{len(errors)} record time(s) outside the window of the control plane's clock "
+            f"({now.isoformat()}): a worker's clock must be synchronized",
+            code="record_time_out_of_range", errors=errors[:20])
+
+
+_PAIRING_NAMES = (select(PairingRow.id, InstanceRow.name, PairingRow.generation_id)
+                  .join(InstanceRow, InstanceRow.id == PairingRow.context_id)
+                  .where(PairingRow.id.in_(_ids())))
+_NAMES = select(InstanceRow.id, InstanceRow.name).where(InstanceRow.id.in_(_ids()))
+
+
+def _check_pairings(session: Session, records: Sequence[wire.TransferRecord]) -> None:
+    """403 ``pairing_mismatch`` unless every engine-path record names a pairing of its own
+    context and generation: a worker cannot make up a transfer with an instance it is not
+    paired with. (A REST record names its transfer, which says who takes part.)"""
+    wanted = {r.pairing_id for r in records if r.transfer_id is None}
+    if not wanted:
+        return
+    conn = session.connection()
+    rows = list(conn.execute(_PAIRING_NAMES, {"ids": sorted(wanted)}))
+    names = dict(conn.execute(_NAMES, {"ids": sorted({row[2] for row in rows})}).all())
+    pairs = {pid: (context, names.get(gen_id)) for pid, context, gen_id in rows}
+    for record in records:
+        if record.transfer_id is None and pairs.get(record.pairing_id) != (
+                record.context, record.generation):
+            raise Forbidden(
+                f"pairing {record.pairing_id!r} is not a pairing of {record.context} with "
+                f"{record.generation}: a record names its own instances' pairing",
+                code="pairing_mismatch")
+
+
+def _takes_part(session: Session, tid: str, record: wire.TransferRecord,
+                summary: dict[str, Any] | None,
+                plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None,
+                                                   Plan | None]]) -> bool:
+    """Whether the record's rank moves bytes in the transfer: by its summary's routes, or for
+    an engine-path transfer not described yet, by its plan's (no plan known: its own word)."""
+    if summary and summary.get("routes"):
+        senders, receivers = participants(summary)
+    elif record.transfer_id is None:
+        key = (record.pairing_id, record.context_epoch, record.generation_epoch,
+               record.context_dp_rank, record.generation_dp_rank)
+        if key not in plans:
+            plans[key] = _plan_of(session, tid, record)
+        plan = plans[key][2]
+        if plan is None:
+            return True
+        senders = {route.sender_rank for route in plan.routes}
+        receivers = {route.receiver_rank for route in plan.routes}
+    else:
+        return True
+    return record.rank in (senders if record.side == "send" else receivers)
 
 
 def _record_transfer_id(record: wire.TransferRecord) -> str:
@@ -473,8 +601,12 @@ def _description(session: Session, tid: str, record: wire.TransferRecord,
                 int(g): (v.get("context", []), v.get("generation", []))
                 for g, v in blocks.items()
             }).to_summary()
-        except Exception as error:  # a record is kept whatever its blocks say
-            log.warning("engine transfer %s: cannot expand its blocks: %s", tid, error)
+        except Exception as error:  # stored, it would settle the transfer with 0 bytes
+            raise BadRequest(
+                f"engine transfer {tid}: its blocks do not fit the pairing's plan: {error}",
+                code="invalid_blocks",
+                errors=[{"loc": ["body", "records", "blocks"], "msg": str(error)[:500]}],
+            ) from None
     return {"pairing_id": None if pairing is None else pairing.id,
             "plan_id": None if plan_row is None else plan_row.id,
             "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
@@ -582,12 +714,15 @@ def settle_many(*, session: Session, transfers: Sequence[Any], now: datetime) ->
 def _outcome(transfer: Any, parts: Sequence[Any],
              now: datetime) -> tuple[str, str | None] | None:
     """``(status, error)`` when the recorded parts decide the transfer, else None."""
+    senders, receivers = participants(transfer.summary)
+    if transfer.summary.get("routes"):  # a rank that moves no bytes decides nothing
+        parts = [p for p in parts
+                 if p.rank in (senders if p.kind == "send" else receivers)]
     failed = [p for p in parts if p.state == "failed"]
     if failed:
         first = min(failed, key=lambda p: (p.finished_at or now, p.kind, p.rank))
         side = "context" if first.kind == "send" else "generation"
         return "failed", f"{side} rank {first.rank}: {first.error or 'failed'}"
-    senders, receivers = participants(transfer.summary)
     done = {(p.kind, p.rank) for p in parts if p.state == "done"}
     if not transfer.summary.get("routes"):  # an engine record without blocks: its own word
         senders, receivers = set(), {p.rank for p in parts if p.kind == "receive"}
@@ -640,6 +775,12 @@ def finish(session: Session, transfer: Any, status: str, now: datetime,
 # --- deadlines and instance changes ----------------------------------------------------------
 
 
+def settled_among(*, session: Session, transfer_ids: Sequence[str]) -> list[str]:
+    """Those of ``transfer_ids`` that are no longer active (one read)."""
+    return list(session.scalars(select(TransferRow.id).where(
+        TransferRow.id.in_(list(transfer_ids)), TransferRow.status.not_in(ACTIVE))))
+
+
 def overdue_transfer_ids(*, session: Session, now: datetime,
                          limit: int = REAP_BATCH) -> list[str]:
     """Dispatched transfers past their deadline (plus the record's grace), oldest first, at most
@@ -664,14 +805,48 @@ def reap_overdue(*, session: Session, now: datetime, limit: int = REAP_BATCH) ->
             select(JobRow.kind, JobRow.rank).where(JobRow.transfer_id == transfer.id,
                                                    JobRow.attempt == transfer.attempt))}
         senders, receivers = participants(transfer.summary)
-        silent = [f"context rank {r}" for r in sorted(senders) if ("send", r) not in reported]
-        silent += [f"generation rank {r}" for r in sorted(receivers)
+        silent = [("context", transfer.context_name, r) for r in sorted(senders)
+                  if ("send", r) not in reported]
+        silent += [("generation", transfer.generation_name, r) for r in sorted(receivers)
                    if ("receive", r) not in reported]
-        if finish(session, transfer, "failed", now,
-                  f"deadline: no report from {', '.join(silent) or 'some rank'} within the "
-                  f"transfer's deadline (worker gone, or the control plane restarted)"):
+        if finish(session, transfer, "failed", now, _silence(session, silent, now)):
             reaped.append(transfer.id)
     return reaped
+
+
+def _silence(session: Session, silent: Sequence[tuple[str, str, int]], now: datetime) -> str:
+    """Why a transfer is reaped: the silent ranks whose workers still heartbeat (they ran out
+    of time, e.g. a peer unreachable across a network cut) apart from those whose worker is
+    gone (or never was)."""
+    if not silent:
+        return ("deadline: no report within the transfer's deadline (the control plane "
+                "restarted, or its records were lost)")
+    try:
+        _, live = live_worker_ids(session, sorted({name for _, name, _ in silent}), now)
+    except NotFound:
+        live = {}
+    alive = [f"{side} rank {r}" for side, name, r in silent if r in live.get(name, {})]
+    gone = [f"{side} rank {r}" for side, name, r in silent if r not in live.get(name, {})]
+    reasons = []
+    if alive:
+        reasons.append(f"no report from {', '.join(alive)} within the transfer's deadline "
+                       "(workers alive)")
+    if gone:
+        reasons.append(f"no report from {', '.join(gone)}: worker gone (or the control plane "
+                       "restarted)")
+    return "deadline: " + "; ".join(reasons)
+
+
+def fail_transfers(*, session: Session, transfer_ids: Sequence[str], now: datetime,
+                   reason: str) -> list[str]:
+    """Fail these transfers if they are still active (in id order); the ids it failed."""
+    failed = []
+    for transfer_id in sorted(transfer_ids):
+        transfer = session.get(TransferRow, transfer_id, with_for_update=True,
+                               populate_existing=True)
+        if transfer is not None and finish(session, transfer, "failed", now, reason):
+            failed.append(transfer_id)
+    return failed
 
 
 def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datetime,

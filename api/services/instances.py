@@ -27,7 +27,7 @@ from api.errors import BadRequest, NotFound, PreconditionFailed
 from api.geometry import GeometryError, Instance, parse_instance, parse_rank
 from api.models import InstanceRow, RankRow
 from api.services.execution import fail_transfers_of_instance
-from api.services.pairings import mark_stale_for_instance
+from api.services.pairings import bump_peer_directories, mark_stale_for_instance
 
 
 def new_epoch() -> str:
@@ -134,6 +134,7 @@ def _touch(session: Session, row: InstanceRow, instance: Instance) -> None:
     row.updated_at = utcnow()
     session.flush()
     mark_stale_for_instance(session=session, instance_id=row.id)
+    bump_peer_directories(session, row.id, itself=True)
     # Jobs planned on the old epoch must never run against the new memory layout.
     fail_transfers_of_instance(
         session=session,
@@ -265,6 +266,7 @@ def delete_instance(*, session: Session, name: str, if_match: str | None = None)
         now=utcnow(),
         reason=f"peer_left: {row.name} was deregistered",
     )
+    bump_peer_directories(session, row.id)
     session.execute(delete(InstanceRow).where(InstanceRow.id == row.id))
     session.expunge(row)
 

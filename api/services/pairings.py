@@ -88,6 +88,30 @@ def _drop_pending_plans(session: Session) -> None:
     session.info.pop(_PENDING, None)
 
 
+def bump_directories(session: Session, instance_ids: set[int] | list[int]) -> None:
+    """The directories of these instances' workers changed: bump their kept revision (the
+    heartbeat answer carries it; each worker refetches its directory when it changes)."""
+    if instance_ids:
+        session.execute(
+            update(InstanceRow).where(InstanceRow.id.in_(sorted(instance_ids)))
+            .values(directory_revision=InstanceRow.directory_revision + 1)
+            .execution_options(synchronize_session=False))
+
+
+def peer_instance_ids(session: Session, instance_id: int) -> set[int]:
+    """The instances paired with ``instance_id``, whatever the pairings' status."""
+    rows = session.execute(select(PairingRow.context_id, PairingRow.generation_id).where(
+        or_(PairingRow.context_id == instance_id, PairingRow.generation_id == instance_id)))
+    return {gen if ctx == instance_id else ctx for ctx, gen in rows}
+
+
+def bump_peer_directories(session: Session, instance_id: int, *, itself: bool = False) -> None:
+    """Something of ``instance_id`` that its peers' directories show changed (its epoch, a
+    worker of it); ``itself``: its own workers' directories too."""
+    ids = peer_instance_ids(session, instance_id)
+    bump_directories(session, ids | {instance_id} if itself else ids)
+
+
 def mark_stale_for_instance(*, session: Session, instance_id: int) -> int:
     """Mark every pairing (and cached plan) using ``instance_id`` stale; returns the count."""
     uses = or_(PairingRow.context_id == instance_id, PairingRow.generation_id == instance_id)
@@ -172,6 +196,7 @@ def create_pairing(*, session: Session, context: str, generation: str) -> tuple[
     row.context = ctx
     row.generation = gen
     session.flush()
+    bump_directories(session, {ctx.id, gen.id})
     return row, created
 
 
@@ -224,6 +249,7 @@ def validate_pairing_by_id(*, session: Session, pairing_id: str) -> PairingRow:
         raise NotFound(f"pairing {pairing_id!r} does not exist", code="pairing_not_found")
     _apply_validation(row, row.context, row.generation)
     session.flush()
+    bump_directories(session, {row.context_id, row.generation_id})
     return row
 
 

@@ -312,7 +312,12 @@ def transfer_fragments(
             code="too_many_fragments",
             extra=extra,
         )
-    expansion = expand(plan, _blocks(row.blocks))
+    try:
+        expansion = expand(plan, _blocks(row.blocks))
+    except (GeometryError, KeyError, TypeError, ValueError) as error:
+        # A row stored before records' blocks were checked: say so, it is not a server bug.
+        raise Conflict(f"the blocks of transfer {row.id} do not fit its plan: {error}",
+                       code="blocks_unexpandable") from None
     return expansion.fragment_page(offset, max_per_page if limit is None else limit)
 
 

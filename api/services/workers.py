@@ -13,18 +13,21 @@ peer. A worker whose instance re-registered is ``stale`` (409 ``worker_stale``) 
 from __future__ import annotations
 
 import hashlib
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, or_, select
+from sqlalchemy import bindparam, delete, or_, select, update
 from sqlalchemy.orm import Session, load_only
 
 from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, NotFound
 from api.geometry.plan import _dp_choices
 from api.models import InstanceRow, PairingRow, WorkerRow
+from api.services.pairings import bump_peer_directories
 
 HEARTBEAT_INTERVAL_S = 1.0
 WORKER_GONE_S = 10.0
@@ -39,8 +42,20 @@ def instance_by_name(session: Session, name: str) -> InstanceRow:
     return row
 
 
-def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime) -> WorkerRow:
-    """Attach a worker to a rank; its pools must be exactly the rank's registered pools."""
+WORKER_GC_S = 3600.0  # a worker row silent this long (stopped, superseded, stale, gone) goes
+
+
+def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime,
+                    superseded: list[str] | None = None) -> WorkerRow:
+    """Attach a worker to a rank; its pools must be exactly the rank's registered pools.
+    The ids of the workers it superseded are appended to ``superseded``.
+
+    A rank has one worker: one that attaches to an occupied rank supersedes the worker there
+    (a restarted process, or a second one started by mistake), which is told (409
+    ``worker_superseded`` on its heartbeat, a last line on its command stream) and stops. An
+    agent name taken by a live worker of another rank is refused (409 ``agent_name_taken``):
+    peers load NIXL metadata by agent name. Rows silent for :data:`WORKER_GC_S` are deleted.
+    """
     instance = instance_by_name(session, body.instance)
     if body.rank >= instance.world_size:
         raise BadRequest(
@@ -55,8 +70,28 @@ def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime)
             code="rank_not_reported",
         )
     _check_pools(rank_row.body.get("pools", []), body.peer.pools)
+    cutoff = now - timedelta(seconds=WORKER_GONE_S)
+    taken = session.execute(
+        select(WorkerRow.id, WorkerRow.instance_id, WorkerRow.rank)
+        .where(WorkerRow.agent == body.peer.agent, *_live(cutoff))).first()
+    if taken is not None and (taken.instance_id, taken.rank) != (instance.id, body.rank):
+        raise Conflict(
+            f"agent name {body.peer.agent!r} belongs to live worker {taken.id} of another rank; "
+            "NIXL peers tell agents apart by name",
+            code="agent_name_taken",
+        )
+    row_id = uuid.uuid4().hex
+    replaced = list(session.scalars(
+        update(WorkerRow)
+        .where(WorkerRow.instance_id == instance.id, WorkerRow.rank == body.rank,
+               WorkerRow.stopped.is_(False))
+        .values(stopped=True, superseded_by=row_id)
+        .returning(WorkerRow.id)
+        .execution_options(synchronize_session=False)))
+    session.execute(delete(WorkerRow).where(
+        WorkerRow.heartbeat_at < now - timedelta(seconds=WORKER_GC_S)))
     row = WorkerRow(
-        id=uuid.uuid4().hex,
+        id=row_id,
         instance_id=instance.id,
         rank=body.rank,
         epoch=instance.epoch,
@@ -72,6 +107,9 @@ def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime)
     )
     session.add(row)
     session.flush()
+    bump_peer_directories(session, instance.id)
+    if superseded is not None:
+        superseded.extend(replaced)
     return row
 
 
@@ -105,6 +143,11 @@ def get_worker(*, session: Session, worker_id: str) -> WorkerRow:
 def current_worker(*, session: Session, worker_id: str) -> WorkerRow:
     """A worker that may act: not stopped, attached to its instance's current epoch."""
     row = get_worker(session=session, worker_id=worker_id)
+    if row.superseded_by is not None:
+        raise Conflict(
+            f"worker {row.superseded_by} attached to {row.instance.name} rank {row.rank} after "
+            "this one and took the rank over: stop (do not attach again)",
+            code="worker_superseded")
     if row.stopped:
         raise Conflict("this worker was stopped; attach again", code="worker_retired")
     if row.epoch != row.instance.epoch:
@@ -120,6 +163,9 @@ def heartbeat(*, session: Session, worker_id: str, now: datetime,
     """Record a heartbeat and what UCX uses, when the worker says (409 when it must attach
     again)."""
     row = current_worker(session=session, worker_id=worker_id)
+    if (now - row.heartbeat_at).total_seconds() > WORKER_GONE_S:
+        # Back from "gone": it reappears in its peers' directories.
+        bump_peer_directories(session, row.instance_id)
     row.heartbeat_at = now
     if ucx_in_use is not None:
         report = ucx_in_use.model_dump(mode="json")
@@ -131,10 +177,12 @@ def heartbeat(*, session: Session, worker_id: str, now: datetime,
 def stop_worker(*, session: Session, worker_id: str) -> None:
     """A worker shutting down cleanly; it leaves its peers' directories."""
     row = get_worker(session=session, worker_id=worker_id)
-    row.stopped = True
+    if not row.stopped:
+        row.stopped = True
+        bump_peer_directories(session, row.instance_id)
 
 
-def worker_status(row: WorkerRow, instance_epoch: str, now: datetime) -> str:
+def worker_status(row: Any, instance_epoch: str, now: datetime) -> str:
     if row.stopped:
         return "stopped"
     if row.epoch != instance_epoch:
@@ -144,25 +192,40 @@ def worker_status(row: WorkerRow, instance_epoch: str, now: datetime) -> str:
     return "alive"
 
 
+# What a listing shows of a worker: every column but its endpoint (``peer`` holds the NIXL
+# metadata, up to the metadata cap per worker), of which only the UCX settings are read, in SQL.
+_LISTED = (WorkerRow.id, WorkerRow.rank, WorkerRow.epoch, WorkerRow.device, WorkerRow.transport,
+           WorkerRow.agent, WorkerRow.host, WorkerRow.pid, WorkerRow.stopped,
+           WorkerRow.registered_at, WorkerRow.heartbeat_at, WorkerRow.ucx_in_use,
+           InstanceRow.name.label("instance_name"), InstanceRow.epoch.label("instance_epoch"),
+           WorkerRow.peer["ucx"].label("ucx"))
+
+
 def list_workers(
     *, session: Session, instance: str | None = None, limit: int = 500, offset: int = 0
-) -> list[WorkerRow]:
+) -> list[Any]:
+    """One page of workers as plain rows of the listed columns (see ``_LISTED``)."""
     query = (
-        select(WorkerRow)
-        .join(InstanceRow)
+        select(*_LISTED)
+        .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
         .order_by(InstanceRow.name, WorkerRow.rank, WorkerRow.registered_at.desc())
     )
     if instance is not None:
         query = query.where(InstanceRow.name == instance)
-    return list(session.scalars(query.limit(limit).offset(offset)))
+    return list(session.execute(query.limit(limit).offset(offset)))
 
 
-def worker_read(row: WorkerRow, now: datetime, *, connected: bool = False,
+def worker_read(row: Any, now: datetime, *, connected: bool = False,
                 revision: str | None = None) -> wire.WorkerRead:
-    """The wire view of a worker."""
+    """The wire view of a worker: an ORM row, or a plain row of :func:`list_workers`."""
+    if isinstance(row, WorkerRow):
+        name, instance_epoch = row.instance.name, row.instance.epoch
+        ucx = (row.peer or {}).get("ucx")
+    else:
+        name, instance_epoch, ucx = row.instance_name, row.instance_epoch, row.ucx
     return wire.WorkerRead(
         id=row.id,
-        instance=row.instance.name,
+        instance=name,
         rank=row.rank,
         epoch=row.epoch,
         device=row.device,
@@ -170,13 +233,13 @@ def worker_read(row: WorkerRow, now: datetime, *, connected: bool = False,
         agent=row.agent,
         host=row.host,
         pid=row.pid,
-        status=worker_status(row, row.instance.epoch, now),  # type: ignore[arg-type]
+        status=worker_status(row, instance_epoch, now),  # type: ignore[arg-type]
         registered_at=row.registered_at,
         heartbeat_at=row.heartbeat_at,
         heartbeat_age_s=max(0.0, (now - row.heartbeat_at).total_seconds()),
         connected=connected,
         directory_revision=revision,
-        ucx=(row.peer or {}).get("ucx"),
+        ucx=ucx,
         ucx_in_use=None if row.ucx_in_use is None else wire.UcxInUse.model_validate(
             row.ucx_in_use),
     )
@@ -274,24 +337,86 @@ def _paired_instances(session: Session, instance: InstanceRow) -> list[InstanceR
                    for row in rows}.values(), key=lambda row: row.name)
 
 
+def revision_of(epoch: str, counter: int, rank: int) -> str:
+    """The directory revision of a worker of ``rank`` on an instance at ``epoch`` whose kept
+    counter is ``counter`` (see ``InstanceRow.directory_revision``): no digest over pairings."""
+    return hashlib.sha256(f"{epoch}|{counter}|{rank}".encode()).hexdigest()[:24]
+
+
 def directory_revision(*, session: Session, worker: WorkerRow, now: datetime) -> str:
-    """A digest of everything :func:`worker_directory` depends on."""
-    instance = worker.instance
-    parts: list[str] = [instance.epoch, str(worker.rank)]
-    parts += [f"{peer.name}@{peer.epoch}" for peer in _paired_instances(session, instance)]
-    for pairing in _pairings_of(session, instance):
-        peer = _peer_instance(pairing, instance)
-        parts.append(f"{pairing.id}:{pairing.context_epoch}:{pairing.generation_epoch}")
-        for rank, row in sorted(live_workers(session, peer, now, ids_only=True).items()):
-            parts.append(f"{peer.name}:{rank}:{row.id}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    """The revision of ``worker``'s directory: one read of its instance's kept counter, bumped
+    by every change the directory depends on (``services/pairings.py``, bump_directories):
+    epochs, pairings, peer workers attaching, stopping, coming back or going silent."""
+    instance = worker.instance  # loaded with the worker (current_worker reads its epoch)
+    return revision_of(instance.epoch, instance.directory_revision, worker.rank)
 
 
-def worker_directory(*, session: Session, worker_id: str, now: datetime) -> wire.WorkerDirectory:
-    """The worker's directory: its pairings' plans (its routes only) and its peers."""
-    from api.services.pairings import plan_for_pairing
+def fell_silent(*, session: Session, since: datetime, now: datetime) -> list[int]:
+    """Instances with a worker whose last heartbeat turned "gone" between ``since`` and
+    ``now`` (it left its peers' directories; nothing wrote to say so)."""
+    gone = timedelta(seconds=WORKER_GONE_S)
+    return list(session.execute(
+        select(WorkerRow.instance_id).distinct()
+        .where(WorkerRow.stopped.is_(False), WorkerRow.heartbeat_at >= since - gone,
+               WorkerRow.heartbeat_at < now - gone)).scalars())
 
+
+def bump_gone(*, session: Session, instance_ids: Sequence[int]) -> None:
+    """Bump the directories of the peers of these instances (see :func:`fell_silent`)."""
+    for instance_id in sorted(set(instance_ids)):
+        bump_peer_directories(session, instance_id)
+
+
+DIRECTORY_CACHE_SIZE = 256  # built directories kept per process, by worker and revision
+_directories: OrderedDict[tuple[str, str], tuple[wire.WorkerDirectory, bytes]] = OrderedDict()
+_directories_lock = threading.Lock()
+
+
+class PlanNotCached(Exception):
+    """A directory needs a plan that is not compiled and stored yet (a write)."""
+
+
+def worker_directory(*, session: Session, worker_id: str, now: datetime,
+                     read_only: bool = False) -> wire.WorkerDirectory:
+    """The worker's directory (see :func:`worker_directory_json`)."""
+    return _directory(session, worker_id, now, read_only)[0]
+
+
+def worker_directory_json(*, session: Session, worker_id: str, now: datetime,
+                          read_only: bool = False) -> bytes:
+    """The worker's directory as the JSON the route answers (encoded once per revision)."""
+    return _directory(session, worker_id, now, read_only)[1]
+
+
+def _directory(session: Session, worker_id: str, now: datetime,
+               read_only: bool) -> tuple[wire.WorkerDirectory, bytes]:
+    """The worker's directory: its pairings' plans (its routes only) and its peers.
+
+    Built once per revision (the kept counter changes with everything it shows) and kept in
+    this process, so a poll of an unchanged directory costs a worker read and a counter read,
+    whatever the number of pairings. ``read_only``: raise :class:`PlanNotCached` rather than
+    compile and store a missing plan (the caller retries in a write transaction)."""
     worker = current_worker(session=session, worker_id=worker_id)
+    revision = directory_revision(session=session, worker=worker, now=now)
+    key = (worker.id, revision)
+    with _directories_lock:
+        hit = _directories.get(key)
+        if hit is not None:
+            _directories.move_to_end(key)
+            return hit
+    directory = _build_directory(session, worker, revision, now, read_only)
+    built = (directory, directory.model_dump_json().encode())
+    with _directories_lock:
+        _directories[key] = built
+        while len(_directories) > DIRECTORY_CACHE_SIZE:
+            _directories.popitem(last=False)
+    return built
+
+
+def _build_directory(session: Session, worker: WorkerRow, revision: str, now: datetime,
+                     read_only: bool) -> wire.WorkerDirectory:
+    from api.services.pairings import cached_plan, plan_for_pairing
+
     instance = worker.instance
     role = instance.role
     pairings: list[wire.DirectoryPairing] = []
@@ -301,8 +426,12 @@ def worker_directory(*, session: Session, worker_id: str, now: datetime) -> wire
         plans = []
         for cdp in _dp_choices(_geometry(pairing.context)):
             for gdp in _dp_choices(_geometry(pairing.generation)):
-                _, plan = plan_for_pairing(session=session, pairing=pairing,
-                                           context_dp_rank=cdp, generation_dp_rank=gdp)
+                hit = cached_plan(pairing.id, pairing.context_epoch, pairing.generation_epoch,
+                                  cdp, gdp)
+                if hit is None and read_only:
+                    raise PlanNotCached(pairing.id)
+                _, plan = hit or plan_for_pairing(session=session, pairing=pairing,
+                                                  context_dp_rank=cdp, generation_dp_rank=gdp)
                 side = "sender_rank" if role == "context" else "receiver_rank"
                 routes = [
                     {k: v for k, v in route.to_dict().items() if k != "slices"}
@@ -334,7 +463,7 @@ def worker_directory(*, session: Session, worker_id: str, now: datetime) -> wire
     for peer in _paired_instances(session, instance):
         peers.setdefault(peer.name, wire.DirectoryPeer(epoch=peer.epoch, ranks={}))
     return wire.WorkerDirectory(
-        revision=directory_revision(session=session, worker=worker, now=now),
+        revision=revision,
         instance=instance.name,
         role=role,
         rank=worker.rank,

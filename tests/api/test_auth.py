@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -308,7 +309,7 @@ def test_worker_token_acts_only_for_its_instance(api: TestClient, tokens: dict[s
         "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
         "context_epoch": pairing["context_epoch"], "generation_epoch": pairing["generation_epoch"],
         "side": "send", "rank": 0, "status": "failed", "error": "test", "bytes": 0,
-        "started_at": 1.0e9, "finished_at": 1.0e9,
+        "started_at": time.time(), "finished_at": time.time(),
     }
     # The generation's worker token cannot record through a context worker ...
     problem(api.post("/v1/transfers/records",
@@ -542,7 +543,7 @@ def test_a_rank_bound_worker_token_acts_only_for_its_rank(
         "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
         "context_epoch": pairing["context_epoch"], "generation_epoch": pairing["generation_epoch"],
         "side": "send", "rank": 1, "status": "failed", "error": "test", "bytes": 0,
-        "started_at": 1.0e9, "finished_at": 1.0e9,
+        "started_at": time.time(), "finished_at": time.time(),
     }
     batch = {"worker_id": workers[1], "records": [record]}
     problem(api.post("/v1/transfers/records", json=batch, headers=rank0), 403, "forbidden")

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -151,7 +152,8 @@ def _record(api: TestClient, worker_id: str, transfer_id: str, side: str, rank: 
         "transfer_id": transfer_id, "request_id": "r", "pairing_id": pairing["id"],
         "context": "ctx", "generation": "gen", "context_epoch": pairing["context_epoch"],
         "generation_epoch": pairing["generation_epoch"], "side": side, "rank": rank,
-        "status": "done", "bytes": nbytes, "started_at": 1.0e9, "finished_at": 1.0e9 + 0.01,
+        "status": "done", "bytes": nbytes, "started_at": time.time(),
+        "finished_at": time.time() + 0.01,
     }]})
     assert answer.status_code == 200, answer.text
 

@@ -103,8 +103,8 @@ def server(sqlite_url: str) -> Iterator[str]:
                         "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
                         "context_epoch": pairing["context_epoch"],
                         "generation_epoch": pairing["generation_epoch"], "side": "send",
-                        "rank": rank, "status": "done", "bytes": 64, "started_at": 1.0e9,
-                        "finished_at": 1.0e9 + 0.001}]}).raise_for_status()
+                        "rank": rank, "status": "done", "bytes": 64, "started_at": time.time(),
+                        "finished_at": time.time() + 0.001}]}).raise_for_status()
         yield url
     finally:
         uv.should_exit = True

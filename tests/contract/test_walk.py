@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -411,7 +412,7 @@ def _flow(walk: Walk) -> None:
         "context_epoch": pairing["context_epoch"],
         "generation_epoch": pairing["generation_epoch"],
         "side": "send", "rank": sender[1], "status": "failed", "error": "walk",
-        "bytes": 0, "started_at": 1.0e9, "finished_at": 1.0e9 + 1,
+        "bytes": 0, "started_at": time.time() - 1, "finished_at": time.time(),
     }
     call("POST", "/v1/transfers/records", expect=200,
          json_body={"worker_id": workers[sender], "records": [record]})

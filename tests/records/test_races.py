@@ -70,7 +70,7 @@ def _body(fleet: dict[str, Any], transfer_id: str, rank: int) -> Any:
                 "generation_epoch": session.scalar(
                     select(InstanceRow.epoch).where(InstanceRow.name == "gen")),
                 "side": "receive", "rank": rank, "status": "done", "bytes": 1,
-                "started_at": 1.0e9, "finished_at": 1.0e9,
+                "started_at": time.time(), "finished_at": time.time(),
             }],
         })))
 

@@ -22,7 +22,7 @@ from .conftest import (
 )
 
 WAITERS = 60  # more than the server's thread pool (40 threads by default)
-EXTRA_STREAMS = 20  # idle workers of ctx rank 0 holding their command streams open too
+EXTRA_STREAMS = 20  # idle workers (of idle instances) holding their command streams open too
 WAIT_S = 30.0
 
 
@@ -35,13 +35,15 @@ def test_a_plain_request_is_answered_while_sixty_long_polls_wait(
         client.register_instance("ctx", ctx)
         client.register_instance("gen", gen)
         assert client.create_pairing("ctx", "gen")["compatible"]
+        # A rank has one worker: the idle streams belong to idle instances of their own.
+        for i in range(EXTRA_STREAMS):
+            client.register_instance(f"idle{i}", ctx)
         idle = {
-            ("ctx", 100 + i): client.register_worker(
-                worker_body("ctx", ctx["ranks"][0], f"ctx.idle{i}")
+            (f"idle{i}", 0): client.register_worker(
+                worker_body(f"idle{i}", ctx["ranks"][0], f"idle{i}.r0")
             )["id"]
             for i in range(EXTRA_STREAMS)
         }
-        # Registered last: the newest worker of a rank is the one dispatch picks.
         workers = {
             (name, 0): client.register_worker(worker_body(name, body["ranks"][0], f"{name}.r0"))[
                 "id"
@@ -61,7 +63,7 @@ def test_a_plain_request_is_answered_while_sixty_long_polls_wait(
             fleet[("gen", 0)].wait_commands(WAITERS)
             listed, finished_before, answers = wait_and_list(server, transfer_ids, fleet)
             assert all(not fleet[key].commands for key in idle)
-    assert listed.status_code == 200 and listed.json()["total"] == 2
+    assert listed.status_code == 200 and listed.json()["total"] == 2 + EXTRA_STREAMS
     # The listing did not queue behind the waiting long-polls (none had returned yet) ...
     assert finished_before == 0
     # ... and every waiter woke with its transfer settled, not at the end of its wait.

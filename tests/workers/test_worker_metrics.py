@@ -173,6 +173,33 @@ def test_a_refused_record_is_dropped_alone_and_not_retried_forever() -> None:
     assert recorder.posted == 2
 
 
+def test_a_record_refused_with_any_4xx_is_dropped_and_later_records_flow() -> None:
+    """A refusal the worker cannot fix (413, or a 4xx this worker does not know) must not stay
+    at the head of the queue: the records behind it would never be posted."""
+
+    class Refusing(StubClient):
+        def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
+            refusal = next((r["refuse"] for r in records if "refuse" in r), None)
+            if refusal is not None:
+                raise ApiError(refusal, "refused", "no")
+            return super().record_transfers(worker_id, records)
+
+    client = Refusing()
+    recorder = Recorder(client, lambda: "w-1", batch=4, interval_s=3600)  # type: ignore[arg-type]
+    try:
+        recorder.add({"n": 0, "refuse": 413})
+        recorder.add({"n": 1, "refuse": 410})
+        recorder.add({"n": 2})
+        recorder.add({"n": 3, "refuse": 400})
+        _wait(lambda: recorder.pending == 0, timeout_s=5)
+        recorder.add({"n": 4})
+        recorder.flush()
+    finally:
+        recorder.close(timeout_s=0.1)
+    assert [r["n"] for batch in client.batches for r in batch] == [2, 4]
+    assert recorder.refused == 3 and recorder.posted == 2
+
+
 def test_the_backlog_is_bounded_and_counts_what_it_dropped() -> None:
     client = StubClient([TransportError(0, "unreachable", "refused")] * 1000)
     recorder = Recorder(client, lambda: "w-1", batch=1000, interval_s=3600,  # type: ignore[arg-type]
@@ -271,3 +298,28 @@ def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_superseded_worker_stops_instead_of_attaching_again() -> None:
+    """Another worker took the rank over: attaching again would take it back, and the two would
+    fight over the rank. The heartbeat's 409 worker_superseded stops this one."""
+    from api.client import ConflictError
+
+    class Superseded(StubClient):
+        attaches = 0
+
+        def heartbeat(self, worker_id: str, **_: Any) -> Any:
+            raise ConflictError(409, "worker_superseded", "worker w-2 took rank 1 over")
+
+        def get_instance(self, name: str) -> Any:
+            self.attaches += 1
+            raise AssertionError("a superseded worker must not attach again")
+
+    client = Superseded()
+    agent = Worker(client, "ctx", 1, device="cpu")  # type: ignore[arg-type]
+    agent.worker_id = "w-1"
+    agent.heartbeat_interval_s = 0.01
+    thread = threading.Thread(target=agent._heartbeat_loop, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and agent.superseded and client.attaches == 0
