@@ -80,6 +80,8 @@ from api.geometry.validate import (
     check_instances,
     check_layer_counts,
     check_match,
+    derive_duplication,
+    draft_layers,
     geometry_of,
     needed_range,
     report_unmatched,
@@ -138,6 +140,7 @@ def validate_pairing(context: Instance, generation: Instance) -> Report:
     check_layer_counts(context, generation, findings)
     check_state_groups(context, generation, findings)
     cache: dict[Any, ViewGeometry] = {}
+    derive_duplication(context, generation, cache)
     for context_dp in _dp_choices(context):
         senders = active_ranks(context, context_dp, "context_dp_rank")
         index = SenderIndex(context, senders)
@@ -156,10 +159,11 @@ def _match_all(
     cache: dict[Any, ViewGeometry],
 ) -> list[Match]:
     matches: list[Match] = []
+    context_has_draft = bool(draft_layers(context))
     for rank in receivers:
         for view in generation.table(rank).views:
             found, unmatched = index.match_view(rank, view)
-            report_unmatched(unmatched, findings)
+            report_unmatched(unmatched, findings, context_has_draft)
             for match in found:
                 state = involves_state(context, generation, match)
                 check = check_state_match if state else check_match
@@ -429,6 +433,7 @@ def compile_plan(
     senders = active_ranks(context, context_dp_rank, "context_dp_rank")
     receivers = active_ranks(generation, generation_dp_rank, "generation_dp_rank")
     cache: dict[Any, ViewGeometry] = {}
+    derive_duplication(context, generation, cache)
     index = SenderIndex(context, senders)
     matches = _match_all(context, generation, index, receivers, findings, cache)
     report = findings.report()
