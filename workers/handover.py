@@ -81,7 +81,7 @@ from workers.executors import (
     Route,
     StagingChunk,
     StagingLayout,
-    align_blocks,
+    align_request,
     expand_fragments,
     fragments_crc32,
     gather,
@@ -427,9 +427,14 @@ class Handover:
     def send(self, request_id: str, peer: str, blocks: BlockMap, *,
              context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
              timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-             context: Mapping[str, Any] | None = None) -> Handle:
+             context: Mapping[str, Any] | None = None, num_tokens: int | None = None) -> Handle:
         """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
 
+        ``num_tokens``: the request's prompt tokens whose KV the context holds (vLLM's
+        ``num_computed_tokens``); blocks pair by token position from the start of the request
+        (:mod:`api.geometry.align`), and both sides must give the same value. Required with a
+        block-size ratio (a partial last block then moves only its tokens) and with CP over
+        layer groups of different lengths; ``ambiguous_alignment`` otherwise.
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
         ``fragments`` or ``auto`` (per route: fragments when the route's fragments average at
         least ``AUTO_FRAGMENT_BYTES``, else staged; both sides resolve it alike from the same
@@ -438,16 +443,17 @@ class Handover:
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
         return self._start("send", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context)
+                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens)
 
     def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
                context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
                timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-               context: Mapping[str, Any] | None = None) -> Handle:
+               context: Mapping[str, Any] | None = None,
+               num_tokens: int | None = None) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
         (same options as :meth:`send`; the handle becomes ``arrived``)."""
         return self._start("receive", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context)
+                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens)
 
     def get_finished(self) -> Finished:
         """Request ids whose handles resolved since the last call (connector-style poll)."""
@@ -496,7 +502,7 @@ class Handover:
     def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
                context_dp_rank: int | None, generation_dp_rank: int | None,
                timeout_s: float | None, mode: str, verify: bool,
-               context: Mapping[str, Any] | None) -> Handle:
+               context: Mapping[str, Any] | None, num_tokens: int | None = None) -> Handle:
         if self._closed:
             raise HandoverError("this worker's handover is closed", code="closed")
         if not isinstance(request_id, str) or not _ID.match(request_id):
@@ -516,10 +522,13 @@ class Handover:
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         if not 0 < timeout <= 3600:
             raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
+        if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 1):
+            raise HandoverError(f"num_tokens {num_tokens!r}: an integer ≥ 1",
+                                code="invalid_blocks")
         pairs = normalize_blocks(blocks)
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
-        handle.context.update(blocks=blocks_of(pairs), verify=verify)
+        handle.context.update(blocks=blocks_of(pairs), verify=verify, num_tokens=num_tokens)
         now = time.monotonic()
         op = _Op(handle, request_id, side, peer, mode, verify, now + timeout,
                  hold_until=now + self.hold_s)
@@ -531,12 +540,12 @@ class Handover:
             if missing:
                 raise HandoverError(f"no block lists for layer group(s) {missing}",
                                     code="invalid_blocks")
-            try:
-                src, dst = align_blocks(route, pairs)
+            route_mode = route_mode_of(route) if mode == "auto" else mode  # the plan's route
+            try:  # a ratio: the route as this request runs it (see align_request)
+                route, src, dst = align_request(route, pairs, num_tokens)
             except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
-                raise HandoverError(str(error), code="invalid_blocks") from None
+                raise HandoverError(str(error), code=error.code) from None
             layout = staging_layout(route, src)
-            route_mode = route_mode_of(route) if mode == "auto" else mode
             if route_mode == "staged" and layout.nbytes > self.areas.nbytes:
                 raise HandoverError(
                     f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "

@@ -225,6 +225,9 @@ class Route:
     cp_side: str | None = None  # which side's block list is split over CP ranks
     block_ratio: int = 1  # larger tokens_per_block / smaller
     large_side: str | None = None  # the side with the larger blocks (None when equal)
+    # the smaller tokens_per_block of the two sides (the common one when equal): what a
+    # request's num_tokens is counted in blocks of (None only in plans stored before it)
+    small_tokens_per_block: int | None = None
 
     @cached_property
     def bytes_per_block(self) -> int:
@@ -244,6 +247,7 @@ class Route:
             "cp_side": self.cp_side,
             "block_ratio": self.block_ratio,
             "large_side": self.large_side,
+            "small_tokens_per_block": self.small_tokens_per_block,
             "segments": [segment.to_dict() for segment in self.segments],
             "slices": list(self.slices),
         }
@@ -374,6 +378,8 @@ class Plan:
                 cp_side=route.get("cp_side"),
                 block_ratio=route.get("block_ratio", 1),
                 large_side=route.get("large_side"),
+                small_tokens_per_block=route.get("small_tokens_per_block")
+                or min(data["tokens_per_block"], data.get("generation_tokens_per_block") or 1 << 62),
             )
             for route in data["routes"]
         )
@@ -577,6 +583,7 @@ class _RouteBuilder:
         c, g = context.tokens_per_block, generation.tokens_per_block
         self.ratio = max(c, g) // min(c, g)
         self.large_side = None if c == g else ("context" if c > g else "generation")
+        self.small_tokens_per_block = min(c, g)
 
     @staticmethod
     def _offsets(view: View, layers: tuple[int, ...]) -> np.ndarray:
@@ -692,6 +699,7 @@ class _RouteBuilder:
                     side,
                     self.ratio,
                     self.large_side,
+                    self.small_tokens_per_block,
                 )
             )
         return tuple(routes)

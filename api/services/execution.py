@@ -133,6 +133,7 @@ def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation
         "context_dp_rank": transfer.context_dp_rank,
         "generation_dp_rank": transfer.generation_dp_rank,
         "blocks": transfer.blocks,
+        "num_tokens": (transfer.summary or {}).get("num_tokens"),
         "mode": transfer.mode,
         "verify": transfer.verify,
         "timeout_s": timeout_s,
@@ -472,9 +473,10 @@ def _description(session: Session, tid: str, record: wire.TransferRecord,
             summary = expand(plan, {
                 int(g): (v.get("context", []), v.get("generation", []))
                 for g, v in blocks.items()
-            }).to_summary()
+            }, record.num_tokens).to_summary()
         except Exception as error:  # a record is kept whatever its blocks say
             log.warning("engine transfer %s: cannot expand its blocks: %s", tid, error)
+    summary["num_tokens"] = record.num_tokens
     return {"pairing_id": None if pairing is None else pairing.id,
             "plan_id": None if plan_row is None else plan_row.id,
             "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
