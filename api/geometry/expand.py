@@ -279,7 +279,7 @@ def expand(plan: Plan, blocks: BlockLists, num_tokens: int | None = None) -> Exp
         ratio=ratio,
         cp=max(context_cp, generation_cp),
     )
-    small_tpb = min(plan.tokens_per_block, plan.generation_tokens_per_block or plan.tokens_per_block)
+    small_tpb = min(plan.tokens_per_block, plan.generation_tokens_per_block or 1 << 62)
     aligned: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     pairs: dict[int, RatioPairs] = {}
     for group in paged:

@@ -357,6 +357,8 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """Rebuild a plan from :meth:`to_dict` output (e.g. a cached plan in the database)."""
+        sizes = (data["tokens_per_block"], data.get("generation_tokens_per_block") or 1 << 62)
+        small_tpb = min(sizes)
         routes = tuple(
             Route(
                 sender_rank=route["sender_rank"],
@@ -378,8 +380,7 @@ class Plan:
                 cp_side=route.get("cp_side"),
                 block_ratio=route.get("block_ratio", 1),
                 large_side=route.get("large_side"),
-                small_tokens_per_block=route.get("small_tokens_per_block")
-                or min(data["tokens_per_block"], data.get("generation_tokens_per_block") or 1 << 62),
+                small_tokens_per_block=route.get("small_tokens_per_block") or small_tpb,
             )
             for route in data["routes"]
         )

@@ -171,8 +171,9 @@ def test_plan_is_deterministic_balanced_and_round_trips(sc: dict[str, Any], orac
     assert rebuilt.to_dict() == data
     # the rebuilt plan moves exactly the same bytes
     oracle.check_transfer(
-        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], plan=rebuilt, num_tokens=sc["num_tokens"]
-    )
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], plan=rebuilt,
+        num_tokens=sc["num_tokens"],
+    )  # fmt: skip
 
 
 @PROPERTY

@@ -7,7 +7,6 @@ the result of copying ``expand``'s fragment list one by one.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
