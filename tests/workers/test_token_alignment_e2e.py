@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,13 +22,24 @@ from api.client import ApiError
 from api.geometry import compile_plan, expand, parse_instance
 from api.geometry.builders import ViewSpec, instance_body
 
-from .test_e2e import Fleet, _serving, fleet  # noqa: F401 (the fixture)
+from .test_e2e import Fleet, _serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
 
 VIEWS = [ViewSpec("target", 2, 4, 16)]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    running = Fleet(tmp_path)
+    try:
+        running.start_server()
+        yield running
+    finally:
+        running.stop()
+
 CONTEXT, GENERATION, TOKENS = [5, 6], [10, 11, 12, 13, 14], 20
 # 20 tokens × 4 heads × 16 dims × 2 bytes × K/V × 2 layers
 PROMPT_BYTES = TOKENS * 4 * 16 * 2 * 2 * 2
@@ -43,7 +56,7 @@ def _register(fleet: Fleet) -> tuple[dict[str, Any], dict[str, Any]]:
     return ctx, gen
 
 
-def test_rest_execute_moves_the_20_token_16_to_4_case_exactly(fleet: Fleet) -> None:  # noqa: F811
+def test_rest_execute_moves_the_20_token_16_to_4_case_exactly(fleet: Fleet) -> None:
     _register(fleet)
     fleet.start_worker("ctx", 0)
     fleet.start_worker("gen", 0)
@@ -99,7 +112,7 @@ worker.stop()
 
 @pytest.mark.parametrize("mode", ["staged", "fragments"])
 def test_engine_api_moves_the_20_token_16_to_4_case_exactly(
-    fleet: Fleet, mode: str  # noqa: F811
+    fleet: Fleet, mode: str
 ) -> None:
     _register(fleet)
     blocks = json.dumps({"0": {"context": CONTEXT, "generation": GENERATION}})
