@@ -13,8 +13,10 @@ finished), so a thin adapter plugs it into such an engine:
    ``worker.expect(request_id, peer, blocks)``; both get a :class:`Handle` at once. ``blocks`` is
    the same map on both sides, ``{layer_group: (context_ids, generation_ids)}`` (or the REST form
    ``{"0": {"context": [...], "generation": [...]}}``): a router hands the request's two block
-   tables to both engines. Each rank computes its own routes from the cached templates; nothing
-   coordinates them. A per-request state group (Mamba/SSM conv and SSM state,
+   tables to both engines, with ``num_tokens`` (the prompt tokens that move): blocks pair by
+   token position from the start of the request (:mod:`api.geometry.align`; a block-size ratio
+   runs as the lanes of :func:`~workers.executors.align_request`). Each rank computes its own
+   routes from the cached templates; nothing coordinates them. A per-request state group (Mamba/SSM conv and SSM state,
    ``tokens_per_slot: null``) takes the request's state slot on each side, ``([slot], [slot])``
    (``[]`` on a side: move no state); it rides the same routes and staging.
 3. **progress**: one thread per worker drives NIXL. The receiver knows from the plan who writes
