@@ -13,12 +13,14 @@ into the block lists), then the group's segments in route order, then runs in or
 then bytes. A layer group's area is ``n_blocks × bytes_per_block(group)`` bytes, so any block range
 ``[j0, j1)`` of a group is one contiguous byte range: chunks of blocks pipeline naturally.
 
-**Block-size ratio** (``route.block_ratio = r > 1``): a pair ``j`` is one *large* block and the
-``r`` small blocks it pairs with (see :func:`align_blocks`). The small side's ids come as an
-``[n, r]`` array; a segment with ``sub_block = i`` applies to ``(large[j], small[j, i])``. Any
-side given as ``[n]`` applies to every segment, so equal block sizes work as before. Per-request
-state groups (segments with ``state``) have no tokens: they pair one slot per side with or without
-a ratio (their segments keep ``sub_block = 0``).
+**Block-size ratio** (``route.block_ratio = r > 1``): blocks pair by token position, so the pairs
+of sub-block ``i`` and the request's partial last small block differ in number per request.
+:func:`align_request` turns the plan's route into the route this request runs: one *lane* per
+sub-block (a request-local layer-group key with plain ``[n]`` lists) and one for a partial last
+small block, whose runs are cut to the tokens that exist. A small side given as an ``[n, r]``
+array (segment ``sub_block = i`` applies to ``(large[j], small[j, i])``) still executes, for
+callers that pair whole large blocks themselves. Per-request state groups (segments with
+``state``) have no tokens: they pair one slot per side with or without a ratio.
 
 **How bytes move.** Consecutive runs with the same ``len``/``count``/steps and constant offset
 deltas form a *family* (an HND or NHD head slice over all layers is one family). Block pairs are cut
