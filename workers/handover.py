@@ -16,7 +16,8 @@ finished), so a thin adapter plugs it into such an engine:
    tables to both engines, with ``num_tokens`` (the prompt tokens that move): blocks pair by
    token position from the start of the request (:mod:`api.geometry.align`; a block-size ratio
    runs as the lanes of :func:`~workers.executors.align_request`). Each rank computes its own
-   routes from the cached templates; nothing coordinates them. A per-request state group (Mamba/SSM conv and SSM state,
+   routes from the cached templates; nothing coordinates them. A per-request state group
+   (Mamba/SSM conv and SSM state,
    ``tokens_per_slot: null``) takes the request's state slot on each side, ``([slot], [slot])``
    (``[]`` on a side: move no state); it rides the same routes and staging.
 3. **progress**: one thread per worker drives NIXL. The receiver knows from the plan who writes
