@@ -240,7 +240,7 @@ def test_the_engine_api_refuses_bad_block_lists_before_anything_moves(
     good = list(range(BLOCKS))
     cases = {
         "context": [([0, 1, 2, NUM_SLOTS], good, rf"block ids must be in \[0, {NUM_SLOTS}\)"),
-                    ([-1, 1, 2, 3], good, r"block ids must be in \[0, "),
+                    ([-1, 1, 2, 3], good, r"block ids must be ≥ 0"),  # found while aligning
                     ("[1, 2]", good, "flat list of integers")],
         "generation": [(good, [5, 6, 7, NUM_SLOTS + 3], rf"must be in \[0, {NUM_SLOTS}\)"),
                        (good, [5, 6, 5, 7], "duplicate destination block ids")],
