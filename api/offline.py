@@ -31,8 +31,13 @@ EXPLANATIONS: dict[str, str] = {
     "to another rank cuts every token row: one fragment per token and sender slice. HND keeps "
     "a head contiguous over the block and needs one fragment per buffer.",
     "missing_peer_view": "the generation side has layers (owner and roles as named) that no "
-    "context view holds; draft layers are then simply not transferred, target layers make the "
-    "pairing unusable.",
+    "context view holds; target layers make the pairing unusable, and so do draft layers when "
+    "the context has draft layers too (both sides' drafters must match like target models). "
+    "Only when the context has no draft layers at all is it a warning: the generation's draft "
+    "layers are then simply not transferred.",
+    "draft_layer_mismatch": "both sides hold as many draft layers but number them differently: "
+    "draft layers pair by global layer id, so none would match and no draft KV would move. "
+    "Number them alike on both sides (e.g. right after the target's layers).",
     "missing_peer_shard": "some context ranks of this pipeline stage hold the layer, but none "
     "of the listed CP rank (or TP shard) does: those heads or blocks would never be sent. Every "
     "TP and CP rank of a stage must register the same layers.",
@@ -46,10 +51,11 @@ EXPLANATIONS: dict[str, str] = {
     "tokens_per_block_ratio": "the sides page tokens differently: one block of the larger side "
     "holds the tokens of `ratio` consecutive blocks of the other side. kvplane copies each "
     "large block as `ratio` pieces, per head one run per small block (a template `ratio` times "
-    "larger, still independent of the block count). Block lists align by tokens from their "
-    "end: only whole large blocks move, so the lists must end at the same token, i.e. cover "
-    "the request up to a multiple of the larger block size; a partial last block of different "
-    "size on the two sides would be paired wrongly. Equal tokens_per_block avoids all this.",
+    "larger, still independent of the block count). Blocks pair by token position from the "
+    "start of the request, so every transfer gives num_tokens (the prompt tokens; 422 "
+    "ambiguous_alignment without it): each block list ends with the block of the last prompt "
+    "token, and a partial last block moves exactly the tokens that exist, never a byte past "
+    "the prompt. Equal tokens_per_block avoids all this.",
     "head_geometry_mismatch": "the bytes of one head of one token differ (or the replicated "
     "region size): the two sides do not hold the same data per head.",
     "state_group_mismatch": "one side keeps per-request recurrent state (Mamba/SSM conv and SSM "

@@ -29,6 +29,7 @@ MAX_HEAD_DIM = 1 << 16
 MAX_TOKENS_PER_BLOCK = 1 << 20
 MAX_RANKS = MAX_PARALLEL
 MAX_BLOCK_ID = (1 << 32) - 1
+MAX_NUM_TOKENS = 1 << 40
 MAX_BLOCKS_PER_GROUP = 1 << 20
 MAX_SECTIONS = 64
 
@@ -347,9 +348,9 @@ class Route(_Response):
     receiver_rank: int
     bytes_per_block: int
     cp_modulus: int = Field(
-        description="With CP on one side, the route carries the logical blocks `j` (counted "
-        "from the start of the longer block list) with `j % cp_modulus == cp_remainder` "
-        "(1 without CP)"
+        description="With CP on one side, the route carries the logical blocks `j` (the "
+        "block's index in the request: from `num_tokens`, else counted from the start of the "
+        "longer block list) with `j % cp_modulus == cp_remainder` (1 without CP)"
     )
     cp_remainder: int
     cp_side: Role | None = Field(
@@ -359,10 +360,17 @@ class Route(_Response):
         default=1,
         description="Larger tokens_per_block / smaller (1 when equal): one block of "
         "`large_side` pairs with `block_ratio` consecutive blocks of the other side, aligned by "
-        "tokens from the end of both lists; `bytes_per_block` counts one large block",
+        "token position from the start of the request (a transfer gives `num_tokens`); "
+        "`bytes_per_block` counts one large block",
     )
     large_side: Role | None = Field(
         default=None, description="The side with the larger blocks; null when they are equal"
+    )
+    small_tokens_per_block: int | None = Field(
+        default=None,
+        description="The smaller of the two sides' tokens_per_block (the common one when they "
+        "are equal): what a request's `num_tokens` is counted in, and with a ratio what a "
+        "partial last block is cut to, token by token",
     )
     segments: list[Segment]
     slices: list[RouteSlice]
@@ -526,6 +534,19 @@ class TransferCreate(_Request):
         f"`{LAYER_GROUP_KEY_PATTERN}`) → both sides' block ids in that group",
         json_schema_extra=_blocks_map_schema,
     )
+    num_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_NUM_TOKENS,
+        description="The request's prompt tokens whose KV the context holds and that move. "
+        "Blocks pair by token position: a side with T tokens per block spans ceil(num_tokens / "
+        "T) blocks and each list is a suffix of them, ending with the block of the last prompt "
+        "token. Required for a block-size ratio (a partial last block then moves only the "
+        "tokens that exist) and for context parallelism with layer groups of different "
+        "lengths (`ambiguous_alignment` otherwise); without it, the longer list is taken to "
+        "start at the request's first block and a generation list longer than the context's "
+        "is refused (`invalid_blocks`)",
+    )
     execute: bool = False
     mode: TransferMode = Field(
         default="auto",
@@ -568,6 +589,9 @@ class TransferRead(_Response):
     pairing_id: str | None
     context_dp_rank: int | None
     generation_dp_rank: int | None
+    num_tokens: int | None = Field(
+        default=None, description="The request's prompt tokens, when the transfer gave them"
+    )
     execute: bool
     routes: list[RouteSummary]
     bytes: int

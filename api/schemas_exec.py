@@ -236,6 +236,10 @@ class TransferRecord(_Request):
     blocks: dict[str, dict[str, list[int]]] | None = Field(
         default=None, description="The request's block lists (engine path; kept for "
         "GET /v1/transfers/{id}/fragments)")
+    num_tokens: int | None = Field(
+        default=None, ge=1, le=1 << 40,
+        description="The request's prompt tokens, when the engine gave them (engine path; "
+        "the blocks are expanded with them)")
 
 
 class TransferRecords(_Request):

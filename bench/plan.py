@@ -94,8 +94,12 @@ def main() -> None:
                     list(range(blocks * (ratio if ctx_tpb < gen_tpb else 1))),
                     list(range(blocks * (ratio if gen_tpb < ctx_tpb else 1))),
                 )
-                expand_ms = median_ms(lambda p=plan, i=ids: expand(p, {0: i}), args.repeat)
-                expansion = expand(plan, {0: ids})
+                # the prompt fills the lists (num_tokens: blocks pair by token position)
+                tokens = blocks * max(ctx_tpb, gen_tpb)
+                expand_ms = median_ms(
+                    lambda p=plan, i=ids, n=tokens: expand(p, {0: i}, n), args.repeat
+                )
+                expansion = expand(plan, {0: ids}, tokens)
 
                 def materialize(e=expansion) -> None:
                     for route in e.routes:

@@ -173,7 +173,7 @@ class BlockCell:
 
 @dataclass
 class BlockRatio:
-    """One large block over the ``ratio`` small blocks it pairs with (aligned from the end)."""
+    """One large block over the ``ratio`` small blocks it pairs with (by token position)."""
 
     ratio: int
     large_side: str
@@ -189,8 +189,8 @@ class BlockRatio:
         return (
             f"one {self.large_side} block ({self.large_tokens} tokens) = {self.ratio} "
             f"{self.small_side} blocks ({self.small_tokens} tokens each): large block k pairs with "
-            f"small blocks {self.ratio}·k … {self.ratio}·k + {self.ratio - 1}, counted from the "
-            "end of both block lists"
+            f"small blocks {self.ratio}·k … {self.ratio}·k + {self.ratio - 1}, counted by token "
+            "position from the start of the request (a partial last block moves only its tokens)"
         )
 
 

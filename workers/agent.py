@@ -267,15 +267,20 @@ class Worker:
 
     # --- engine API ----------------------------------------------------------------------
 
-    def send(self, request_id: str, peer: str, blocks: BlockMap, **options: Any) -> Handle:
-        """Send this rank's share of ``request_id`` to generation instance ``peer``
-        (see :meth:`workers.handover.Handover.send`)."""
-        return self._handover_call("send", request_id, peer, blocks, options)
+    def send(self, request_id: str, peer: str, blocks: BlockMap, *,
+             num_tokens: int | None = None, **options: Any) -> Handle:
+        """Send this rank's share of ``request_id`` to generation instance ``peer``;
+        ``num_tokens``: the request's prompt tokens (blocks pair by token position; see
+        :meth:`workers.handover.Handover.send` for it and the other options)."""
+        return self._handover_call("send", request_id, peer, blocks,
+                                   dict(options, num_tokens=num_tokens))
 
-    def expect(self, request_id: str, peer: str, blocks: BlockMap, **options: Any) -> Handle:
+    def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
+               num_tokens: int | None = None, **options: Any) -> Handle:
         """Receive this rank's share of ``request_id`` from context instance ``peer``
-        (see :meth:`workers.handover.Handover.expect`)."""
-        return self._handover_call("expect", request_id, peer, blocks, options)
+        (the same ``num_tokens`` as the sender's; see :meth:`workers.handover.Handover.expect`)."""
+        return self._handover_call("expect", request_id, peer, blocks,
+                                   dict(options, num_tokens=num_tokens))
 
     def get_finished(self) -> Finished:
         """Request ids resolved since the last call (sent, received, failed with reasons)."""
@@ -437,6 +442,7 @@ class Worker:
                           generation_dp_rank=command["generation_dp_rank"],
                           timeout_s=float(command["timeout_s"]), mode=command["mode"],
                           verify=bool(command["verify"]),
+                          num_tokens=command.get("num_tokens"),
                           context={"transfer_id": command["transfer_id"],
                                    "attempt": int(command["attempt"])})
         except Exception as error:  # bad blocks, unknown pairing, ...: the transfer fails now
@@ -531,6 +537,8 @@ class Worker:
             record["transfer_id"] = context["transfer_id"]
         else:  # engine path: whichever rank's record comes first creates the transfer's row
             record["blocks"] = context.get("blocks")
+            if context.get("num_tokens") is not None:
+                record["num_tokens"] = context["num_tokens"]
         return record
 
     # --- fill-pattern verification -------------------------------------------------------
@@ -547,10 +555,11 @@ class Worker:
         """What ``handle`` writes into this rank's pools, byte by byte, per pool pair:
         ``(sender rank × 10⁶ + sender pool, destination pool, source offsets, destination
         offsets)``; without ``sources`` the source offsets are meaningless (no peer needed)."""
-        from workers.executors import align_blocks
+        from workers.executors import align_request
         from workers.handover import normalize_blocks
 
         pairs = normalize_blocks(handle.context["blocks"])
+        num_tokens = handle.context.get("num_tokens")
         out = []
         for route in handle.entry.routes:
             if route.receiver_rank != self.rank:
@@ -563,8 +572,8 @@ class Worker:
                     raise VerificationError(f"no endpoint of {handle.peer} rank "
                                             f"{route.sender_rank} to verify against")
                 src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer.info["pools"]}
-            src, dst = align_blocks(route, pairs)
-            fragments = expand_fragments(route, src_specs, self.pools, src, dst)
+            lanes, src, dst = align_request(route, pairs, num_tokens)
+            fragments = expand_fragments(lanes, src_specs, self.pools, src, dst)
             for (src_pool, dst_pool), (so, do, ln) in fragments.items():
                 within = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
                 out.append((route.sender_rank * 1_000_000 + src_pool, dst_pool,

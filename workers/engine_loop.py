@@ -452,7 +452,7 @@ class EngineRank:
         ``in_flight`` requests' WRITEs pending. Receiver: records the time the last of request
         ``i``'s route notifications arrived. Returns ``{"issued": {i: t}, "arrived": {i: t}}``.
         """
-        from workers.executors import align_blocks, staging_layout
+        from workers.executors import align_request, staging_layout
 
         if layout not in ("staging", "fragments"):
             raise ValueError(f"layout {layout!r}: staging or fragments")
@@ -464,8 +464,8 @@ class EngineRank:
         pairs = request_blocks(seed, 0, blocks, self.num_slots)
         routes = []
         for route in entry.routes:
-            src, _ = align_blocks(route, pairs)
-            nbytes = staging_layout(route, src).nbytes
+            lanes, src, _ = align_request(route, pairs)
+            nbytes = staging_layout(lanes, src).nbytes
             if nbytes:
                 routes.append((route.sender_rank, route.receiver_rank, nbytes))
         # fragments: every request's aligned block lists of this rank's routes, made before
@@ -475,7 +475,7 @@ class EngineRank:
             mine_routes = [r for r in entry.routes if r.sender_rank == self.spec.rank]
             for i in range(requests):
                 request = request_blocks(seed, i, blocks, self.num_slots)
-                aligned.append({r.receiver_rank: (r, *align_blocks(r, request))
+                aligned.append({r.receiver_rank: align_request(r, request)
                                 for r in mine_routes})
         # Pause the handover's progress thread (it would eat our notifications): it runs the
         # blocking function below from its inbox until the raw run is over.

@@ -13,12 +13,14 @@ into the block lists), then the group's segments in route order, then runs in or
 then bytes. A layer group's area is ``n_blocks × bytes_per_block(group)`` bytes, so any block range
 ``[j0, j1)`` of a group is one contiguous byte range: chunks of blocks pipeline naturally.
 
-**Block-size ratio** (``route.block_ratio = r > 1``): a pair ``j`` is one *large* block and the
-``r`` small blocks it pairs with (see :func:`align_blocks`). The small side's ids come as an
-``[n, r]`` array; a segment with ``sub_block = i`` applies to ``(large[j], small[j, i])``. Any
-side given as ``[n]`` applies to every segment, so equal block sizes work as before. Per-request
-state groups (segments with ``state``) have no tokens: they pair one slot per side with or without
-a ratio (their segments keep ``sub_block = 0``).
+**Block-size ratio** (``route.block_ratio = r > 1``): blocks pair by token position, so the pairs
+of sub-block ``i`` and the request's partial last small block differ in number per request.
+:func:`align_request` turns the plan's route into the route this request runs: one *lane* per
+sub-block (a request-local layer-group key with plain ``[n]`` lists) and one for a partial last
+small block, whose runs are cut to the tokens that exist. A small side given as an ``[n, r]``
+array (segment ``sub_block = i`` applies to ``(large[j], small[j, i])``) still executes, for
+callers that pair whole large blocks themselves. Per-request state groups (segments with
+``state``) have no tokens: they pair one slot per side with or without a ratio.
 
 **How bytes move.** Consecutive runs with the same ``len``/``count``/steps and constant offset
 deltas form a *family* (an HND or NHD head slice over all layers is one family). Block pairs are cut
@@ -37,7 +39,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -56,7 +58,13 @@ class TemplateError(ValueError):
 
 
 class BlockRangeError(ValueError):
-    """A block list is unusable (id out of range, duplicate destination, length mismatch)."""
+    """A block list is unusable (id out of range, duplicate destination, length mismatch);
+    ``code`` is ``invalid_blocks``, or ``ambiguous_alignment`` for lists that only
+    ``num_tokens`` can place."""
+
+    def __init__(self, message: str, code: str = "invalid_blocks") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -112,9 +120,11 @@ class Route:
     cp_modulus: int = 1
     cp_remainder: int = 0
     cp_side: str | None = None
-    # Different tokens_per_block: larger / smaller, and the side with the larger blocks.
+    # Different tokens_per_block: larger / smaller, the side with the larger blocks, and the
+    # smaller tokens_per_block (a partial last block is cut to whole tokens of it).
     block_ratio: int = 1
     large_side: str | None = None
+    small_tokens_per_block: int | None = None
 
     # Cached: a route is immutable and the hot path asks these for every request.
     @functools.cached_property
@@ -183,6 +193,7 @@ class Route:
             d.get("cp_side"),
             int(d.get("block_ratio", 1)),
             d.get("large_side"),
+            None if d.get("small_tokens_per_block") is None else int(d["small_tokens_per_block"]),
         )
 
 
@@ -348,48 +359,122 @@ def _count(side: Any) -> int:
 def align_blocks(
     route: Route | Mapping[str, Any],
     blocks: Mapping[int, tuple[Any, Any]],
+    num_tokens: int | None = None,
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Per layer group ``(context_ids, generation_ids)`` → the route's aligned block lists.
+    """Per layer group ``(context_ids, generation_ids)`` → the route's aligned block lists,
+    for a route with equal block sizes (a ratio needs :func:`align_request`).
 
-    Same rule as the planning core (:func:`api.geometry.expand.align`): both lists are suffixes
-    of the request's logical blocks ``0 … N−1`` (``N`` the longer side), so element ``k`` of a
-    list of length ``L`` is logical block ``N − L + k``; the blocks present on both sides pair
-    up. With CP, logical block ``j`` lives on CP rank ``j % cp_modulus``; the CP side may give
-    one list per CP rank (rank ``c``'s own table, a suffix of its blocks ``j ≡ c``).
+    Same rule as the planning core (:mod:`api.geometry.align`): blocks pair by token position.
+    With ``num_tokens`` a side of ``T`` tokens per block spans ``⌈num_tokens / T⌉`` logical
+    blocks and each list is a suffix of them; without it the longer list starts at block 0
+    (a generation list longer than the context's is refused, as are CP groups of different
+    lengths). With CP, logical block ``j`` lives on CP rank ``j % cp_modulus``; the CP side may
+    give one list per CP rank (rank ``c``'s own table, a suffix of its blocks ``j ≡ c``).
     Per-request state groups (segments with ``state``) pair each side's one state slot instead.
+    Raises :class:`BlockRangeError` (its ``code``: ``invalid_blocks`` or
+    ``ambiguous_alignment``) for lists that cannot be placed.
     """
     route = as_route(route)
-    src: dict[int, np.ndarray] = {}
-    dst: dict[int, np.ndarray] = {}
-    cp = route.cp_modulus
+    if route.large_side is not None:
+        raise BlockRangeError("a block-size ratio route: use align_request")
+    return align_request(route, blocks, num_tokens)[1:]
+
+
+def align_request(
+    route: Route | Mapping[str, Any],
+    blocks: Mapping[int, tuple[Any, Any]],
+    num_tokens: int | None = None,
+) -> tuple[Route, dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """The route as this request runs it, with its aligned block lists.
+
+    Equal block sizes: the route itself and :func:`align_blocks`' lists. A block-size ratio:
+    small blocks pair with sub-blocks of large ones by token position (needs ``num_tokens``),
+    so the pairs of sub-block ``i`` are their own *lane* (a layer-group key of this request
+    only, negative so that it never meets a real group), and a partial last small block
+    another one whose segment has every run cut to the tokens that exist; every lane is a
+    plain list pair, so gather, scatter, fragments and checksums run it like any group. The
+    sender and the receiver derive the same lanes from the same inputs.
+    """
+    from api.geometry.align import (
+        align_equal,
+        align_ratio,
+        request_totals,
+        trimmed_length,
+    )
+    from api.geometry.errors import GeometryError
+
+    route = as_route(route)
     for g in route.layer_groups:
         if g not in blocks:
             raise BlockRangeError(f"no block lists for layer group {g}")
-        if g in route.state_groups:
-            # per-request state: one slot pair, whatever the paged groups' block sizes
-            src[g], dst[g] = _state_pair(route, g, blocks[g])
-            continue
-        if route.large_side is not None:
-            src[g], dst[g] = _align_ratio(route, blocks[g])
-            continue
-        if cp == 1 and _flat(blocks[g][0]) and _flat(blocks[g][1]):
-            # The common case: both lists end at the request's last block, so the pairs are
-            # the two lists' last min(len) entries (the rule below, without the set algebra).
-            a = np.asarray(blocks[g][0], dtype=np.int64).reshape(-1)
-            b = np.asarray(blocks[g][1], dtype=np.int64).reshape(-1)
-            n = min(a.size, b.size)
-            src[g], dst[g] = a[a.size - n:], b[b.size - n:]
-            continue
-        total = max(_count(blocks[g][0]), _count(blocks[g][1]))
-        a, la = _logical_ids(blocks[g][0], total, cp if route.cp_side == "context" else 1)
-        b, lb = _logical_ids(blocks[g][1], total, cp if route.cp_side == "generation" else 1)
-        logical, ia, ib = np.intersect1d(la, lb, assume_unique=True, return_indices=True)
-        a, b = a[ia], b[ib]
-        if cp > 1:
-            keep = logical % cp == route.cp_remainder
-            a, b = a[keep], b[keep]
-        src[g], dst[g] = a, b
-    return src, dst
+    paged = [g for g in route.layer_groups if g not in route.state_groups]
+    cp = route.cp_modulus
+    if num_tokens is not None and route.small_tokens_per_block is None:
+        raise BlockRangeError("this route does not say its tokens_per_block (a plan from an "
+                              "older control plane): refresh the directory to use num_tokens")
+    try:
+        totals = request_totals(
+            blocks, paged, num_tokens=num_tokens,
+            tokens_per_block=route.small_tokens_per_block or 1, ratio=route.block_ratio, cp=cp,
+        )  # fmt: skip
+        src: dict[int, np.ndarray] = {}
+        dst: dict[int, np.ndarray] = {}
+        lanes: list[Segment] = []
+        for g in route.layer_groups:
+            if g in route.state_groups:
+                # per-request state: one slot pair, whatever the paged groups' block sizes
+                src[g], dst[g] = _state_pair(route, g, blocks[g])
+                continue
+            loc: tuple[str | int, ...] = ("blocks", str(g))
+            if route.large_side is not None:
+                if num_tokens is None:  # nothing to move (request_totals refused the rest)
+                    pairs = None
+                else:
+                    pairs = align_ratio(
+                        blocks[g][0], blocks[g][1], loc, route.block_ratio, route.large_side,
+                        route.small_tokens_per_block or 1, num_tokens,
+                    )  # fmt: skip
+                for seg in route.segments:
+                    if seg.layer_group != g:
+                        continue
+                    lane = _lane(g, seg.sub_block, route.block_ratio)
+                    empty = np.empty(0, dtype=np.int64)
+                    src[lane], dst[lane] = pairs.select(seg.sub_block) if pairs else (empty, empty)
+                    lanes.append(replace(seg, layer_group=lane, sub_block=0))
+                    tail = pairs.tail(seg.sub_block) if pairs else None
+                    if tail is not None:
+                        assert pairs is not None
+                        t = route.small_tokens_per_block or 1
+                        runs = tuple(
+                            replace(r, len=trimmed_length(r.len, pairs.tail_tokens, t, loc))
+                            for r in seg.runs
+                        )
+                        tail_lane = _lane(g, route.block_ratio, route.block_ratio)
+                        src[tail_lane], dst[tail_lane] = tail
+                        lanes.append(replace(seg, runs=runs, layer_group=tail_lane, sub_block=0))
+                continue
+            total = totals[g]
+            on_context = cp if route.cp_side == "context" else 1
+            on_generation = cp if route.cp_side == "generation" else 1
+            a, b, logical = align_equal(
+                blocks[g][0], blocks[g][1], loc, total, on_context, on_generation, num_tokens
+            )
+            if cp > 1:
+                keep = logical % cp == route.cp_remainder
+                a, b = a[keep], b[keep]
+            src[g], dst[g] = a, b
+    except GeometryError as error:
+        raise BlockRangeError(str(error), code=error.code) from None
+    if route.large_side is None:
+        return route, src, dst
+    segments = tuple(seg for seg in route.segments if seg.state) + tuple(lanes)
+    lanes_route = replace(route, segments=segments, block_ratio=1, large_side=None)
+    return lanes_route, src, dst
+
+
+def _lane(group: int, sub_block: int, ratio: int) -> int:
+    """The request-local key of sub-block ``sub_block`` of ``group`` (``ratio``: the tail)."""
+    return -1 - group * (ratio + 1) - sub_block
 
 
 def _state_slot(side: Any, cp_rank: int, cp: int, what: str) -> np.ndarray:

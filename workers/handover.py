@@ -13,8 +13,11 @@ finished), so a thin adapter plugs it into such an engine:
    ``worker.expect(request_id, peer, blocks)``; both get a :class:`Handle` at once. ``blocks`` is
    the same map on both sides, ``{layer_group: (context_ids, generation_ids)}`` (or the REST form
    ``{"0": {"context": [...], "generation": [...]}}``): a router hands the request's two block
-   tables to both engines. Each rank computes its own routes from the cached templates; nothing
-   coordinates them. A per-request state group (Mamba/SSM conv and SSM state,
+   tables to both engines, with ``num_tokens`` (the prompt tokens that move): blocks pair by
+   token position from the start of the request (:mod:`api.geometry.align`; a block-size ratio
+   runs as the lanes of :func:`~workers.executors.align_request`). Each rank computes its own
+   routes from the cached templates; nothing coordinates them. A per-request state group
+   (Mamba/SSM conv and SSM state,
    ``tokens_per_slot: null``) takes the request's state slot on each side, ``([slot], [slot])``
    (``[]`` on a side: move no state); it rides the same routes and staging.
 3. **progress**: one thread per worker drives NIXL. The receiver knows from the plan who writes
@@ -82,7 +85,7 @@ from workers.executors import (
     Route,
     StagingChunk,
     StagingLayout,
-    align_blocks,
+    align_request,
     expand_fragments,
     fragments_crc32,
     gather,
@@ -397,12 +400,14 @@ class Ask:
     verify: bool
     epochs: tuple[str, str]
     route: tuple[int, int]  # (sender rank, receiver rank)
+    num_tokens: int | None = None
 
     def send_options(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`Handover.send` that match the receiver's."""
         return {"context_dp_rank": self.context_dp_rank,
                 "generation_dp_rank": self.generation_dp_rank,
-                "timeout_s": self.timeout_s, "mode": self.mode, "verify": self.verify}
+                "timeout_s": self.timeout_s, "mode": self.mode, "verify": self.verify,
+                "num_tokens": self.num_tokens}
 
 
 class Handover:
@@ -469,9 +474,14 @@ class Handover:
     def send(self, request_id: str, peer: str, blocks: BlockMap, *,
              context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
              timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-             context: Mapping[str, Any] | None = None) -> Handle:
+             context: Mapping[str, Any] | None = None, num_tokens: int | None = None) -> Handle:
         """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
 
+        ``num_tokens``: the request's prompt tokens whose KV the context holds (vLLM's
+        ``num_computed_tokens``); blocks pair by token position from the start of the request
+        (:mod:`api.geometry.align`), and both sides must give the same value. Required with a
+        block-size ratio (a partial last block then moves only its tokens) and with CP over
+        layer groups of different lengths; ``ambiguous_alignment`` otherwise.
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
         ``fragments`` or ``auto`` (per route: fragments when the route's fragments average at
         least ``AUTO_FRAGMENT_BYTES``, else staged; both sides resolve it alike from the same
@@ -480,17 +490,19 @@ class Handover:
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
         return self._start("send", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context)
+                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens)
 
     def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
                context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
                timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-               context: Mapping[str, Any] | None = None, ask: bool = False) -> Handle:
+               context: Mapping[str, Any] | None = None,
+               num_tokens: int | None = None, ask: bool = False) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
         (same options as :meth:`send`; the handle becomes ``arrived``). ``ask``: the context
         side has not called ``send``; ask each writer to (see :class:`Ask`)."""
         return self._start("receive", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context, ask)
+                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens,
+                           ask)
 
     def refuse(self, ask: Ask, reason: str) -> None:
         """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
@@ -550,7 +562,8 @@ class Handover:
     def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
                context_dp_rank: int | None, generation_dp_rank: int | None,
                timeout_s: float | None, mode: str, verify: bool,
-               context: Mapping[str, Any] | None, ask: bool = False) -> Handle:
+               context: Mapping[str, Any] | None, num_tokens: int | None = None,
+               ask: bool = False) -> Handle:
         if self._closed:
             raise HandoverError("this worker's handover is closed", code="closed")
         if not isinstance(request_id, str) or not _ID.match(request_id):
@@ -570,10 +583,13 @@ class Handover:
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         if not 0 < timeout <= 3600:
             raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
+        if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 1):
+            raise HandoverError(f"num_tokens {num_tokens!r}: an integer ≥ 1",
+                                code="invalid_blocks")
         pairs = normalize_blocks(blocks)
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
-        handle.context.update(blocks=blocks_of(pairs), verify=verify)
+        handle.context.update(blocks=blocks_of(pairs), verify=verify, num_tokens=num_tokens)
         now = time.monotonic()
         op = _Op(handle, request_id, side, peer, mode, verify, now + timeout,
                  hold_until=now + self.hold_s, ask=ask and side == "receive",
@@ -586,12 +602,12 @@ class Handover:
             if missing:
                 raise HandoverError(f"no block lists for layer group(s) {missing}",
                                     code="invalid_blocks")
-            try:
-                src, dst = align_blocks(route, pairs)
+            route_mode = route_mode_of(route) if mode == "auto" else mode  # the plan's route
+            try:  # a ratio: the route as this request runs it (see align_request)
+                route, src, dst = align_request(route, pairs, num_tokens)
             except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
-                raise HandoverError(str(error), code="invalid_blocks") from None
+                raise HandoverError(str(error), code=error.code) from None
             layout = staging_layout(route, src)
-            route_mode = route_mode_of(route) if mode == "auto" else mode
             if route_mode == "staged" and layout.nbytes > self.areas.nbytes:
                 raise HandoverError(
                     f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "
@@ -843,6 +859,7 @@ class Handover:
         payload = json.dumps({
             "q": op.handle.request_id, "b": op.handle.context["blocks"],
             "cdp": op.dp[0], "gdp": op.dp[1], "m": op.mode, "v": op.verify,
+            "n": op.handle.context.get("num_tokens"),
             "t": round(max(0.001, op.deadline - time.monotonic()), 3)},
             separators=(",", ":"))
         assert state.agent is not None
@@ -870,7 +887,8 @@ class Handover:
                       context_dp_rank=body.get("cdp"), generation_dp_rank=body.get("gdp"),
                       timeout_s=float(body["t"]), mode=str(body.get("m", "auto")),
                       verify=bool(body.get("v", False)), epochs=(fields[2], fields[3]),
-                      route=(int(fields[4]), int(fields[5])))
+                      route=(int(fields[4]), int(fields[5])),
+                      num_tokens=None if body.get("n") is None else int(body["n"]))
         except (ValueError, KeyError, TypeError) as error:
             log.warning("malformed ask from %s: %s", agent, error)
             return

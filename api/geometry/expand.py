@@ -1,33 +1,29 @@
 """Expansion of a plan's templates for one request's block lists.
 
-Block alignment: the two lists of a layer group are suffixes of the request's logical blocks
-``0 … N−1`` (prefix caching may drop a prefix on either side; ``N`` is the longer list), so the
-last ``n = min(len_C, len_R)`` blocks of each are paired. Element ``k`` of a list of length ``L``
-is logical block ``j = N − L + k``.
+Block alignment (:mod:`api.geometry.align`): blocks pair by their token position from the start
+of the request. With ``num_tokens`` (``P``) a side of ``T`` tokens per block spans ``N = ⌈P / T⌉``
+logical blocks and each list is a suffix of them (element ``k`` of a list of length ``L`` is
+logical block ``N − L + k``); without it, the longer list is taken to start at block 0 where that
+is exact, and the rest is refused (a generation list longer than the context's:
+``invalid_blocks``; a ratio, or CP with layer groups of different lengths:
+``ambiguous_alignment``).
 
-Different block sizes (``tokens_per_block`` ``tpb_C ≠ tpb_R``, the larger ``L`` a multiple
-``r`` of the smaller ``S``; HND only, no CP): blocks align by **tokens from the end**. The
-transfer covers the last ::
-
-    T = ⌊min(len_C × tpb_C, len_R × tpb_R) / L⌋ × L      tokens,
-
-i.e. the last ``n = T / L`` blocks of the large side and the last ``n × r`` of the small side
-(equal sizes: ``T / tpb = min(len_C, len_R)``, the rule above). Large block ``k`` of the aligned
-suffix pairs with small blocks ``r·k … r·k + r − 1``; the small side's blocks come as ``[n, r]``
-and a segment with ``sub_block = i`` applies to the pairs ``(large[k], small[k, i])``. Assumed:
-both lists are whole blocks of suffixes of the *same* token range and end at the same token — a
-partial last block is only right when the request's token count is a multiple of ``L`` (with
-``70`` tokens, ``tpb`` 16 vs 64, the large side's last block starts at token 64 but the small
-side's last four start at 16; aligning by the first token, as TensorRT-LLM's ``dst_start_token``
-does, would need each list's first token, which the block lists do not carry).
+Different block sizes (``tokens_per_block`` ``t`` and ``r·t``; HND only, no CP): small block ``s``
+pairs with sub-block ``s mod r`` of large block ``⌊s / r⌋``. A segment with ``sub_block = i``
+applies to the pairs of sub-block ``i``; the request's partial last small block (``P`` not a
+multiple of ``t``) gets its own part, the segment with every run cut to the tokens that exist
+(an HND run of one head of one small block holds its tokens contiguously, so the first ``p``
+tokens are its first ``p × u`` bytes). No byte past the prompt is written, and every receiver
+block the prompt covers is written wherever the context lists it.
 
 Context parallelism (one side only): logical block ``j`` lives on CP rank ``j mod cp``, always by
-the logical index, also when either side reused a prefix. The CP side's blocks come either as one
-flat list (element ``k`` names a slot of CP rank ``j mod cp``) or, for helix generation, as one
-list per CP rank in ``cp_rank`` order: rank ``c``'s own block table, where logical block ``j``
-sits at position ``j // cp``; each such list is a suffix of the ``⌈(N − c) / cp⌉`` blocks of that
-rank. The blocks moved are those present on both sides. Within one rank's blocks a slot id may
-appear once (``invalid_blocks`` otherwise); every layer group the plan moves must be named.
+the logical index in the request, also when either side reused a prefix or lists only a
+sliding window's blocks. The CP side's blocks come either as one flat list (element ``k`` names a
+slot of CP rank ``j mod cp``) or, for helix generation, as one list per CP rank in ``cp_rank``
+order: rank ``c``'s own block table, where logical block ``j`` sits at position ``j // cp``; each
+such list is a suffix of the ``⌈(N − c) / cp⌉`` blocks of that rank. The blocks moved are those
+present on both sides. Within one rank's blocks a slot id may appear once (``invalid_blocks``
+otherwise); every layer group the plan moves must be named.
 
 For a run ``{src, dst, len, count, src_step, dst_step}`` and block pair ``(bs, bd)`` (with a
 ratio: the large block and small block ``sub_block`` of it) the fragments are, for
@@ -54,11 +50,19 @@ state groups still pair one slot per side.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from api.geometry.align import (
+    RatioPairs,
+    align_equal,
+    align_ratio,
+    parse_side,
+    request_totals,
+    trimmed_length,
+)
 from api.geometry.errors import GeometryError, Problem
 from api.geometry.plan import Plan, Route, Segment
 from api.geometry.state import pair_slots, route_cp_ranks, state_slots
@@ -224,148 +228,6 @@ class Expansion:
         }
 
 
-def _block_array(ids: Sequence[int], loc: tuple[str | int, ...]) -> np.ndarray:
-    array = np.asarray(ids, dtype=np.int64) if len(ids) else np.empty(0, dtype=np.int64)
-    if array.ndim != 1:
-        raise GeometryError(Problem(loc, "must be a flat list of block ids", "invalid_blocks"))
-    if array.size and array.min() < 0:
-        raise GeometryError(Problem(loc, "block ids must be ≥ 0", "invalid_blocks"))
-    return array
-
-
-def _no_duplicates(ids: np.ndarray, loc: tuple[str | int, ...]) -> None:
-    if ids.size < 2:
-        return
-    ordered = np.sort(ids)
-    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-    if repeated.size:
-        raise GeometryError(
-            Problem(
-                loc,
-                f"block id {int(repeated[0])} appears more than once: one slot cannot hold two "
-                "blocks of a request",
-                "invalid_blocks",
-            )
-        )
-
-
-def _is_nested(ids: Sequence[Any]) -> bool:
-    return bool(len(ids)) and all(isinstance(item, (list, tuple)) for item in ids)
-
-
-def _parse_side(
-    raw: Sequence[Any], loc: tuple[str | int, ...], cp: int
-) -> tuple[list[np.ndarray], bool]:
-    """``([ids])`` for a flat list, ``([ids of cp rank 0], …)`` for per-CP-rank lists."""
-    if not _is_nested(raw):
-        return [_block_array(raw, loc)], False
-    if cp < 2:
-        raise GeometryError(
-            Problem(
-                loc,
-                "a list of lists (one block table per CP rank) needs CP > 1 on this side",
-                "invalid_blocks",
-            )
-        )
-    if len(raw) != cp:
-        raise GeometryError(
-            Problem(
-                loc,
-                f"{len(raw)} block lists for {cp} CP ranks: give one list per CP rank, in "
-                "cp_rank order",
-                "invalid_blocks",
-            )
-        )
-    return [_block_array(ids, (*loc, c)) for c, ids in enumerate(raw)], True
-
-
-def _logical(
-    lists: list[np.ndarray], nested: bool, total: int, cp: int, loc: tuple[str | int, ...]
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(slots, logical indices)``; duplicates are refused within each rank's blocks."""
-    if not nested:
-        (ids,) = lists
-        logical = total - ids.size + np.arange(ids.size, dtype=np.int64)
-        for c in range(cp):  # under CP, a flat list names slots of different ranks
-            _no_duplicates(ids[logical % cp == c] if cp > 1 else ids, loc)
-        return ids, logical
-    slots, logical_parts = [], []
-    for c, ids in enumerate(lists):
-        _no_duplicates(ids, (*loc, c))
-        on_rank = (total - c + cp - 1) // cp  # logical blocks j < total with j % cp == c
-        if ids.size > on_rank:
-            raise GeometryError(
-                Problem(
-                    (*loc, c),
-                    f"CP rank {c} lists {ids.size} blocks, but a request of {total} blocks has "
-                    f"only {on_rank} on that rank",
-                    "invalid_blocks",
-                )
-            )
-        slots.append(ids)
-        logical_parts.append(c + cp * (on_rank - ids.size + np.arange(ids.size, dtype=np.int64)))
-    return np.concatenate(slots), np.concatenate(logical_parts)
-
-
-def align(
-    context_ids: Sequence[Any],
-    generation_ids: Sequence[Any],
-    group: int,
-    context_cp: int = 1,
-    generation_cp: int = 1,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(context slots, generation slots, logical block)`` of the blocks present on both sides.
-
-    Each side's list is a suffix of the request's logical blocks ``0 … N−1``, ``N`` the longer
-    side's count; a per-CP-rank list is a suffix of that rank's blocks ``j ≡ c (mod cp)``.
-    """
-    loc: tuple[str | int, ...] = ("blocks", str(group))
-    ctx_lists, ctx_nested = _parse_side(context_ids, (*loc, "context"), context_cp)
-    gen_lists, gen_nested = _parse_side(generation_ids, (*loc, "generation"), generation_cp)
-    total = max(sum(ids.size for ids in ctx_lists), sum(ids.size for ids in gen_lists))
-    if not ctx_nested and not gen_nested:  # both flat: the common suffix, no set algebra
-        (src,), (dst,) = ctx_lists, gen_lists
-        _logical(ctx_lists, False, total, context_cp, (*loc, "context"))
-        _logical(gen_lists, False, total, generation_cp, (*loc, "generation"))
-        n = min(src.size, dst.size)
-        return src[src.size - n :], dst[dst.size - n :], np.arange(total - n, total)
-    src, src_logical = _logical(ctx_lists, ctx_nested, total, context_cp, (*loc, "context"))
-    dst, dst_logical = _logical(gen_lists, gen_nested, total, generation_cp, (*loc, "generation"))
-    logical, src_at, dst_at = np.intersect1d(
-        src_logical, dst_logical, assume_unique=True, return_indices=True
-    )
-    return src[src_at], dst[dst_at], logical
-
-
-def align_ratio(
-    context_ids: Sequence[Any],
-    generation_ids: Sequence[Any],
-    group: int,
-    ratio: int,
-    large_side: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Different block sizes: ``(context slots, generation slots, large block index)``.
-
-    The small side comes as ``[n, r]``: row ``k`` holds the ``r`` small blocks that large block
-    ``k`` pairs with. Both lists end at the request's last token; the last ``n = min(len_L,
-    ⌊len_S / r⌋)`` large blocks and the last ``n × r`` small blocks move (``T = n × L`` tokens).
-    """
-    loc: tuple[str | int, ...] = ("blocks", str(group))
-    sides = {}
-    for side, raw in (("context", context_ids), ("generation", generation_ids)):
-        (ids,), _nested = _parse_side(raw, (*loc, side), 1)
-        _no_duplicates(ids, (*loc, side))
-        sides[side] = ids
-    small_side = "generation" if large_side == "context" else "context"
-    large, small = sides[large_side], sides[small_side]
-    n = min(large.size, small.size // ratio)
-    aligned = {
-        large_side: large[large.size - n :],
-        small_side: small[small.size - n * ratio :].reshape(n, ratio),
-    }
-    return aligned["context"], aligned["generation"], np.arange(n, dtype=np.int64)
-
-
 def _cp_sizes(plan: Plan) -> tuple[int, int]:
     for route in plan.routes:
         if route.cp_modulus > 1:
@@ -375,10 +237,12 @@ def _cp_sizes(plan: Plan) -> tuple[int, int]:
     return 1, 1
 
 
-def expand(plan: Plan, blocks: BlockLists) -> Expansion:
+def expand(plan: Plan, blocks: BlockLists, num_tokens: int | None = None) -> Expansion:
     """Apply ``plan`` to per-layer-group ``(context_ids, generation_ids)`` block lists.
 
     Every layer group the plan moves must be named (``[]`` on either side: nothing to move).
+    ``num_tokens``: the request's prompt tokens (see :mod:`api.geometry.align`: blocks align by
+    token position; without it, only placements that are exact are accepted).
     """
     known = {ref.layer_group for ref in plan.pools.values()}
     unknown = sorted(set(blocks) - known)
@@ -406,15 +270,40 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
     context_cp, generation_cp = _cp_sizes(plan)
     state_groups = plan.state_groups
     ratio, large_side = plan.block_ratio
-    aligned = {
-        group: (
-            align_ratio(context_ids, generation_ids, group, ratio, large_side)
-            if large_side is not None
-            else align(context_ids, generation_ids, group, context_cp, generation_cp)
-        )
-        for group, (context_ids, generation_ids) in blocks.items()
-        if group not in state_groups
-    }
+    paged = sorted(group for group in blocks if group not in state_groups)
+    totals = request_totals(
+        blocks,
+        paged,
+        num_tokens=num_tokens,
+        tokens_per_block=plan.tokens_per_block,
+        ratio=ratio,
+        cp=max(context_cp, generation_cp),
+    )
+    small_tpb = min(plan.tokens_per_block, plan.generation_tokens_per_block or 1 << 62)
+    aligned: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    pairs: dict[int, RatioPairs] = {}
+    for group in paged:
+        context_ids, generation_ids = blocks[group]
+        loc: tuple[str | int, ...] = ("blocks", str(group))
+        if large_side is not None and num_tokens is not None:
+            pairs[group] = align_ratio(
+                context_ids, generation_ids, loc, ratio, large_side, small_tpb, num_tokens
+            )
+        elif large_side is not None:  # nothing to move (request_totals refused the rest)
+            for side, raw in (("context", context_ids), ("generation", generation_ids)):
+                parse_side(raw, (*loc, side), 1)
+            empty = np.empty(0, dtype=np.int64)
+            pairs[group] = RatioPairs(empty, empty, empty, 0)
+        else:
+            aligned[group] = align_equal(
+                context_ids,
+                generation_ids,
+                loc,
+                totals[group],
+                context_cp,
+                generation_cp,
+                num_tokens,
+            )
     slots = {
         group: (
             state_slots(context_ids, ("blocks", str(group), "context"), context_cp),
@@ -428,42 +317,55 @@ def expand(plan: Plan, blocks: BlockLists) -> Expansion:
     for route in plan.routes:
         parts = []
         for segment in route.segments:
+            pieces: list[tuple[Segment, np.ndarray, np.ndarray]] = []
             if segment.state:
                 sender_cp, receiver_cp = route_cp_ranks(
                     route.cp_modulus, route.cp_remainder, route.cp_side
                 )
                 context_slots, generation_slots = slots[segment.layer_group]
-                src_blocks, dst_blocks = pair_slots(
-                    context_slots, generation_slots, sender_cp, receiver_cp
+                pieces.append(
+                    (segment, *pair_slots(context_slots, generation_slots, sender_cp, receiver_cp))
                 )
+            elif segment.layer_group in pairs:
+                ratio_pairs = pairs[segment.layer_group]
+                pieces.append((segment, *ratio_pairs.select(segment.sub_block)))
+                tail = ratio_pairs.tail(segment.sub_block)
+                if tail is not None:
+                    pieces.append((_trimmed(segment, ratio_pairs.tail_tokens, small_tpb), *tail))
             else:
                 src_blocks, dst_blocks, logical = aligned[segment.layer_group]
-                # the small side's [n, r] blocks: this segment fills small block ``sub_block``
-                src_blocks, dst_blocks = (
-                    ids[:, segment.sub_block] if ids.ndim == 2 else ids
-                    for ids in (src_blocks, dst_blocks)
-                )
-            if route.cp_modulus > 1 and not segment.state:
-                # Logical block j lives on cp_rank j % cp of the CP side.
-                keep = logical % route.cp_modulus == route.cp_remainder
-                src_blocks, dst_blocks = src_blocks[keep], dst_blocks[keep]
+                if route.cp_modulus > 1:
+                    # Logical block j lives on cp_rank j % cp of the CP side.
+                    keep = logical % route.cp_modulus == route.cp_remainder
+                    src_blocks, dst_blocks = src_blocks[keep], dst_blocks[keep]
+                pieces.append((segment, src_blocks, dst_blocks))
             src_ref = plan.pools[("context", route.sender_rank, segment.src_pool)]
             dst_ref = plan.pools[("generation", route.receiver_rank, segment.dst_pool)]
-            for side, rank, pool, ref, ids in (
-                ("context", route.sender_rank, segment.src_pool, src_ref, src_blocks),
-                ("generation", route.receiver_rank, segment.dst_pool, dst_ref, dst_blocks),
-            ):
-                if ids.size and int(ids.max()) >= ref.num_slots:
-                    raise GeometryError(
-                        Problem(
-                            ("blocks", str(segment.layer_group), side),
-                            f"block id {int(ids.max())} is out of range: {side} rank {rank} "
-                            f"pool {pool} has {ref.num_slots} slots",
-                            "block_out_of_range",
+            for piece, src_blocks, dst_blocks in pieces:
+                for side, rank, pool, ref, ids in (
+                    ("context", route.sender_rank, segment.src_pool, src_ref, src_blocks),
+                    ("generation", route.receiver_rank, segment.dst_pool, dst_ref, dst_blocks),
+                ):
+                    if ids.size and int(ids.max()) >= ref.num_slots:
+                        raise GeometryError(
+                            Problem(
+                                ("blocks", str(segment.layer_group), side),
+                                f"block id {int(ids.max())} is out of range: {side} rank "
+                                f"{rank} pool {pool} has {ref.num_slots} slots",
+                                "block_out_of_range",
+                            )
                         )
-                    )
-            parts.append(
-                RouteBlocks(segment, src_ref.stride, dst_ref.stride, src_blocks, dst_blocks)
-            )
+                parts.append(
+                    RouteBlocks(piece, src_ref.stride, dst_ref.stride, src_blocks, dst_blocks)
+                )
         expanded.append(ExpandedRoute(route, tuple(parts)))
     return Expansion(plan, tuple(expanded))
+
+
+def _trimmed(segment: Segment, tokens: int, small_tokens_per_block: int) -> Segment:
+    """A ratio segment cut to the first ``tokens`` tokens of its small block: every run is one
+    head of one small block (``len = t × u``, see :func:`api.geometry.plan._ratio_runs`)."""
+    runs = segment.runs.copy()
+    loc = ("blocks", str(segment.layer_group))
+    runs[:, 2] = [trimmed_length(int(n), tokens, small_tokens_per_block, loc) for n in runs[:, 2]]
+    return replace(segment, runs=runs)

@@ -10,6 +10,10 @@ Notation (per view, per rank):
   ``replicas = G / shards`` (ranks holding identical heads: duplication when ``G > H``);
   ``shard = g // replicas``, ``replica = g % replicas``, heads held ``h = H / shards``,
   global head range ``[shard × h, (shard + 1) × h)``.
+- Pairing-level duplication (:func:`api.geometry.validate.derive_duplication`): where a side's
+  ``H`` is only the "no duplication" assumption ``h × G``, the pair's smaller head count is taken
+  instead when it explains the side's per-rank count (``h = H / min(G, H)``), as TensorRT-LLM
+  derives its duplicate-head factor ``max(1, h_self·G_self // (h_peer·G_peer))``.
 - The declared per-rank count (the view's ``num_kv_heads``; for a legacy view that gives no head
   field at all, the rank's, else the instance's ``kv_heads_per_rank``) must equal ``h``. A view
   that gives ``total_kv_heads`` is never checked against a rank-wide count: a view never borrows
@@ -172,3 +176,23 @@ def view_geometry(instance: Instance, table: RankTable, view: View) -> ViewGeome
         unit,
         token_bytes,
     )
+
+
+def assumed_total(instance: Instance, table: RankTable, view: View) -> int | None:
+    """``h_declared × G`` when a paged view's total ``H`` is not given anywhere (a draft view
+    without ``total_kv_heads``, a target view without it and without an instance total):
+    the "no duplication" assumption. None when ``H`` is given or the view has no head math."""
+    if view.layout == "REPLICATED" or view.total_kv_heads is not None:
+        return None
+    if view.owner == "target" and instance.total_kv_heads is not None:
+        return None
+    declared, _ = declared_heads(instance, table, view)
+    return None if declared is None else declared * instance.group_size
+
+
+def derived_total(instance: Instance, declared: int, total: int) -> bool:
+    """Whether ``total`` heads over the instance's attention TP group give ``declared`` per
+    rank (the geometry rules of the module), i.e. a duplication the view's counts allow."""
+    group = instance.group_size
+    shards = min(group, total)
+    return group % shards == 0 and total % shards == 0 and total // shards == declared

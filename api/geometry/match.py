@@ -12,8 +12,9 @@ Outcomes per ``(r, v, L)``:
   (the TP shards and replicas of the stage; CP ranks hold different blocks of the same heads);
 - candidates on two or more stages → ``ambiguous_peer_view``;
 - no candidate, but the layer exists with the other owner → ``misplaced_peer_view``;
-- no candidate at all → ``missing_peer_view`` (error for target layers, warning for draft layers,
-  which are then not transferred).
+- no candidate at all → ``missing_peer_view`` (error for target layers, and for draft layers when
+  the context has draft layers too; a warning for draft layers when it has none, which are then
+  not transferred).
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ from api.geometry.validate import (
     check_instances,
     check_layer_counts,
     check_match,
+    derive_duplication,
+    draft_layers,
     geometry_of,
     needed_range,
     report_unmatched,
@@ -138,6 +140,7 @@ def validate_pairing(context: Instance, generation: Instance) -> Report:
     check_layer_counts(context, generation, findings)
     check_state_groups(context, generation, findings)
     cache: dict[Any, ViewGeometry] = {}
+    derive_duplication(context, generation, cache)
     for context_dp in _dp_choices(context):
         senders = active_ranks(context, context_dp, "context_dp_rank")
         index = SenderIndex(context, senders)
@@ -156,10 +159,11 @@ def _match_all(
     cache: dict[Any, ViewGeometry],
 ) -> list[Match]:
     matches: list[Match] = []
+    context_has_draft = bool(draft_layers(context))
     for rank in receivers:
         for view in generation.table(rank).views:
             found, unmatched = index.match_view(rank, view)
-            report_unmatched(unmatched, findings)
+            report_unmatched(unmatched, findings, context_has_draft)
             for match in found:
                 state = involves_state(context, generation, match)
                 check = check_state_match if state else check_match
@@ -221,6 +225,9 @@ class Route:
     cp_side: str | None = None  # which side's block list is split over CP ranks
     block_ratio: int = 1  # larger tokens_per_block / smaller
     large_side: str | None = None  # the side with the larger blocks (None when equal)
+    # the smaller tokens_per_block of the two sides (the common one when equal): what a
+    # request's num_tokens is counted in blocks of (None only in plans stored before it)
+    small_tokens_per_block: int | None = None
 
     @cached_property
     def bytes_per_block(self) -> int:
@@ -240,6 +247,7 @@ class Route:
             "cp_side": self.cp_side,
             "block_ratio": self.block_ratio,
             "large_side": self.large_side,
+            "small_tokens_per_block": self.small_tokens_per_block,
             "segments": [segment.to_dict() for segment in self.segments],
             "slices": list(self.slices),
         }
@@ -349,6 +357,8 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """Rebuild a plan from :meth:`to_dict` output (e.g. a cached plan in the database)."""
+        sizes = (data["tokens_per_block"], data.get("generation_tokens_per_block") or 1 << 62)
+        small_tpb = min(sizes)
         routes = tuple(
             Route(
                 sender_rank=route["sender_rank"],
@@ -370,6 +380,7 @@ class Plan:
                 cp_side=route.get("cp_side"),
                 block_ratio=route.get("block_ratio", 1),
                 large_side=route.get("large_side"),
+                small_tokens_per_block=route.get("small_tokens_per_block") or small_tpb,
             )
             for route in data["routes"]
         )
@@ -429,6 +440,7 @@ def compile_plan(
     senders = active_ranks(context, context_dp_rank, "context_dp_rank")
     receivers = active_ranks(generation, generation_dp_rank, "generation_dp_rank")
     cache: dict[Any, ViewGeometry] = {}
+    derive_duplication(context, generation, cache)
     index = SenderIndex(context, senders)
     matches = _match_all(context, generation, index, receivers, findings, cache)
     report = findings.report()
@@ -572,6 +584,7 @@ class _RouteBuilder:
         c, g = context.tokens_per_block, generation.tokens_per_block
         self.ratio = max(c, g) // min(c, g)
         self.large_side = None if c == g else ("context" if c > g else "generation")
+        self.small_tokens_per_block = min(c, g)
 
     @staticmethod
     def _offsets(view: View, layers: tuple[int, ...]) -> np.ndarray:
@@ -687,6 +700,7 @@ class _RouteBuilder:
                     side,
                     self.ratio,
                     self.large_side,
+                    self.small_tokens_per_block,
                 )
             )
         return tuple(routes)

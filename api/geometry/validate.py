@@ -16,7 +16,8 @@ code                           meaning
 ``model_mismatch``             both sides name a model and the names differ
 ``context_parallel_both_sides``CP > 1 on both sides
 ``missing_peer_view``          no sender view holds the layer with this owner and roles
-                               (a warning for draft layers: they are then not transferred)
+                               (a warning for draft layers when the context has no draft layers
+                               at all: they are then not transferred; an error otherwise)
 ``misplaced_peer_view``        only a view of the *other* owner (target vs draft) holds the layer
 ``ambiguous_peer_view``        two sender pipeline stages hold the layer
 ``layout_mismatch``            REPLICATED against HND or NHD (HND ↔ NHD converts)
@@ -30,6 +31,7 @@ code                           meaning
                                one CP rank (or none at all) holds the heads a receiver needs
 ``layer_group_mismatch``       matched views live in pools of different layer groups
 ``draft_layer_count_mismatch`` both sides have draft layers, but not the same number
+``draft_layer_mismatch``       both sides have as many draft layers, numbered differently
 =============================  =====================================================================
 
 Per-request state groups (``tokens_per_slot: null``) add ``state_group_mismatch``,
@@ -39,18 +41,20 @@ Per-request state groups (``tokens_per_slot: null``) add ``state_group_mismatch`
 Warnings: ``missing_peer_view`` (draft), ``layer_count_mismatch``, ``nhd_head_slicing``,
 ``layout_conversion`` (HND ↔ NHD, converted head by head), ``tokens_per_block_ratio`` (HND on
 both sides, no CP, the larger ``tokens_per_block`` a multiple ``r`` of the smaller: one large
-block pairs with ``r`` small ones; ``detail.ratio`` and ``detail.larger_side``; per-request state
+block pairs with ``r`` small ones by token position, so transfers must give ``num_tokens``, see
+:mod:`api.geometry.align`; ``detail.ratio`` and ``detail.larger_side``; per-request state
 groups are unaffected and still pair one slot per side).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from api.geometry.heads import ViewGeometry
+from api.geometry.errors import GeometryError
+from api.geometry.heads import ViewGeometry, assumed_total, declared_heads, derived_total
 from api.geometry.match import Match, Unmatched
 from api.geometry.model import Instance, View
 from api.geometry.state import is_state_view, view_geometry
@@ -250,9 +254,10 @@ def check_block_sizes(context: Instance, generation: Instance, findings: Finding
     findings.add(
         "tokens_per_block_ratio",
         f"context pages {c} tokens per block, generation {g}: each {larger_side} block pairs "
-        f"with {ratio} consecutive {smaller_side} blocks; the transfer covers the last "
-        f"whole {large}-token blocks that both block lists hold (aligned from the end of both "
-        "lists, which must end at the same token)",
+        f"with {ratio} consecutive {smaller_side} blocks by token position from the start of "
+        "the request: every transfer must give num_tokens (the prompt tokens), each block "
+        "list ends with the block of the last prompt token, and a partial last block moves "
+        "only the tokens that exist",
         warning=True,
         ratio=ratio,
         larger_side=larger_side,
@@ -278,9 +283,20 @@ def _non_hnd_views(instance: Instance, side: str) -> list[str]:
 
 
 def check_draft_layers(context: Instance, generation: Instance, findings: Findings) -> None:
-    """Both sides with draft layers must have the same number of them."""
-    counts = [_draft_layer_count(instance) for instance in (context, generation)]
-    if counts[0] and counts[1] and counts[0] != counts[1]:
+    """Both sides with draft layers must hold the same draft layers: the same number
+    (``draft_layer_count_mismatch``) with the same global ids (``draft_layer_mismatch``).
+
+    As TensorRT-LLM compares a standalone drafter's first layer, layer count, head_dim and
+    dtype: draft layers numbered differently would match nothing and move nothing. Their head
+    geometry is then compared per matched view pair like a target's (``head_count_mismatch``,
+    ``head_dim_mismatch``, ``dtype_mismatch``, …). Only "the generation has a drafter, the
+    context none" is a warning (``missing_peer_view``: those layers are not transferred).
+    """
+    ids = [draft_layers(instance) for instance in (context, generation)]
+    counts = [len(layers) for layers in ids]
+    if not (counts[0] and counts[1]):
+        return
+    if counts[0] != counts[1]:
         findings.add(
             "draft_layer_count_mismatch",
             f"context has {counts[0]} draft layers, generation {counts[1]}",
@@ -288,18 +304,56 @@ def check_draft_layers(context: Instance, generation: Instance, findings: Findin
             local=counts[1],
             peer=counts[0],
         )
+        return
+    if ids[0] != ids[1]:
+        shapes = [_draft_shapes(instance) for instance in (context, generation)]
+        findings.add(
+            "draft_layer_mismatch",
+            f"the context numbers its draft layers {_layer_span(ids[0])} "
+            f"({', '.join(shapes[0])}), the generation {_layer_span(ids[1])} "
+            f"({', '.join(shapes[1])}): draft layers pair by global layer id, so both sides "
+            "must number them alike",
+            field="draft_layers",
+            local=sorted(ids[1])[:64],
+            peer=sorted(ids[0])[:64],
+            local_views=shapes[1],
+            peer_views=shapes[0],
+        )
 
 
-def _draft_layer_count(instance: Instance) -> int:
-    layers = {
+def draft_layers(instance: Instance) -> frozenset[int]:
+    """Global ids of the draft-owned layers of an instance (every rank)."""
+    return frozenset(
         layer
         for table in instance.ranks
         if table is not None
         for view in table.views
         if view.owner == "draft"
         for layer in view.layers
-    }
-    return len(layers)
+    )
+
+
+def _layer_span(layers: frozenset[int]) -> str:
+    ordered = sorted(layers)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 1:
+        return f"{ordered[0]}–{ordered[-1]}"
+    return ", ".join(map(str, ordered[:8])) + (" …" if len(ordered) > 8 else "")
+
+
+def _draft_shapes(instance: Instance) -> list[str]:
+    """``"key,value HND head_dim 4 bfloat16 heads 2"`` per distinct draft view shape."""
+    seen: dict[str, None] = {}
+    for table in instance.ranks:
+        if table is None:
+            continue
+        for view in table.views:
+            if view.owner == "draft":
+                heads = view.total_kv_heads or view.num_kv_heads
+                seen[
+                    f"{','.join(view.roles_key)} {view.layout} head_dim {view.head_dim} "
+                    f"{view.dtype} heads {heads}"
+                ] = None
+    return list(seen)[:8]
 
 
 def check_layer_counts(context: Instance, generation: Instance, findings: Findings) -> None:
@@ -331,7 +385,11 @@ def check_layer_counts(context: Instance, generation: Instance, findings: Findin
         )
 
 
-def report_unmatched(unmatched: Sequence[Unmatched], findings: Findings) -> None:
+def report_unmatched(
+    unmatched: Sequence[Unmatched], findings: Findings, context_has_draft: bool = False
+) -> None:
+    """Receiver views without a sender view. A draft layer without one is only a warning when
+    the context has no draft layers at all (a drafter on the generation side alone)."""
     for item in unmatched:
         view = item.receiver_view
         common: dict[str, Any] = {
@@ -361,7 +419,7 @@ def report_unmatched(unmatched: Sequence[Unmatched], findings: Findings) -> None
                 **common,
             )
         else:
-            draft = view.owner == "draft"
+            draft = view.owner == "draft" and not context_has_draft
             hint = (
                 f" (the context has them with roles {[list(r) for r in item.other_roles]})"
                 if item.other_roles
@@ -370,12 +428,74 @@ def report_unmatched(unmatched: Sequence[Unmatched], findings: Findings) -> None
             findings.add(
                 "missing_peer_view",
                 f"{view.label()}: no context view holds these layers with the same owner and "
-                f"roles{hint}" + ("; these draft layers are not transferred" if draft else ""),
+                f"roles{hint}"
+                + (
+                    "; the context has no draft layers, so these are not transferred"
+                    if draft
+                    else "; the context has draft layers too: both sides' draft layers must "
+                    "match like target layers"
+                    if view.owner == "draft"
+                    else ""
+                ),
                 warning=draft,
                 receiver_ranks=[item.receiver_rank],
                 layers=[item.layer],
                 **common,
             )
+
+
+def derive_duplication(
+    context: Instance, generation: Instance, cache: dict[Any, ViewGeometry]
+) -> None:
+    """Per-view totals that only the "no duplication" assumption gave, re-derived from both
+    sides' counts (as TensorRT-LLM's duplicate-head factor): per class of views (owner, roles),
+    when the two sides' head counts differ and one side's count is only assumed (``h × G``),
+    the smaller count ``H`` is adopted for that side if it explains its declared ``h``
+    (``H / min(G, H) == h``, so ``h × G / H`` ranks hold each head). The re-derived geometry
+    goes into ``cache`` (``geometry_of`` reads it); anything else is left to ``check_match``,
+    whose ``head_count_mismatch`` then names ``total_kv_heads``.
+    """
+    sides = (("context", context), ("generation", generation))
+    totals: dict[tuple[str, tuple[str, ...]], dict[str, set[tuple[int | None, int]]]] = {}
+    for side, instance in sides:
+        for table in instance.ranks:
+            if table is None:
+                continue
+            for view in table.views:
+                if is_state_view(instance, table, view) or view.layout == "REPLICATED":
+                    continue
+                assumed = assumed_total(instance, table, view)
+                declared, _ = declared_heads(instance, table, view)
+                if assumed is not None:
+                    entry = (declared, assumed)
+                else:
+                    try:
+                        entry = (None, view_geometry(instance, table, view).total_heads)
+                    except GeometryError:
+                        continue
+                key = (view.owner, view.roles_key)
+                totals.setdefault(key, {}).setdefault(side, set()).add(entry)
+    for (owner, roles), per_side in totals.items():
+        if len(per_side) != 2 or any(len(entries) != 1 for entries in per_side.values()):
+            continue
+        (ctx_entry,), (gen_entry,) = per_side["context"], per_side["generation"]
+        heads = min(ctx_entry[1], gen_entry[1])
+        if ctx_entry[1] == gen_entry[1]:
+            continue
+        for (side, instance), (declared, total) in zip(sides, (ctx_entry, gen_entry), strict=True):
+            if declared is None or total == heads or not derived_total(instance, declared, heads):
+                continue
+            for table in instance.ranks:
+                if table is None:
+                    continue
+                for view in table.views:
+                    if view.owner == owner and view.roles_key == roles and (
+                        assumed_total(instance, table, view) is not None
+                    ):
+                        explicit = replace(view, total_kv_heads=heads)
+                        cache[(side, table.rank, view.index)] = view_geometry(
+                            instance, table, explicit
+                        )
 
 
 def geometry_of(
@@ -509,7 +629,9 @@ def check_match(
         if peer.total_heads != local.total_heads:
             mismatch(
                 "head_count_mismatch",
-                "total KV heads",
+                "total KV heads (a side that gives only num_kv_heads is taken as h × tp, no "
+                "duplication, unless the other side's count explains it: give total_kv_heads "
+                "on the views)",
                 "total_kv_heads",
                 local.total_heads,
                 peer.total_heads,

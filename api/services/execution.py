@@ -138,6 +138,7 @@ def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation
         "context_dp_rank": transfer.context_dp_rank,
         "generation_dp_rank": transfer.generation_dp_rank,
         "blocks": transfer.blocks,
+        "num_tokens": (transfer.summary or {}).get("num_tokens"),
         "mode": transfer.mode,
         "verify": transfer.verify,
         "deadline_at": deadline.timestamp(),
@@ -600,13 +601,14 @@ def _description(session: Session, tid: str, record: wire.TransferRecord,
             summary = expand(plan, {
                 int(g): (v.get("context", []), v.get("generation", []))
                 for g, v in blocks.items()
-            }).to_summary()
+            }, record.num_tokens).to_summary()
         except Exception as error:  # stored, it would settle the transfer with 0 bytes
             raise BadRequest(
                 f"engine transfer {tid}: its blocks do not fit the pairing's plan: {error}",
                 code="invalid_blocks",
                 errors=[{"loc": ["body", "records", "blocks"], "msg": str(error)[:500]}],
             ) from None
+    summary["num_tokens"] = record.num_tokens
     return {"pairing_id": None if pairing is None else pairing.id,
             "plan_id": None if plan_row is None else plan_row.id,
             "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),

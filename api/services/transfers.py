@@ -184,15 +184,20 @@ def create_transfer(
         for group, lists in body.blocks.items()
     }
     try:
-        expansion = expand(plan, _blocks(raw_blocks))
+        expansion = expand(plan, _blocks(raw_blocks), body.num_tokens)
     except GeometryError as error:
         errors = [
             {"loc": ["body", *problem.loc], "msg": problem.message, "code": problem.code}
             for problem in error.problems
         ]
-        raise BadRequest(str(error), code="invalid_blocks", errors=errors) from None
+        # the lists cannot be placed without num_tokens: a code of its own, the rule in the text
+        code = "ambiguous_alignment" if error.code == "ambiguous_alignment" else "invalid_blocks"
+        raise BadRequest(str(error), code=code, errors=errors) from None
     now = utcnow()
     summary = expansion.to_summary()
+    # kept beside the routes (no column of its own): the fragments and the workers' commands
+    # expand the same blocks with it again
+    summary["num_tokens"] = body.num_tokens
     values = {
         "id": uuid.uuid4().hex,
         "pairing_id": pairing_id,
@@ -313,12 +318,18 @@ def transfer_fragments(
             extra=extra,
         )
     try:
-        expansion = expand(plan, _blocks(row.blocks))
+        expansion = expand(plan, _blocks(row.blocks), num_tokens_of(row))
     except (GeometryError, KeyError, TypeError, ValueError) as error:
         # A row stored before records' blocks were checked: say so, it is not a server bug.
         raise Conflict(f"the blocks of transfer {row.id} do not fit its plan: {error}",
                        code="blocks_unexpandable") from None
     return expansion.fragment_page(offset, max_per_page if limit is None else limit)
+
+
+def num_tokens_of(row: TransferRow) -> int | None:
+    """The request's prompt tokens a transfer was planned with (kept in its summary)."""
+    value = (row.summary or {}).get("num_tokens")
+    return None if value is None else int(value)
 
 
 def transfer_read(row: TransferRow) -> schemas.TransferRead:
@@ -332,6 +343,7 @@ def transfer_read(row: TransferRow) -> schemas.TransferRead:
         pairing_id=row.pairing_id,
         context_dp_rank=row.context_dp_rank,
         generation_dp_rank=row.generation_dp_rank,
+        num_tokens=num_tokens_of(row),
         execute=row.execute,
         routes=row.summary.get("routes", []),
         bytes=row.bytes,

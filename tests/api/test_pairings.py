@@ -188,13 +188,16 @@ def test_block_size_ratio_is_compatible_with_a_warning_and_plans(client: TestCli
     route = plan["routes"][0]
     assert (route["block_ratio"], route["large_side"]) == (4, "generation")
     assert sorted({s["sub_block"] for s in route["segments"]}) == [0, 1, 2, 3]
-    # 9 small context blocks and 3 large generation blocks share 2 whole large blocks
+    # 136 tokens: 9 small context blocks (the last holds 8 of 16 tokens) and 3 large generation
+    # blocks; every token moves, by token position from the request's start
     blocks = {"0": {"context": list(range(9)), "generation": [7, 8, 9]}}
-    transfer = client.post(
-        "/v1/transfers",
-        json={"context": "ctx-a", "generation": "gen-b", "request_id": "r", "blocks": blocks},
-    ).json()
-    assert transfer["bytes"] == 2 * plan["bytes_per_block"]
+    body = {"context": "ctx-a", "generation": "gen-b", "request_id": "r", "blocks": blocks}
+    refused = client.post("/v1/transfers", json=body)
+    assert (refused.status_code, refused.json()["code"]) == (422, "ambiguous_alignment")
+    assert "num_tokens" in refused.json()["detail"]
+    transfer = client.post("/v1/transfers", json={**body, "num_tokens": 136}).json()
+    assert transfer["num_tokens"] == 136
+    assert transfer["bytes"] == 136 * plan["bytes_per_block"] // 64
     fragments = client.get(f"/v1/transfers/{transfer['id']}/fragments").json()
     rows = [row for r in fragments["routes"] for row in r["fragments"]]
     assert sum(row[4] for row in rows) == transfer["bytes"]

@@ -133,7 +133,8 @@ def test_the_dashboard_shows_state_views(client: TestClient) -> None:
 def test_a_hybrid_pairing_with_a_block_size_ratio_moves_state_once_and_kv_by_tokens(
     client: TestClient,
 ) -> None:
-    """Paged groups align by tokens (4 context blocks of 4 tokens per generation block of 16);
+    """Paged groups align by token position (4 context blocks of 4 tokens per generation block
+    of 16, a partial last block);
     the state group has no tokens, so its one slot pair moves as with equal block sizes."""
     ctx = hybrid_body(role="context", spec=SPEC, tp=2, tokens_per_block=4, num_slots=16)
     gen = hybrid_body(role="generation", spec=SPEC, tp=1, tokens_per_block=16, num_slots=16)
@@ -156,16 +157,16 @@ def test_a_hybrid_pairing_with_a_block_size_ratio_moves_state_once_and_kv_by_tok
         response = client.post(
             "/v1/transfers",
             json={"context": "ctx-s", "generation": "gen-s", "request_id": request_id,
-                  "blocks": blocks},
+                  "blocks": blocks, "num_tokens": 34},
         )  # fmt: skip
         assert response.status_code == 201, response.json()
         return dict(response.json())
 
     kv_only = transfer({"context": [], "generation": [0]}, "r1")
     full = transfer({"context": [5], "generation": [0]}, "r2")
-    # 36 context tokens and 48 generation tokens share 2 whole 16-token blocks:
-    # 1 attention layer × K/V × 4 heads × 32 tokens × 8 dims × 2 bytes
-    assert kv_only["bytes"] == 2 * 4 * 32 * 8 * 2
+    # 34 tokens (the context's 9th block holds 2 of 4, the generation's 3rd 2 of 16), all moved:
+    # 1 attention layer × K/V × 4 heads × 34 tokens × 8 dims × 2 bytes
+    assert kv_only["bytes"] == 2 * 4 * 34 * 8 * 2
     assert full["bytes"] - kv_only["bytes"] == STATE_BYTES
     fragments = client.get(f"/v1/transfers/{full['id']}/fragments").json()
     assert sum(row[4] for r in fragments["routes"] for row in r["fragments"]) == full["bytes"]

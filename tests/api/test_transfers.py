@@ -57,6 +57,29 @@ def test_prefix_cached_blocks_transfer_the_common_suffix(client: TestClient) -> 
     assert two["bytes"] == full["bytes"]
 
 
+def test_a_longer_generation_list_needs_num_tokens_to_place_it(client: TestClient) -> None:
+    """A generation list longer than the context's is either the context's prefix reuse or
+    blocks allocated past the prompt: refused without num_tokens, placed exactly with it."""
+    pairing_id = _setup(client)
+    plan = client.get(f"/v1/pairings/{pairing_id}/plan").json()
+    tokens_per_block = plan["tokens_per_block"]
+    body = _transfer()
+    body["blocks"] = {"0": {"context": [0, 1, 2, 3], "generation": [10, 11, 12, 13, 14]}}
+    refused = client.post("/v1/transfers", json=body)
+    assert (refused.status_code, refused.json()["code"]) == (422, "invalid_blocks")
+    assert "num_tokens" in refused.json()["detail"]
+    # the prompt spans 4 blocks: the fifth generation block lies past it
+    body["num_tokens"] = 4 * tokens_per_block
+    assert client.post("/v1/transfers", json=body).status_code == 422
+    # the context reused 1 block of a 5-block prompt: 4 pairs, the generation's last 4
+    body["num_tokens"] = 4 * tokens_per_block + 1
+    placed = client.post("/v1/transfers", json=body).json()
+    assert placed["num_tokens"] == 4 * tokens_per_block + 1
+    assert placed["bytes"] == 4 * plan["bytes_per_block"]
+    fragments = client.get(f"/v1/transfers/{placed['id']}/fragments").json()
+    assert sum(row[4] for r in fragments["routes"] for row in r["fragments"]) == placed["bytes"]
+
+
 def test_idempotency_key(client: TestClient) -> None:
     _setup(client)
     headers = {"Idempotency-Key": "key-1"}

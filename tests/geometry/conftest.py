@@ -237,11 +237,13 @@ def buffer_labels(
     buf: int,
     tag: int,
     small: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """Label every byte of one buffer: HND ``[heads][tokens][…]``, NHD ``[tokens][heads][…]``.
 
     ``tag - 1`` is the slot's first token in small blocks of ``small`` tokens (0: other data);
-    state buffers ignore ``small`` (no tokens).
+    state buffers ignore ``small`` (no tokens). ``window = (lo, hi)``: bytes of tokens of the
+    request outside ``[lo, hi)`` are ``-1`` (not to be written).
     """
     if is_state(instance, table, view):
         return state_labels(instance, table, view, layer, buf, tag)
@@ -262,9 +264,13 @@ def buffer_labels(
         head, byte = np.divmod(rest, cell)
     small = small or tokens
     tags = tag + token // small if tag else 0
-    return _encode(
+    labels = _encode(
         tags, view.owner, roles, layer, buf, g.first_head + head, token % small, byte, False
     )
+    if window is not None and tag:
+        position = (tags - 1) * small + token % small  # the token of the request
+        labels[(position < window[0]) | (position >= window[1])] = -1
+    return labels
 
 
 def pool_memory(
@@ -275,10 +281,12 @@ def pool_memory(
     keep: Any = None,
     default_tag: int | None = 0,
     small: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """Labels of a whole pool (``num_slots × stride`` bytes); slot ``s`` holds ``tags[s]``.
 
-    ``keep(view, layer)`` restricts which buffers are labelled (others stay ``-1``).
+    ``keep(view, layer)`` restricts which buffers are labelled (others stay ``-1``); ``window``:
+    see :func:`buffer_labels`.
     """
     table = instance.ranks[rank]
     assert table is not None
@@ -298,7 +306,7 @@ def pool_memory(
                 for buf, row in enumerate(rows):
                     start = base + row.offset
                     memory[start : start + row.size] = buffer_labels(
-                        instance, table, view, layer, buf, tag, small
+                        instance, table, view, layer, buf, tag, small, window
                     )
     return memory
 
@@ -333,34 +341,49 @@ def _count(ids: Sequence[Any]) -> int:
 
 
 def aligned_tags(
-    ids_c: Sequence[Any], ids_g: Sequence[Any], cp_g: int = 1, tpb_c: int = 1, tpb_g: int = 1
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """``(slot, tag)`` per side for the blocks present on both sides, ``tag = logical + 1``.
+    ids_c: Sequence[Any],
+    ids_g: Sequence[Any],
+    cp_g: int = 1,
+    tpb_c: int = 1,
+    tpb_g: int = 1,
+    num_tokens: int | None = None,
+    cp_c: int = 1,
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple[int, int] | None]:
+    """``(slot, tag)`` per side for the blocks present on both sides, ``tag = logical + 1``, and
+    the token window the receiver must get (None: whole blocks).
 
-    Both lists end at the request's last block; the longer one starts at logical block 0.
-    Different block sizes (flat lists): both lists end at the same token ``N`` (the longer
-    side's token count); the last ``T = min(len_C·tpb_C, len_R·tpb_R)`` tokens, rounded down to a
-    multiple of the larger size, move; a slot's tag is its first token in small blocks, plus 1.
+    A request of ``P = num_tokens`` tokens spans ``⌈P / tpb⌉`` blocks per side and every list
+    ends with the block of token ``P − 1`` (without ``num_tokens``: the longer list starts at
+    block 0). Different block sizes: a slot's tag is its first token in small blocks, plus 1;
+    the tokens ``[max(first token of each list), P)`` move, exactly (no byte past ``P``).
     """
     if tpb_c != tpb_g:
-        small, large = min(tpb_c, tpb_g), max(tpb_c, tpb_g)
-        n_tokens = max(len(ids_c) * tpb_c, len(ids_g) * tpb_g)
-        moved = min(len(ids_c) * tpb_c, len(ids_g) * tpb_g) // large * large
-        out = []
+        assert num_tokens is not None, "oracle: a ratio needs num_tokens"
+        small = min(tpb_c, tpb_g)
+        firsts = []
         for ids, tpb in ((ids_c, tpb_c), (ids_g, tpb_g)):
-            first = [n_tokens - len(ids) * tpb + k * tpb for k in range(len(ids))]
+            total = -(-num_tokens // tpb)
+            firsts.append([(total - len(ids) + k) * tpb for k in range(len(ids))])
+        lo = max((f[0] for f in firsts if f), default=num_tokens)
+        if not all(firsts):
+            lo = num_tokens  # a side lists nothing: nothing moves
+        out = []
+        for ids, tpb, first in ((ids_c, tpb_c, firsts[0]), (ids_g, tpb_g, firsts[1])):
             out.append(
                 [(slot, f // small + 1) for slot, f in zip(ids, first, strict=True)
-                 if f >= n_tokens - moved]
+                 if f + tpb > lo and f < num_tokens]
             )  # fmt: skip
-        return out[0], out[1]
+        return out[0], out[1], (lo, num_tokens)
     total = max(_count(ids_c), _count(ids_g))
-    ctx = _logical_pairs(list(ids_c), total, 1)
+    if num_tokens is not None:
+        total = -(-num_tokens // tpb_c)
+    ctx = _logical_pairs(list(ids_c), total, cp_c)
     gen = _logical_pairs(list(ids_g), total, cp_g)
     common = {j for _, j in ctx} & {j for _, j in gen}
     return (
         [(slot, j + 1) for slot, j in ctx if j in common],
         [(slot, j + 1) for slot, j in gen if j in common],
+        None,
     )
 
 
@@ -387,21 +410,25 @@ def check_transfer(
     context_dp_rank: int | None = None,
     generation_dp_rank: int | None = None,
     plan: Any = None,
+    num_tokens: int | None = None,
 ) -> SimpleNamespace:
     """Compile (unless given), expand one request and check every receiver byte.
 
-    ``blocks``: ``(context_ids, generation_ids)`` of layer group 0, or a dict per layer group.
+    ``blocks``: ``(context_ids, generation_ids)`` of layer group 0, or a dict per layer group;
+    ``num_tokens``: the request's prompt tokens (see :func:`aligned_tags`).
     """
     if plan is None:
         plan = compile_plan(ctx, gen, context_dp_rank, generation_dp_rank)
     if not isinstance(blocks, Mapping):
         blocks = {0: blocks}
-    expansion = expand(plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()})
+    expansion = expand(
+        plan, {g: (list(c), list(r)) for g, (c, r) in blocks.items()}, num_tokens=num_tokens
+    )
     state_groups = ctx.state_groups | gen.state_groups
     tpbs = (ctx.tokens_per_block, gen.tokens_per_block)
     small = min(tpbs)
     tags_by_group = {
-        g: aligned_tags(c, r, gen.cp, *tpbs)
+        g: aligned_tags(c, r, gen.cp, *tpbs, num_tokens=num_tokens, cp_c=ctx.cp)
         for g, (c, r) in blocks.items()
         if g not in state_groups
     }
@@ -432,7 +459,7 @@ def check_transfer(
     for rank, table in enumerate(ctx.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = tags_by_group.get(pool.layer_group, ([], []))[0]
+            group_tags = tags_by_group.get(pool.layer_group, ([], [], None))[0]
             tags = _cp_share(ctx, rank, group_tags) if rank in senders else {}
             if pool.layer_group in state_groups:
                 tags = state_tags(ctx, rank, pool.layer_group, 0) if rank in senders else {}
@@ -444,12 +471,20 @@ def check_transfer(
     for rank, table in enumerate(gen.ranks):
         assert table is not None
         for pool_id, pool in table.pools.items():
-            group_tags = _cp_share(gen, rank, tags_by_group.get(pool.layer_group, ([], []))[1])
+            aligned = tags_by_group.get(pool.layer_group, ([], [], None))
+            group_tags = _cp_share(gen, rank, aligned[1])
             if pool.layer_group in state_groups:
                 group_tags = state_tags(gen, rank, pool.layer_group, 1)
             if rank in receivers:
                 want = pool_memory(
-                    gen, rank, pool_id, group_tags, keep=needed, default_tag=None, small=small
+                    gen,
+                    rank,
+                    pool_id,
+                    group_tags,
+                    keep=needed,
+                    default_tag=None,
+                    small=small,
+                    window=aligned[2],
                 )
             else:
                 want = np.full(pool.num_slots * pool.slot_stride_bytes, -1, dtype=np.int64)

@@ -175,26 +175,33 @@ def test_block_size_ratio_moves_every_byte_once(
     report = validate_pairing(ctx, gen)
     assert report.compatible, report.to_dict()
     assert "tokens_per_block_ratio" in {w.code for w in report.warnings}
-    result = oracle.check_transfer(ctx, gen, blocks)
-    assert oracle.load_balance_violations(result.plan, ctx, gen) == []
+    # the fewest tokens both lists hold: the longer side's last block holds one token
+    num_tokens = max((len(blocks[0]) - 1) * ctx_tpb, (len(blocks[1]) - 1) * gen_tpb) + 1
+    for tokens in (num_tokens, num_tokens + 1):
+        result = oracle.check_transfer(ctx, gen, blocks, num_tokens=tokens)
+        assert oracle.load_balance_violations(result.plan, ctx, gen) == []
 
 
-def test_ratio_aligns_whole_large_blocks_from_the_end(oracle) -> None:
-    # small 2, large 8 (r = 4): 7 small blocks (14 tokens) and 3 large ones (24 tokens) share
-    # T = 14 → 8 tokens: the last large block and the last 4 small blocks.
+def test_ratio_pairs_small_blocks_by_token_position_from_the_start(oracle) -> None:
+    # small 2, large 8 (r = 4), 13 tokens: context small blocks 0..6 (the last holds token 12
+    # only), generation large blocks 7 (tokens 0-7) and 8 (tokens 8-12 of 8-15)
     ctx, gen = ratio_pair(2, 8, {"tp": 1}, {"tp": 1})
-    result = oracle.check_transfer(ctx, gen, ([0, 1, 2, 3, 4, 5, 6], [7, 8, 9]))
+    result = oracle.check_transfer(ctx, gen, ([0, 1, 2, 3, 4, 5, 6], [7, 8]), num_tokens=13)
     parts = [part for route in result.expansion.routes for part in route.parts]
-    assert [p.segment.sub_block for p in parts] == [0, 1, 2, 3]
+    assert [p.segment.sub_block for p in parts] == [0, 1, 2, 2, 3]
     assert [(p.src_blocks.tolist(), p.dst_blocks.tolist()) for p in parts] == [
-        ([3], [9]), ([4], [9]), ([5], [9]), ([6], [9])
+        ([0, 4], [7, 8]), ([1, 5], [7, 8]), ([2], [7]), ([6], [8]), ([3], [7])
     ]  # fmt: skip
+    whole, tail = parts[2], parts[3]
+    assert (tail.segment.runs[:, 2] * 2 == whole.segment.runs[:, 2]).all()  # 1 of 2 tokens
 
 
 def test_ratio_with_pipeline_and_attention_dp(oracle) -> None:
     ctx, gen = ratio_pair(8, 2, {"tp": 2, "pp": 2}, {"tp": 4, "attention_dp": True})
     for dp in range(4):
-        oracle.check_transfer(ctx, gen, ([1, 2, 3], [0, 4, 5, 6, 7, 8, 9, 10, 11]), None, dp)
+        oracle.check_transfer(
+            ctx, gen, ([1, 2, 3], [0, 4, 5, 6, 7, 8, 9, 10, 11]), None, dp, num_tokens=18
+        )
 
 
 def test_ratio_plan_round_trips() -> None:

@@ -44,8 +44,9 @@ def test_block_id_beyond_the_pool_is_refused(blocks, side: str) -> None:
 
 
 def test_block_ids_before_the_aligned_suffix_are_not_checked_or_moved() -> None:
-    # id 99 is cached on the generation side: it is dropped by suffix alignment
-    expansion = expand(plan_for(), {0: ([1], [99, 2])})
+    # id 99 is cached on the generation side: it is dropped by suffix alignment (2 tokens per
+    # block, 4 tokens: the context reused block 0 and lists block 1 only)
+    expansion = expand(plan_for(), {0: ([1], [99, 2])}, num_tokens=4)
     assert by_route(expansion) == {(0, 0): [[0, 64, 0, 128, 64]]}
 
 

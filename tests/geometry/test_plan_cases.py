@@ -303,11 +303,12 @@ def test_prefix_caching_pairs_the_last_blocks_of_each_list(oracle) -> None:
     # context has 4 blocks, generation cached the first one: pairs (1,7), (2,6), (3,0)
     rows = expand(plan, {0: ([5, 1, 2, 3], [7, 6, 0])}).routes[0].fragment_rows()
     assert rows.tolist() == [[0, 32, 0, 224, 32], [0, 64, 0, 192, 32], [0, 96, 0, 0, 32]]
-    # generation has more blocks (context cached a prefix): only the last one pairs
-    rows = expand(plan, {0: ([4], [0, 1, 2])}).routes[0].fragment_rows()
+    # generation has more blocks (context cached a prefix; 3 blocks of 2 tokens): only the
+    # last one pairs
+    rows = expand(plan, {0: ([4], [0, 1, 2])}, num_tokens=6).routes[0].fragment_rows()
     assert rows.tolist() == [[0, 128, 0, 64, 32]]
     oracle.check_transfer(ctx, gen, ([5, 1, 2, 3], [7, 6, 0]))
-    oracle.check_transfer(ctx, gen, ([4], [0, 1, 2]))
+    oracle.check_transfer(ctx, gen, ([4], [0, 1, 2]), num_tokens=6)
     assert expand(plan, {0: ([], [1, 2])}).bytes == 0
 
 

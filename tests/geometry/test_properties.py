@@ -60,6 +60,19 @@ def side(draw: st.DrawFn, layers: int) -> dict[str, Any]:
 
 
 @st.composite
+def prompt(draw: st.DrawFn, tokens_per_block: int, n_context: int, n_generation: int) -> Any:
+    """``num_tokens`` for lists of these lengths: each ends with the block of the last token, so
+    the request spans at least the longer list (one more block: both reused a prefix); the
+    last block is partial or whole. None (omitted) where that is exact: the context's list is
+    the whole request and the generation's no longer."""
+    blocks = max(n_context, n_generation, 1) + draw(st.integers(0, 1))
+    tokens = (blocks - 1) * tokens_per_block + draw(st.integers(1, tokens_per_block))
+    if n_context == blocks and n_generation <= n_context and draw(st.booleans()):
+        return None
+    return tokens
+
+
+@st.composite
 def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     layers = draw(st.integers(1, 4))
     head_dim = draw(st.sampled_from([4, 8]))
@@ -84,8 +97,10 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     n_slots = 6
     ids_c = draw(st.permutations(range(n_slots)).map(lambda p: p[: draw(st.integers(1, 4))]))
     ids_g = draw(st.permutations(range(n_slots)).map(lambda p: p[: draw(st.integers(1, 4))]))
+    tokens_per_block = draw(st.integers(2, 4))
     return {
-        "tokens_per_block": draw(st.integers(2, 4)),
+        "tokens_per_block": tokens_per_block,
+        "num_tokens": draw(prompt(tokens_per_block, len(ids_c), len(ids_g))),
         "ctx": ctx,
         "gen": gen,
         "ctx_views": [target, draft] if draft_where in ("both", "context") else [target],
@@ -98,6 +113,10 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _instance(role: str, views: list[ViewSpec], opts: dict[str, Any], sc: dict[str, Any]):
+    return parse_instance(_raw(role, views, opts, sc), role[:3])
+
+
+def _raw(role: str, views: list[ViewSpec], opts: dict[str, Any], sc: dict[str, Any]):
     body = instance_body(
         role=role,
         views=views,
@@ -113,7 +132,7 @@ def _instance(role: str, views: list[ViewSpec], opts: dict[str, Any], sc: dict[s
     for rank in body["ranks"]:
         for pool in rank["pools"]:
             pool["slot_stride_bytes"] = pool["slot_bytes"] + opts["stride_pad"]
-    return parse_instance(body, role[:3])
+    return body
 
 
 def _pair(sc: dict[str, Any]):
@@ -133,7 +152,9 @@ def test_every_receiver_byte_written_once_with_its_label(sc: dict[str, Any], ora
     assert ("missing_peer_view" in warned) == (
         sc["gen_views"] != sc["ctx_views"] and len(sc["gen_views"]) == 2
     )
-    oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
 
 
 @PROPERTY
@@ -149,7 +170,10 @@ def test_plan_is_deterministic_balanced_and_round_trips(sc: dict[str, Any], orac
     rebuilt = Plan.from_dict(json.loads(json.dumps(data)))
     assert rebuilt.to_dict() == data
     # the rebuilt plan moves exactly the same bytes
-    oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], plan=rebuilt)
+    oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], plan=rebuilt,
+        num_tokens=sc["num_tokens"],
+    )  # fmt: skip
 
 
 @PROPERTY
@@ -184,6 +208,7 @@ def cp_scenarios(draw: st.DrawFn) -> dict[str, Any]:
     sc[where] = dict(sc[where], cp=draw(st.integers(2, 3)))
     n = draw(st.integers(1, 5))
     sc["blocks"] = (list(range(n)), list(range(n))[::-1])
+    sc["num_tokens"] = draw(prompt(sc["tokens_per_block"], n, n))
     return sc
 
 
@@ -194,7 +219,9 @@ def test_context_parallel_side_moves_each_block_from_its_cp_rank(
 ) -> None:
     ctx, gen = _pair(sc)
     assert validate_pairing(ctx, gen).compatible
-    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    result = oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
     assert oracle.load_balance_violations(result.plan, ctx, gen) == []
 
 
@@ -234,7 +261,9 @@ def test_conversion_and_any_tp_ratio_write_every_byte_once(sc: dict[str, Any], o
     assert report.compatible, report.to_dict()
     converted = sc["ctx_views"][0].layout != sc["gen_views"][0].layout
     assert converted == ("layout_conversion" in {w.code for w in report.warnings})
-    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    result = oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
     assert oracle.load_balance_violations(result.plan, ctx, gen) == []
 
 
@@ -244,6 +273,7 @@ def prefix_cp_scenarios(draw: st.DrawFn) -> dict[str, Any]:
     sc = draw(cp_scenarios())
     n_c, n_g = draw(st.integers(1, 5)), draw(st.integers(1, 5))
     sc["blocks"] = (list(range(n_c)), list(range(n_g))[::-1])
+    sc["num_tokens"] = draw(prompt(sc["tokens_per_block"], n_c, n_g))
     return sc
 
 
@@ -251,7 +281,9 @@ def prefix_cp_scenarios(draw: st.DrawFn) -> dict[str, Any]:
 @given(sc=prefix_cp_scenarios())
 def test_context_parallel_ownership_follows_the_logical_block(sc: dict[str, Any], oracle) -> None:
     ctx, gen = _pair(sc)
-    oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
 
 
 @st.composite
@@ -271,6 +303,12 @@ def helix_scenarios(draw: st.DrawFn) -> dict[str, Any]:
         tables.append(list(range(10 + 10 * c, 10 + 10 * c + own))[own - keep :])
     sc["blocks"] = (context, tables)
     sc["n_slots"] = 40
+    if draw(st.booleans()):  # the request's tokens: the last block partial or whole
+        sc["num_tokens"] = (total - 1) * sc["tokens_per_block"] + draw(
+            st.integers(1, sc["tokens_per_block"])
+        )
+    else:
+        sc["num_tokens"] = None if context_full else total * sc["tokens_per_block"]
     return sc
 
 
@@ -280,7 +318,9 @@ def test_helix_block_tables_move_each_logical_block_from_its_cp_rank(
     sc: dict[str, Any], oracle
 ) -> None:
     ctx, gen = _pair(sc)
-    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    result = oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
     assert oracle.load_balance_violations(result.plan, ctx, gen) == []
 
 
@@ -314,6 +354,10 @@ def ratio_scenarios(draw: st.DrawFn) -> dict[str, Any]:
     ids_c = draw(st.permutations(range(sc["n_slots"])))[:n_c]
     ids_g = draw(st.permutations(range(sc["n_slots"])))[:n_g]
     sc["blocks"] = (list(ids_c), list(ids_g))
+    # any prompt both lists fit in (each ends with the block of its last token): mostly not a
+    # multiple of either block size, the lists' first tokens wherever the lengths put them
+    fit = max(1, (n_c - 1) * sc["tpb"][0] + 1, (n_g - 1) * sc["tpb"][1] + 1)
+    sc["num_tokens"] = fit + draw(st.integers(0, small * ratio))
     sc["ctx_dp"] = draw(st.integers(0, sc["ctx"]["tp"] - 1)) if sc["ctx"]["attention_dp"] else None
     sc["gen_dp"] = draw(st.integers(0, sc["gen"]["tp"] - 1)) if sc["gen"]["attention_dp"] else None
     return sc
@@ -337,10 +381,73 @@ def test_block_size_ratio_writes_every_byte_once(sc: dict[str, Any], oracle) -> 
         sc["ratio"],
         sc["larger_side"],
     )
-    result = oracle.check_transfer(ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"])
+    result = oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
     assert oracle.load_balance_violations(result.plan, ctx, gen) == []
     # the template depends on the ratio, never on the block counts; it round-trips
     data = result.plan.to_dict()
     assert Plan.from_dict(json.loads(json.dumps(data))).to_dict() == data
     for route in result.plan.routes:
         assert {s.sub_block for s in route.segments} == set(range(sc["ratio"]))
+
+
+def _split_groups(body: dict[str, Any]) -> dict[str, Any]:
+    """Odd global layers into a second layer group (pool 1, same slot shape): e.g. sliding
+    window layers beside full attention ones."""
+    for rank in body["ranks"]:
+        (pool,) = rank["pools"]
+        rank["pools"] = [pool, dict(pool, id=1, layer_group=1)]
+        views = []
+        for view in rank["views"]:
+            for group in (0, 1):
+                rows = [b for b in view["buffers"] if b["layer"] % 2 == group]
+                if rows:
+                    views.append(dict(view, pool=group, buffers=rows))
+        rank["views"] = views
+    return body
+
+
+@st.composite
+def window_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Two layer groups, the second a sliding window (its lists keep the request's last few
+    blocks), with CP on either side (helix tables or a flat list) and prefix reuse."""
+    sc = draw(scenarios())
+    hypothesis.assume(sc["ctx_views"][0].layers >= 2)
+    where = draw(st.sampled_from(["ctx", "gen"]))
+    cp = draw(st.integers(2, 3))
+    sc[where] = dict(sc[where], cp=cp)
+    tpb = sc["tokens_per_block"]
+    total = draw(st.integers(1, 5))
+    sc["num_tokens"] = (total - 1) * tpb + draw(st.integers(1, tpb))
+    sc["n_slots"] = 40
+
+    def suffix(first: int, base: int, helix: bool) -> Any:
+        if not helix:
+            return [base + j for j in range(first, total)]
+        return [[base + 10 * c + j for j in range(first, total) if j % cp == c] for c in range(cp)]
+
+    blocks = {}
+    for group in (0, 1):
+        window = draw(st.integers(1, total)) if group else total
+        first_c = total - window + (draw(st.integers(0, window - 1)) if group == 0 else 0)
+        first_g = total - window + draw(st.integers(0, window - 1))
+        helix = where == "gen" and draw(st.booleans())
+        blocks[group] = (suffix(first_c, 0, False), suffix(first_g, 0, helix))
+    sc["blocks"] = blocks
+    return sc
+
+
+@PROPERTY
+@given(sc=window_scenarios())
+def test_window_groups_with_cp_move_each_block_from_the_rank_of_its_request_index(
+    sc: dict[str, Any], oracle
+) -> None:
+    ctx = parse_instance(_split_groups(_raw("context", sc["ctx_views"], sc["ctx"], sc)), "ctx")
+    gen = parse_instance(_split_groups(_raw("generation", sc["gen_views"], sc["gen"], sc)), "gen")
+    report = validate_pairing(ctx, gen)
+    assert report.compatible, report.to_dict()
+    result = oracle.check_transfer(
+        ctx, gen, sc["blocks"], sc["ctx_dp"], sc["gen_dp"], num_tokens=sc["num_tokens"]
+    )
+    assert oracle.load_balance_violations(result.plan, ctx, gen) == []

@@ -90,26 +90,30 @@ def test_cp_rank_missing_a_layer_is_reported_instead_of_losing_its_blocks() -> N
 
 
 @pytest.mark.parametrize(
-    "blocks",
+    ("blocks", "num_tokens"),
     [
-        ([0, 1, 2, 3], [5, 6, 7]),  # generation (the CP side) reused block 0
-        ([0, 1, 2, 3, 4], [5, 6]),
-        ([1, 2, 3], [4, 5, 6, 7]),  # context reused a prefix: still the logical index
+        (([0, 1, 2, 3], [5, 6, 7]), None),  # generation (the CP side) reused block 0
+        (([0, 1, 2, 3, 4], [5, 6]), None),
+        (([1, 2, 3], [4, 5, 6, 7]), 4 * TPB),  # context reused a prefix: still the logical index
     ],
 )
 def test_generation_cp_ownership_follows_the_logical_block_under_prefix_reuse(
-    oracle, blocks
+    oracle, blocks, num_tokens
 ) -> None:
     ctx = parse_instance(body("context", [kv()], tp=2), "ctx")
     gen = parse_instance(body("generation", [kv()], tp=2, cp=2), "gen")
-    oracle.check_transfer(ctx, gen, blocks)
+    oracle.check_transfer(ctx, gen, blocks, num_tokens=num_tokens)
 
 
-@pytest.mark.parametrize("blocks", [([0, 1, 2, 3], [5, 6, 7]), ([1, 2, 3], [4, 5, 6, 7])])
-def test_context_cp_ownership_follows_the_logical_block_under_prefix_reuse(oracle, blocks) -> None:
+@pytest.mark.parametrize(
+    ("blocks", "num_tokens"), [(([0, 1, 2, 3], [5, 6, 7]), None), (([1, 2, 3], [4, 5, 6, 7]), 7)]
+)
+def test_context_cp_ownership_follows_the_logical_block_under_prefix_reuse(
+    oracle, blocks, num_tokens
+) -> None:
     ctx = parse_instance(body("context", [kv()], cp=2), "ctx")
     gen = parse_instance(body("generation", [kv()]), "gen")
-    oracle.check_transfer(ctx, gen, blocks)
+    oracle.check_transfer(ctx, gen, blocks, num_tokens=num_tokens)
 
 
 # --- A5: equal_split_safe across layer groups ---------------------------------------------------
@@ -300,7 +304,7 @@ def test_helix_block_tables_must_fit_the_request() -> None:
     plan = compile_plan(ctx, gen)
     for generation, where in (([[1, 2, 3], [4]], 0), ([[1], [2], [3]], None), ([[1, 1], [2]], 0)):
         with pytest.raises(GeometryError) as error:
-            expand(plan, {0: ([0, 1, 2], generation)})
+            expand(plan, {0: ([0, 1, 2], generation)}, num_tokens=3 * TPB)
         problem = error.value.problems[0]
         assert problem.code == "invalid_blocks"
         assert problem.loc == ("blocks", "0", "generation", *([] if where is None else [where]))

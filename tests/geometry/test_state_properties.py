@@ -85,6 +85,12 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         state_g = [[draw(st.integers(0, 2))] for _ in range(gen_cp)]
     # paged groups may page differently (a block-size ratio, no CP); state groups never do
     tpb = (2, 2) if gen_cp > 1 else draw(st.sampled_from([(2, 2), (2, 2), (8, 2), (2, 4), (4, 2)]))
+    # the prompt's tokens: enough for both lists (each ends with the block of the last token);
+    # equal block sizes may omit it (the context's list then starts at block 0)
+    fit = max(1, (len(ctx_kv) - 1) * tpb[0] + 1, (len(gen_kv) - 1) * tpb[1] + 1)
+    num_tokens = fit + draw(st.integers(0, max(tpb) - 1))
+    if tpb[0] == tpb[1] and len(ctx_kv) >= -(-num_tokens // tpb[0]) and draw(st.booleans()):
+        num_tokens = None  # the context list is the whole request: exact without it
     return {
         "spec": spec,
         "ctx": {**ctx, "tokens_per_block": tpb[0]},
@@ -92,6 +98,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         "context_dp_rank": draw(st.integers(0, ctx["tp"] - 1)) if ctx["attention_dp"] else None,
         "generation_dp_rank": draw(st.integers(0, gen["tp"] - 1)) if gen["attention_dp"] else None,
         "blocks": {0: (list(ctx_kv), list(gen_kv)), 1: (state_c, state_g)},
+        "num_tokens": num_tokens,
     }
 
 
@@ -123,9 +130,10 @@ def test_random_hybrid_pairs_move_every_state_byte_exactly_once(oracle, case) ->
         case["context_dp_rank"],
         case["generation_dp_rank"],
         plan=plan,
+        num_tokens=case["num_tokens"],
     )
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
-    assert expand(again, case["blocks"]).bytes == result.bytes
+    assert expand(again, case["blocks"], case["num_tokens"]).bytes == result.bytes
     assert not oracle.load_balance_violations(plan, ctx, gen)
 
 

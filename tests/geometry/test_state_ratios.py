@@ -59,7 +59,11 @@ def test_hybrid_with_a_block_size_ratio_moves_every_state_and_kv_byte_once(
     ratio = max(ctx_tpb, gen_tpb) // min(ctx_tpb, gen_tpb)
     assert codes["tokens_per_block_ratio"]["detail"]["ratio"] == ratio
     dp = 0 if ctx_kw.get("attention_dp") else None
-    result = oracle.check_transfer(ctx, gen, {0: paged, 1: ([2], [3])}, context_dp_rank=dp)
+    # the prompt ends one token into the last block of the side whose lists reach furthest
+    num_tokens = max((len(paged[0]) - 1) * ctx_tpb, (len(paged[1]) - 1) * gen_tpb) + 1
+    result = oracle.check_transfer(
+        ctx, gen, {0: paged, 1: ([2], [3])}, context_dp_rank=dp, num_tokens=num_tokens
+    )
     plan = result.plan
     assert plan.state_groups == {1}
     assert plan.block_ratio == (ratio, "context" if ctx_tpb > gen_tpb else "generation")
@@ -69,9 +73,12 @@ def test_hybrid_with_a_block_size_ratio_moves_every_state_and_kv_byte_once(
             subs[(s.layer_group, s.state)].add(s.sub_block)
         assert subs.get((1, True), {0}) == {0}  # state: one segment set, never a sub-block
         assert subs.get((0, False), set(range(ratio))) == set(range(ratio))
-    # large blocks moved: the last whole large blocks both lists hold, aligned by tokens
-    large = max(ctx_tpb, gen_tpb)
-    tokens = min(len(paged[0]) * ctx_tpb, len(paged[1]) * gen_tpb) // large * large
+    # tokens moved: from the later of the two lists' first tokens to the prompt's end
+    starts = [
+        (-(-num_tokens // tpb) - len(ids)) * tpb
+        for ids, tpb in ((paged[0], ctx_tpb), (paged[1], gen_tpb))
+    ]
+    tokens = num_tokens - max(starts)
     kv_bytes = 2 * SPEC.kv_heads * tokens * SPEC.head_dim * 2  # K/V × heads × tokens × dim × 2 B
     assert result.bytes == STATE_BYTES + kv_bytes
 
@@ -79,8 +86,8 @@ def test_hybrid_with_a_block_size_ratio_moves_every_state_and_kv_byte_once(
 def test_an_empty_state_list_with_a_ratio_moves_only_kv(oracle) -> None:
     ctx, gen = pair(8, 2, {"tp": 2}, {"tp": 1})
     paged = ([3, 0, 5], [1, 6, 2, 7, 9, 10, 11, 12, 13])
-    full = oracle.check_transfer(ctx, gen, {0: paged, 1: ([2], [3])})
-    kv_only = oracle.check_transfer(ctx, gen, {0: paged, 1: ([2], [])})
+    full = oracle.check_transfer(ctx, gen, {0: paged, 1: ([2], [3])}, num_tokens=17)
+    kv_only = oracle.check_transfer(ctx, gen, {0: paged, 1: ([2], [])}, num_tokens=17)
     assert full.bytes - kv_only.bytes == STATE_BYTES
 
 
@@ -129,4 +136,4 @@ def test_hybrid_ratio_plans_round_trip_with_state_and_sub_blocks() -> None:
         *((False, i) for i in range(4)),
     }
     blocks = {0: ([1, 6, 2, 7, 9, 10, 11, 12], [3, 0]), 1: ([2], [3])}
-    assert expand(again, blocks).bytes == expand(plan, blocks).bytes > 0
+    assert expand(again, blocks, 15).bytes == expand(plan, blocks, 15).bytes > 0

@@ -303,8 +303,10 @@ def test_draft_layer_count_mismatch() -> None:
     report = validate(ctx, gen)
     detail = only(report.errors, "draft_layer_count_mismatch")
     assert (detail["field"], detail["local"], detail["peer"]) == ("draft_layers", 2, 1)
-    # the generation's second draft layer has no context view: a warning beside the error
-    assert only(report.warnings, "missing_peer_view")["layers"] == [3]
+    # the generation's second draft layer has no context view; the context has draft layers,
+    # so that is an error too (only a drafter on the generation side alone is a warning)
+    assert only(report.errors, "missing_peer_view")["layers"] == [3]
+    assert not [w for w in report.warnings if w.code == "missing_peer_view"]
 
 
 def test_layer_count_mismatch_is_a_warning() -> None:

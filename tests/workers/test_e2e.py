@@ -318,8 +318,8 @@ def test_peer_reregistering_mid_transfer_fails_it_with_peer_restarted(fleet: Fle
 def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, tpb) -> None:
     """A hybrid model (paged attention + per-request Mamba state), TP 2 → TP 1: the conv-state
     sections and SSM heads of both context ranks land in the generation's state slot. With a
-    block-size ratio the attention blocks align by tokens ([n, r]) and the state still moves as
-    one slot pair."""
+    block-size ratio the attention blocks align by token position (``num_tokens``; the last block
+    partial) and the state still moves as one slot pair."""
     from api.geometry.state_builders import HybridSpec, hybrid_body
 
     spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=16, ssm_heads=8,
@@ -332,16 +332,20 @@ def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, t
     assert fleet.client.create_pairing("ctx", "gen")["compatible"]
     _start_all(fleet, 2, 1)
     blocks = {"0": BLOCKS["0"], "1": {"context": [3], "generation": [1]}}
+    # the prompt ends one token into the last block of the side whose list reaches furthest
+    num_tokens = max(9 * tpb[0], 7 * tpb[1]) + 1
     plan = compile_plan(parse_instance(bodies["ctx"], "ctx"), parse_instance(bodies["gen"], "gen"))
-    want = expand(plan, {0: (blocks["0"]["context"], blocks["0"]["generation"]), 1: ([3], [1])})
+    want = expand(plan, {0: (blocks["0"]["context"], blocks["0"]["generation"]), 1: ([3], [1])},
+                  num_tokens)  # fmt: skip
     for mode in ("staged", "fragments"):
-        created = _transfer(fleet, f"hybrid-{mode}", mode=mode, blocks=blocks)
+        created = _transfer(fleet, f"hybrid-{mode}", mode=mode, blocks=blocks,
+                            num_tokens=num_tokens)  # fmt: skip
         done = fleet.client.get_transfer(created["id"], wait_s=60)
         assert done["status"] == "done", done["error"]
         assert done["bytes"] == want.bytes
     with pytest.raises(ApiError) as refused:
-        _transfer(fleet, "hybrid-bad", blocks={**blocks, "1": {"context": [0, 1],
-                                                               "generation": [1]}})
+        _transfer(fleet, "hybrid-bad", num_tokens=num_tokens,
+                  blocks={**blocks, "1": {"context": [0, 1], "generation": [1]}})
     assert refused.value.status == 422
 
 

@@ -21,6 +21,7 @@ from workers.executors import (
     _progressions,
     _touched_slots,
     align_blocks,
+    align_request,
     copy_local,
     expand_fragments,
     fragment_indices,
@@ -371,17 +372,28 @@ def test_align_blocks_pairs_suffixes_and_filters_cp():
 
 
 @pytest.mark.parametrize("large_side", ["context", "generation"])
-def test_align_blocks_with_a_block_size_ratio_gives_the_small_side_as_rows(large_side):
+def test_align_request_runs_a_ratio_as_one_lane_per_sub_block_and_a_partial_tail(large_side):
     segments = [
         {"src_pool": 0, "dst_pool": 0, "sub_block": i, "runs": [{"src": 0, "dst": 0, "len": 4}]}
         for i in range(3)
     ]
-    route = Route.from_dict({"segments": segments, "block_ratio": 3, "large_side": large_side})
-    assert [s.sub_block for s in route.segments] == [0, 1, 2]
-    large, small = [7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 11]  # 8 small blocks: 2 whole large ones
+    route = Route.from_dict({"segments": segments, "block_ratio": 3, "large_side": large_side,
+                             "small_tokens_per_block": 2})  # fmt: skip
+    # 15 tokens: 3 large blocks of 6 (the last holds 3), 8 small blocks of 2 (the last holds 1)
+    large, small = [7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 11]
     lists = (large, small) if large_side == "context" else (small, large)
-    src, dst = align_blocks(route, {0: lists})
-    big, rows = (src, dst) if large_side == "context" else (dst, src)
-    assert big[0].tolist() == [8, 9]  # the last 2 large blocks, from the end
-    assert rows[0].tolist() == [[3, 4, 5], [6, 10, 11]]  # the last 6 small blocks, 3 per row
-    assert staging_layout(route, src).nbytes == 2 * route.bytes_per_block(0)
+    lanes, src, dst = align_request(route, {0: lists}, num_tokens=15)
+    big, little = (src, dst) if large_side == "context" else (dst, src)
+    assert {g: (big[g].tolist(), little[g].tolist()) for g in sorted(big)} == {
+        -4: ([9], [11]),  # the tail: small block 7 (token 14 only), sub-block 1 of large 9
+        -3: ([7, 8], [3, 6]),  # sub-block 2
+        -2: ([7, 8], [2, 5]),  # sub-block 1 (the tail left out)
+        -1: ([7, 8, 9], [1, 4, 10]),  # sub-block 0
+    }
+    (tail,) = [s for s in lanes.segments if s.layer_group == -4]
+    assert tail.runs[0].len == 2  # one token of two: half the run
+    assert (lanes.block_ratio, lanes.large_side) == (1, None)
+    assert staging_layout(lanes, src).nbytes == 7 * 4 + 2
+    with pytest.raises(BlockRangeError) as error:
+        align_request(route, {0: lists})
+    assert error.value.code == "ambiguous_alignment"

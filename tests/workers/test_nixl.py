@@ -277,11 +277,12 @@ def test_waits_time_out_and_oversized_writes_are_refused(pair):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tpb", [(8, 2), (2, 8)])
 def test_block_size_ratio_staged_and_per_fragment(tpb):
-    """A plan with different tokens_per_block: the small side's blocks travel as ``[n, r]`` rows
-    through both NIXL paths and land where the naive reference copy puts them."""
+    """A plan with different tokens_per_block: the request's lanes (one per sub-block, one for a
+    partial last block) travel through both NIXL paths and land where the naive reference copy
+    puts them."""
     from api import geometry
     from api.geometry.builders import ViewSpec, instance_body
-    from workers.executors import align_blocks
+    from workers.executors import align_request
     from workers.pools import PoolSpec
 
     bodies = [
@@ -291,11 +292,12 @@ def test_block_size_ratio_staged_and_per_fragment(tpb):
         for role, t in (("context", tpb[0]), ("generation", tpb[1]))
     ]
     plan = geometry.compile_plan(*(geometry.parse_instance(b, b["role"][:3]) for b in bodies))
-    (route,) = [r.to_dict() for r in plan.routes]
-    bs, bd = align_blocks(
-        route, {0: ([9, 1, 2, 3, 4, 5, 6, 7, 8], [15, 14, 13, 12, 0, 10, 11, 1, 2])}
+    (plan_route,) = [r.to_dict() for r in plan.routes]
+    # 71 tokens: the small side's last block holds 1 token of 2, the large side's 7 of 8
+    route, bs, bd = align_request(
+        plan_route, {0: ([9, 1, 2, 3, 4, 5, 6, 7, 8], [15, 14, 13, 12, 0, 10, 11, 1, 2])}, 71
     )
-    assert min(bs[0].shape[0], bd[0].shape[0]) == 2  # two large blocks move
+    assert sum(ids.size for ids in bs.values()) == 9  # the small side's 9 blocks move
     specs = [PoolSpec.from_dict(b["ranks"][0]["pools"][0]) for b in bodies]
     src = allocate_pools([specs[0]])
     fill_pattern(0, src[0])

@@ -7,14 +7,13 @@ the result of copying ``expand``'s fragment list one by one.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from api import geometry
 from api.geometry.builders import ViewSpec, instance_body
 from workers.executors import (
-    align_blocks,
+    align_request,
     copy_local,
     expand_fragments,
     gather,
@@ -70,9 +69,11 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
     plan = geometry.compile_plan(
         geometry.parse_instance(ctx_body, "ctx"), geometry.parse_instance(gen_body, "gen")
     )
-    # Prefix caching on the generation side: the context list is longer; suffixes align.
+    # Prefix caching on the generation side: the context list is longer; suffixes align. The
+    # prompt ends one token into the context's last block (with a ratio: a partial last block).
     blocks = {0: ([5, 6, 7, 8, 9, 1, 2, 3, 23, 0], [19, 4, 5, 6, 0, 11, 12, 13])}
-    expansion = geometry.expand(plan, blocks)
+    num_tokens = max(9 * tpb[0], 7 * tpb[1]) + 1
+    expansion = geometry.expand(plan, blocks, num_tokens)
 
     senders = _fleet(ctx_body, 0)
     want = _fleet(gen_body, 100)
@@ -86,21 +87,20 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
     staged = _fleet(gen_body, 100)
     indexed = _fleet(gen_body, 100)  # the CUDA default path (index_select), run on CPU
     routes = [r.to_dict() for r in plan.routes]
-    staging = {}
-    for recv in plan.receivers:
-        per_block = sum(recv.writer_bytes)
-        staging[recv.rank] = torch.zeros(per_block * 8, dtype=torch.uint8)
-    for route in routes:
-        bs, bd = align_blocks(route, blocks)
-        copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
-        copy_local(route, senders[route["sender_rank"]], indexed[route["receiver_rank"]], bs, bd,
-                   method="index")  # fmt: skip
-        recv = next(r for r in plan.receivers if r.rank == route["receiver_rank"])
-        pairs = bs[0].shape[0]  # with a ratio: large blocks (the small side is [n, r])
-        offset = recv.staging_offsets[recv.writers.index(route["sender_rank"])] * pairs
-        assert staging_layout(route, bs).nbytes == route["bytes_per_block"] * pairs
-        gather(route, senders[route["sender_rank"]], bs, out=staging[recv.rank], offset=offset)
-        scatter(route, staging[recv.rank], staged[route["receiver_rank"]], bd, offset=offset)
+    staged_bytes = 0
+    for plan_route, expanded in zip(routes, expansion.routes, strict=True):
+        # with a ratio: the route as this request runs it (one lane per sub-block, and one for
+        # the partial last small block)
+        route, bs, bd = align_request(plan_route, blocks, num_tokens)
+        sender, receiver = plan_route["sender_rank"], plan_route["receiver_rank"]
+        copy_local(route, senders[sender], direct[receiver], bs, bd)
+        copy_local(route, senders[sender], indexed[receiver], bs, bd, method="index")
+        layout = staging_layout(route, bs)
+        assert layout.nbytes == expanded.bytes
+        staged_bytes += layout.nbytes
+        area = torch.zeros(layout.nbytes + 8, dtype=torch.uint8)
+        gather(route, senders[sender], bs, out=area, offset=8)
+        scatter(route, area, staged[receiver], bd, offset=8)
 
     moved = 0
     for rank, pools in want.items():
@@ -111,10 +111,7 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
             assert torch.equal(indexed[rank][pid].tensor, pool.tensor), f"indexed rank {rank}"
             assert torch.equal(staged[rank][pid].tensor, pool.tensor), f"staged rank {rank}"
     assert moved > 0
-    assert expansion.bytes == sum(
-        r["bytes_per_block"] * align_blocks(r, blocks)[0][0].shape[0] for r in routes
-    )
-    assert np.all([s.numel() for s in staging.values()])
+    assert expansion.bytes == staged_bytes > 0
 
 
 @pytest.mark.parametrize(
@@ -142,7 +139,8 @@ def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, g
     )
     paged = ([5, 6, 1, 2, 3, 7], [4, 0]) if tpb[1] > tpb[0] else ([5, 6, 1], [4, 0])
     blocks = {0: paged, 1: state}
-    expansion = geometry.expand(plan, blocks)
+    num_tokens = max((len(paged[0]) - 1) * tpb[0], (len(paged[1]) - 1) * tpb[1]) + 1
+    expansion = geometry.expand(plan, blocks, num_tokens)
     senders = _fleet(ctx_body, 0)
     want = _fleet(gen_body, 100)
     for route in expansion.routes:
@@ -153,17 +151,18 @@ def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, g
     direct = _fleet(gen_body, 100)
     staged = _fleet(gen_body, 100)
     state_bytes = 0
-    for route in (r.to_dict() for r in plan.routes):
-        bs, bd = align_blocks(route, blocks)
+    for plan_route in (r.to_dict() for r in plan.routes):
+        route, bs, bd = align_request(plan_route, blocks, num_tokens)
         assert bs[1].size == bd[1].size == 1  # the state group: one slot pair per route
-        if tpb[0] != tpb[1]:  # the small side's paged blocks come as [n, r]
-            assert (bd if tpb[0] > tpb[1] else bs)[0].shape[1:] == (max(tpb) // min(tpb),)
-            assert {s["state"] for s in route["segments"] if s["sub_block"]} <= {False}
-        copy_local(route, senders[route["sender_rank"]], direct[route["receiver_rank"]], bs, bd)
+        if tpb[0] != tpb[1]:  # the paged group runs as lanes of sub-blocks, never the state
+            assert {s.layer_group for s in route.segments} - {1} == set(bs) - {1}
+            assert all(g < 0 for g in set(bs) - {1})
+        sender, receiver = plan_route["sender_rank"], plan_route["receiver_rank"]
+        copy_local(route, senders[sender], direct[receiver], bs, bd)
         layout = staging_layout(route, bs)
         area = torch.zeros(layout.nbytes, dtype=torch.uint8)
-        gather(route, senders[route["sender_rank"]], bs, out=area)
-        scatter(route, area, staged[route["receiver_rank"]], bd)
+        gather(route, senders[sender], bs, out=area)
+        scatter(route, area, staged[receiver], bd)
         state_bytes += layout.group(1)[1]
     # 3 recurrent layers: conv (32 + 16 + 16) × 3 × 2 bytes and 8 heads × 4 × 4 × 4 bytes each
     assert state_bytes == 3 * (64 * 3 * 2 + 8 * 4 * 4 * 4)
@@ -177,8 +176,8 @@ def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, g
 def test_ratio_fragments_of_the_nixl_path_match_the_planning_core(
     layout, ctx_tp, gen_tp, heads, tpb
 ):
-    """``expand_fragments`` (the per-fragment NIXL WRITE) over ``align_blocks``' ``[n, r]`` small
-    side lists exactly the fragments the planning core expands."""
+    """``expand_fragments`` (the per-fragment NIXL WRITE) over ``align_request``'s lanes lists
+    exactly the fragments the planning core expands, partial last block included."""
     bodies = [
         instance_body(
             role=role,
@@ -192,17 +191,18 @@ def test_ratio_fragments_of_the_nixl_path_match_the_planning_core(
     ctx, gen = (geometry.parse_instance(b, b["role"][:3]) for b in bodies)
     plan = geometry.compile_plan(ctx, gen)
     blocks = {0: ([5, 6, 7, 8, 9, 1, 2, 3, 23, 0], [19, 4, 5, 6, 0, 11, 12, 13, 14])}
-    expansion = geometry.expand(plan, blocks)
+    num_tokens = max(9 * tpb[0], 8 * tpb[1]) + 1  # a partial last block
+    expansion = geometry.expand(plan, blocks, num_tokens)
     pools = {
         side: {r["rank"]: {p["id"]: PoolSpec.from_dict(p) for p in r["pools"]} for r in b["ranks"]}
         for side, b in zip(("context", "generation"), bodies, strict=True)
     }
     for expanded in expansion.routes:
-        route = expanded.route.to_dict()
-        bs, bd = align_blocks(route, blocks)
+        plan_route = expanded.route.to_dict()
+        route, bs, bd = align_request(plan_route, blocks, num_tokens)
         frags = expand_fragments(
-            route, pools["context"][route["sender_rank"]],
-            pools["generation"][route["receiver_rank"]], bs, bd,
+            route, pools["context"][plan_route["sender_rank"]],
+            pools["generation"][plan_route["receiver_rank"]], bs, bd,
         )  # fmt: skip
         got = sorted(
             (sp, int(s), dp, int(d), int(n))

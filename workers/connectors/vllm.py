@@ -117,6 +117,7 @@ class Receive:
     context: str  # the prefill's kvplane instance
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    num_tokens: int | None = None  # the prompt's tokens: blocks pair by token position
 
 
 @dataclass
@@ -189,7 +190,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._new_receives.append(Receive(
             request_id=request.request_id, remote_request_id=str(params["remote_request_id"]),
             context=str(params["kvplane_context"]), remote_block_ids=remote,
-            local_block_ids=local))
+            local_block_ids=local, num_tokens=len(request.prompt_token_ids or ()) or None))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvplaneConnectorMetadata(receive=self._new_receives, hold=self._new_holds)
@@ -306,7 +307,8 @@ class KvplaneConnector(KVConnectorBase_V1):
         assert self.worker is not None
         skip = min(self.fault_skip_blocks, len(receive.local_block_ids))
         blocks = {0: (receive.remote_block_ids[skip:], receive.local_block_ids[skip:])}
-        options = {"timeout_s": self.timeout_s, "verify": self.verify, "ask": True}
+        options: dict[str, Any] = {"timeout_s": self.timeout_s, "verify": self.verify, "ask": True,
+                   "num_tokens": receive.num_tokens}
         with self._lock:
             self._receiving[receive.remote_request_id] = receive
         try:
