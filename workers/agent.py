@@ -135,6 +135,8 @@ class Worker:
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
         self._seen_lock = threading.Lock()
         self.duplicate_commands = 0
+        self._refreshing = threading.Event()
+        self._refreshed_at = 0.0
         self.superseded = False  # another worker attached to this rank; this one stopped
         # Fault injection for tests and chaos drills (see Handover.hold_s).
         self.hold_s = float(os.environ.get("KVPLANE_WORKER_HOLD_S", 0))
@@ -211,7 +213,8 @@ class Worker:
                                      on_start=self._mark_targeted if self.fill else None,
                                      check=self._check_filled if self.fill else None,
                                      chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
-                                     hold_s=self.hold_s, on_ask=self.on_ask)
+                                     hold_s=self.hold_s, on_ask=self.on_ask,
+                                     on_unknown_agent=self._refresh_soon)
             log.info("worker %s attached to %s rank %d (%s, agent %s, UCX tls=%s devices=%s)",
                      self.worker_id, self.instance, self.rank, self.device, agent,
                      self.transport.ucx.tls, self.transport.ucx.net_devices)
@@ -319,6 +322,22 @@ class Worker:
             self.handover.directory = directory  # visible to the next send/expect at once
             self.handover.set_directory(directory)
         return directory
+
+    def _refresh_soon(self, agent: str) -> None:
+        """Refresh the directory on a thread of its own (at most one at a time, 4 a second)."""
+        now = time.monotonic()
+        if self._refreshing.is_set() or now - self._refreshed_at < 0.25:
+            return
+        self._refreshing.set()
+        self._refreshed_at = now
+
+        def refresh() -> None:
+            try:
+                self._refresh_quietly()
+            finally:
+                self._refreshing.clear()
+
+        threading.Thread(target=refresh, daemon=True, name="kvplane-refresh").start()
 
     def _refresh_quietly(self) -> None:
         try:

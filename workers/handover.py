@@ -427,6 +427,7 @@ class Handover:
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         hold_s: float = 0.0,
         on_ask: Callable[[Ask], None] | None = None,
+        on_unknown_agent: Callable[[str], None] | None = None,
     ) -> None:
         self.transport = transport
         self.instance = instance
@@ -443,6 +444,9 @@ class Handover:
         self.hold_s = hold_s
         # Context side: called on the progress thread with each new Ask (keep it short).
         self.on_ask = on_ask
+        # An ask from an agent the directory does not name yet (a peer paired a moment ago):
+        # the owner refreshes the directory off this thread; the ask comes again.
+        self.on_unknown_agent = on_unknown_agent
         self._asked: dict[str, float] = {}  # request ids asked for here: when
         self.areas = StagingAreas(int(transport.staging.numel()))
         self._inbox: deque[Callable[[], None]] = deque()
@@ -879,6 +883,8 @@ class Handover:
         peer = self._agents.get(agent)
         if peer is None:  # not a worker of a paired instance (yet): the ask comes again
             log.debug("ask for %s from unknown agent %s", xid, agent)
+            if self.on_unknown_agent is not None:
+                self.on_unknown_agent(agent)
             return
         try:
             body = json.loads("|".join(fields[6:]))

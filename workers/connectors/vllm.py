@@ -118,6 +118,7 @@ class Receive:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     num_tokens: int | None = None  # the prompt's tokens: blocks pair by token position
+    skip_blocks: int = 0  # fault injection: leave the first N blocks unloaded
 
 
 @dataclass
@@ -140,7 +141,8 @@ class KvplaneConnector(KVConnectorBase_V1):
         self.hold_s = float(extra.get("hold_s", DEFAULT_HOLD_S))
         self.timeout_s = float(extra.get("timeout_s", DEFAULT_TIMEOUT_S))
         self.verify = bool(extra.get("verify", False))
-        # Fault injection for tests: the decode leaves its first N blocks unloaded.
+        # Fault injection for tests: the decode leaves its first N blocks unloaded (per request:
+        # kv_transfer_params' "kvplane_fault_skip_blocks").
         self.fault_skip_blocks = int(extra.get("fault_skip_blocks", 0))
         # scheduler side
         self._holding: dict[str, float] = {}  # prefill: request id -> until (wall clock)
@@ -190,7 +192,8 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._new_receives.append(Receive(
             request_id=request.request_id, remote_request_id=str(params["remote_request_id"]),
             context=str(params["kvplane_context"]), remote_block_ids=remote,
-            local_block_ids=local, num_tokens=len(request.prompt_token_ids or ()) or None))
+            local_block_ids=local, num_tokens=len(request.prompt_token_ids or ()) or None,
+            skip_blocks=int(params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks))))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvplaneConnectorMetadata(receive=self._new_receives, hold=self._new_holds)
@@ -305,7 +308,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         from workers.directory import HandoverError
 
         assert self.worker is not None
-        skip = min(self.fault_skip_blocks, len(receive.local_block_ids))
+        skip = min(receive.skip_blocks, len(receive.local_block_ids))
         blocks = {0: (receive.remote_block_ids[skip:], receive.local_block_ids[skip:])}
         options: dict[str, Any] = {"timeout_s": self.timeout_s, "verify": self.verify, "ask": True,
                    "num_tokens": receive.num_tokens}
