@@ -101,7 +101,7 @@ def serve(settings: Settings, wrap: Callable[[Any], Any] | None = None) -> Itera
             thread.join(timeout=10)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     """Debian's Chromium under Playwright; skip (fail under CI=true) when it is missing."""
     if not Path(CHROMIUM).exists():
