@@ -12,16 +12,8 @@ tier skips loudly, and fails under ``CI=true``.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import random
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,79 +21,17 @@ import pytest
 
 from workers.engine_loop import ControlPlane
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-VLLM_PYTHON = Path(os.environ.get("KVPLANE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+from .engines import Engine, prompts, require_vllm, write_model
+from .engines import handover as _handover
 
 pytestmark = pytest.mark.slow
 
 
-def _vllm_ready() -> str | None:
-    if not VLLM_PYTHON.exists():
-        return f"no vLLM environment at {VLLM_PYTHON} (make vllm-env)"
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, nixl"], capture_output=True,
-                           text=True, timeout=300)
-    if probe.returncode:
-        return f"vllm does not import in {VLLM_PYTHON}: {probe.stderr[-400:]}"
-    return None
-
-
-class Engine:
-    """One vLLM engine process (``engine.py``), driven over its stdin/stdout."""
-
-    def __init__(self, workdir: Path, model: Path, role: str, core: str, *,
-                 instance: str | None = None, control_plane: str | None = None) -> None:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core,
-               "PYTHONPATH": str(ROOT)}
-        self.log_path = workdir / f"{instance or role}.log"
-        argv = [str(VLLM_PYTHON), str(HERE / "engine.py"), "--model", str(model), "--role", role]
-        if instance:
-            argv += ["--instance", instance, "--control-plane", str(control_plane)]
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, text=True, env=env,
-                                            start_new_session=True)
-
-    def read(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("@@ "):
-                return json.loads(line[3:])
-        raise RuntimeError(f"the engine exited: {self.log_path.read_text()[-3000:]}")
-
-    def call(self, **command: Any) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        return self.read()
-
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 params: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)
-
-    def stop(self) -> None:
-        # vLLM spawns its engine core (and, with TP, its workers): end the whole group, or
-        # their spinning OpenMP threads outlive the test on the cores they are bound to.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                stream.close()
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    reason = _vllm_ready()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: the vLLM tier must run: {reason}")
-        print(f"\nSKIPPING the vLLM tier: {reason}", file=sys.stderr)
-        pytest.skip(reason)
+    require_vllm()
     workdir = tmp_path_factory.mktemp("vllm")
-    model = workdir / "model"
-    subprocess.run([str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model)], check=True,
-                   capture_output=True, timeout=300)
+    model = write_model(workdir)
     plane = ControlPlane(workdir)
     plane.start()
     engines: list[Engine] = []
@@ -120,18 +50,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         plane.stop()
 
 
-def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 4000) for _ in range(n)] for n in lengths]
-
-
 def handover(fleet: dict[str, Any], prefilled: list[list[int]], decoded: list[list[int]],
              max_tokens: int = 16, **extra: Any) -> list[list[int]]:
-    """Prefill ``prefilled`` on the prefill engine, then decode ``decoded`` with its params."""
-    pre = fleet["prefill"].generate(prefilled, 1, [{"do_remote_decode": True}] * len(prefilled))
-    params = [{**p, **extra} for p in pre["params"]]
-    assert all(p and p["kvplane_context"] == "vllm-prefill" for p in params), params
-    return fleet["decode"].generate(decoded, max_tokens, params)["tokens"]
+    return _handover(fleet["prefill"], fleet["decode"], prefilled, decoded, max_tokens, **extra)
 
 
 def test_decode_after_a_kvplane_handover_equals_one_engine(fleet: dict[str, Any]) -> None:

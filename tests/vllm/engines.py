@@ -1,0 +1,127 @@
+"""Real vLLM engines for the vLLM tier and ``bench/vllm_handover.py``: each one an ``engine.py``
+process in the vLLM environment (``.venv-vllm``), bound to its own core, driven over stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = Path(os.environ.get("KVPLANE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM environment cannot run engines here, or None."""
+    if not VLLM_PYTHON.exists():
+        return f"no vLLM environment at {VLLM_PYTHON} (make vllm-env)"
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, nixl"], capture_output=True,
+                           text=True, timeout=300)
+    if probe.returncode:
+        return f"vllm does not import in {VLLM_PYTHON}: {probe.stderr[-400:]}"
+    return None
+
+
+def require_vllm() -> None:
+    """Skip loudly without the vLLM environment; fail under ``CI=true``."""
+    reason = vllm_missing()
+    if reason is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true: the vLLM tier must run: {reason}")
+    print(f"\nSKIPPING the vLLM tier: {reason}", file=sys.stderr)
+    pytest.skip(reason)
+
+
+def write_model(workdir: Path) -> Path:
+    """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``."""
+    model = workdir / "model"
+    subprocess.run([str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model)], check=True,
+                   capture_output=True, timeout=300)
+    return model
+
+
+class Engine:
+    """One vLLM engine process (``engine.py``), driven over its stdin/stdout.
+
+    ``core`` binds its OpenMP threads (``"0"``, ``"1"``, or ``"0|1"`` for TP 2, one core per
+    rank); ``env`` adds to its environment (e.g. ``KVPLANE_WORKER_HOLD_S``)."""
+
+    def __init__(self, workdir: Path, model: Path, role: str, core: str, *,
+                 instance: str | None = None, control_plane: str | None = None, tp: int = 1,
+                 dtype: str = "bfloat16", extra: Mapping[str, Any] | None = None,
+                 failure_policy: str = "fail", env: Mapping[str, str] | None = None,
+                 log_name: str | None = None) -> None:
+        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.log_path = workdir / f"{log_name or instance or role}.log"
+        argv = [str(VLLM_PYTHON), str(HERE / "engine.py"), "--model", str(model), "--role", role,
+                "--tp", str(tp), "--dtype", dtype, "--failure-policy", failure_policy,
+                "--extra", json.dumps(dict(extra or {}))]
+        if instance:
+            argv += ["--instance", instance, "--control-plane", str(control_plane)]
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, text=True, env=environment,
+                                            start_new_session=True)
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        raise RuntimeError(f"the engine exited: {self.log_path.read_text()[-3000:]}")
+
+    def send(self, **command: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def call(self, **command: Any) -> dict[str, Any]:
+        self.send(**command)
+        return self.read()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 params: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        # vLLM spawns its engine core (and, with TP, its workers): end the whole group, or
+        # their spinning OpenMP threads outlive the test on the cores they are bound to.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 4000) for _ in range(n)] for n in lengths]
+
+
+def handover(prefill: Engine, decode: Engine, prefilled: list[list[int]],
+             decoded: list[list[int]], max_tokens: int = 16, *, context: str = "vllm-prefill",
+             **extra: Any) -> list[list[int]]:
+    """Prefill ``prefilled`` on ``prefill``, then decode ``decoded`` on ``decode`` with the
+    ``kv_transfer_params`` that came back (plus ``extra``)."""
+    pre = prefill.generate(prefilled, 1, [{"do_remote_decode": True}] * len(prefilled))
+    params = [{**p, **extra} for p in pre["params"]]
+    assert all(p and p["kvplane_context"] == context for p in params), params
+    return decode.generate(decoded, max_tokens, params)["tokens"]
