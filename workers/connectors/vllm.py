@@ -97,6 +97,20 @@ def instance_name(config: VllmConfig) -> str:
     return f"vllm-{side}-{str(kv.engine_id)[:8]}"
 
 
+def _log_to_stderr(level: str) -> None:
+    """``log_level`` (or ``KVPLANE_LOG_LEVEL``): kvplane's loggers at that level on stderr, in
+    every engine process (the scheduler's and each rank's); unset, only warnings reach stderr."""
+    if not level:
+        return
+    logger = logging.getLogger("kvplane")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s kvplane[{os.getpid()}] %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def _role(config: VllmConfig) -> str:
     kv = config.kv_transfer_config
     assert kv is not None
@@ -138,6 +152,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self.kind = _role(vllm_config)
         self.instance = instance_name(vllm_config)
         extra = _extra(vllm_config)
+        _log_to_stderr(str(extra.get("log_level") or os.environ.get("KVPLANE_LOG_LEVEL") or ""))
         self.hold_s = float(extra.get("hold_s", DEFAULT_HOLD_S))
         self.timeout_s = float(extra.get("timeout_s", DEFAULT_TIMEOUT_S))
         self.verify = bool(extra.get("verify", False))
@@ -339,6 +354,7 @@ class KvplaneConnector(KVConnectorBase_V1):
 
     def _hold(self, holds: dict[str, tuple[list[int], float]]) -> None:
         ready = []
+        log.debug("kvplane: %s holds %s", self.instance, sorted(holds))
         with self._lock:
             self._held.update(holds)
             for request_id in holds:
@@ -354,6 +370,8 @@ class KvplaneConnector(KVConnectorBase_V1):
             held = ask.request_id in self._held
             if not held:
                 self._parked[ask.request_id] = (ask, time.monotonic())
+        log.debug("kvplane: %s asked for %s by %s (%s)", self.instance, ask.request_id, ask.peer,
+                  "held" if held else "parked")
         if held:
             self._serve(ask)
 
