@@ -30,6 +30,7 @@ from api.routers.transfers import push_commands
 from api.services import execution as execution_service
 from api.services import instances as instance_service
 from api.services import pairings as pairing_service
+from api.services import registration
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
 from web import charts, diagrams, queries
@@ -299,7 +300,7 @@ def instance_deregister(request: Request, name: str, form: FormDep, db: DbDep) -
         return RedirectResponse(f"/ui/instances/{name}/deregister", status_code=303)
     try:
         with db.write() as session:
-            instance_service.delete_instance(session=session, name=name)
+            registration.delete_instance(session=session, name=name)
     except NotFound as error:
         return _not_found(request, error)
     return RedirectResponse("/ui/instances?notice=deregistered", status_code=303)
