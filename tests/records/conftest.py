@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from api import schemas, schemas_exec
 from api.db import Database, utcnow
-from api.demo import fake_peer
+from api.demo_fleet import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.models import InstanceRow, PairingRow
 from api.services import execution, instances, pairings, registration, transfers

@@ -17,7 +17,7 @@ from sqlalchemy import event
 
 from api import dispatch, schemas_exec
 from api.db import Database, utcnow
-from api.demo import fake_peer
+from api.demo_fleet import fake_peer
 from api.dispatch import CommandHub, CommandStreamResponse, encode, render
 from api.errors import Conflict
 from api.geometry.builders import instance_body
