@@ -1,6 +1,6 @@
 """Execution record: dispatching REST transfers to workers, and what workers report back.
 
-The hot path runs in the workers (``workers/handover.py``): every rank computes its routes from
+The hot path runs in the workers (``workers/handover/``): every rank computes its routes from
 its cached directory, so the control plane is not on a request's way. What is left here:
 
 - **dispatch** (REST ``execute=true``): :func:`dispatch_commands` checks that every rank taking

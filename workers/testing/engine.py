@@ -88,7 +88,8 @@ GENERATION = "demo-gen-tp2"
 WORLD = {CONTEXT: 4, GENERATION: 2}
 START_TIMEOUT_S = 180.0
 # Between empty polls the raw loops sleep as long as the handover's busy progress loop does
-# (workers/handover.py BUSY_SLEEP_S): six processes spinning on two cores measure the scheduler.
+# (BUSY_SLEEP_S of workers/handover/engine_api.py): six processes spinning on two cores measure
+# the scheduler.
 RAW_POLL_SLEEP_S = 0.00005
 REPO = Path(__file__).resolve().parents[2]
 
