@@ -1,4 +1,5 @@
-"""The folder tree keeps its architecture: no import circles among ``api``, ``workers`` and ``web``.
+"""The folder tree keeps its architecture: no import circles among ``api``, ``workers`` and ``web``,
+and no layer imports one above it.
 
 The import graph is read from the source (a walk over every ``import`` statement, including the
 ones inside functions and under ``if TYPE_CHECKING:``: a deferred import still ties two modules
@@ -148,6 +149,59 @@ def test_no_import_circles_among_api_workers_and_web() -> None:
     assert not circles, "import circles (move the shared piece down a layer):\n" + "\n".join(
         circles
     )
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A boundary: modules under ``importers`` (but not under ``exempt``) import nothing under
+    ``forbidden`` except what is under ``allowed``; a name covers a module and all below it."""
+
+    importers: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    why: str
+    allowed: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+
+
+LAYERS = [
+    Layer(("api", "workers", "web"), ("api.cli",),
+          "the command line sits above the server and the workers; nothing below imports it",
+          exempt=("api.cli",)),
+    Layer(("workers",), ("workers.testing",),
+          "the data path never imports its test and bench equipment",
+          # workers.engine_loop: the reference engine's old path, kept for tests/vllm.
+          exempt=("workers.testing", "workers.engine_loop")),
+    Layer(("workers",), ("api",),
+          "workers reach the control plane only through the client, the wire schemas, the logs "
+          "and the planning core",
+          allowed=("api.client", "api.schemas", "api.schemas_exec", "api.logs", "api.geometry")),
+    Layer(("api.geometry",), ("api", "workers", "web"),
+          "the planning core imports nothing else of kvplane", allowed=("api.geometry",)),
+]
+
+
+def _under(module: str, names: Iterable[str]) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in names)
+
+
+def upward_imports(root: Path, packages: Iterable[str]) -> list[str]:
+    """Each import that crosses a boundary of :data:`LAYERS` the wrong way, with its reason."""
+    graph = import_graph(module_files(root, packages))
+    found = []
+    for module, edges in sorted(graph.items()):
+        for layer in LAYERS:
+            if not _under(module, layer.importers) or _under(module, layer.exempt):
+                continue
+            for edge in edges:
+                if _under(edge.target, layer.forbidden) and not _under(edge.target, layer.allowed):
+                    where = f"{edge.path.relative_to(root)}:{edge.line}"
+                    found.append(f"{module} -> {edge.target} ({where}): {layer.why}")
+    return found
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    upward = upward_imports(ROOT, PACKAGES)
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
 def test_a_circle_is_named_with_its_imports(tmp_path: Path) -> None:
