@@ -78,10 +78,10 @@ bench: install
 # kvp-gen 10.77.0.3 on the bridge kvp-br0 (10.77.0.254 here). Run processes on a host with
 # `ip netns exec kvp-ctx ...` (docs/operators.md, "Several hosts"); tests/multihost builds its own.
 hosts-up: install
-	$(PY) -m workers.netbed up
+	$(PY) -m workers.testing.netbed up
 
 hosts-down:
-	$(PY) -m workers.netbed down
+	$(PY) -m workers.testing.netbed down
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) var $(NODE_DIR)/node_modules

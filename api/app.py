@@ -72,7 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         hub.bind(asyncio.get_running_loop())
         if settings.demo_fleet:
-            from api.demo import register_demo_fleet
+            from api.demo_fleet import register_demo_fleet
 
             register_demo_fleet(db)
         # A second lifespan on the same app (tests nest clients) shares the first one's relay.

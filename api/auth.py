@@ -49,6 +49,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import csrf
+from api.cookies import SESSION_COOKIE
 from api.db import Database, utcnow
 from api.errors import BadRequest, Forbidden, NotFound, Unauthorized, problem_response
 from api.models import (
@@ -59,6 +60,7 @@ from api.models import (
     TransferRow,
     WorkerRow,
 )
+from web.pages import templates
 
 SCOPES = ("instance", "worker", "operator", "admin")
 #: Scopes bound to one instance name.
@@ -66,7 +68,6 @@ BOUND_SCOPES = ("instance", "worker")
 TOKEN_PREFIX = "kvp_"
 #: Upper bound of a rank a worker token may be bound to (far above any world size).
 MAX_RANKS = 1 << 16
-SESSION_COOKIE = "kvplane_session"
 LOGIN_PATH = "/ui/login"
 
 
@@ -559,8 +560,6 @@ login_router = APIRouter(include_in_schema=False)
 
 
 def _login_page(request: Request, next_path: str, error: str | None, status_code: int) -> Response:
-    from api.routers.dashboard import templates
-
     response = templates.TemplateResponse(
         request,
         "login.html",
@@ -701,8 +700,6 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(csrf.CsrfRefused)
     async def _csrf_refused(request: Request, exc: csrf.CsrfRefused) -> Response:
-        from api.routers.dashboard import templates
-
         response = templates.TemplateResponse(
             request,
             "not_found.html",

@@ -31,9 +31,9 @@ from urllib.parse import parse_qs
 from fastapi import Request
 from starlette.responses import Response
 
+from api.cookies import CSRF_COOKIE, SESSION_COOKIE
 from api.errors import Forbidden
 
-CSRF_COOKIE = "kvplane_csrf"
 CSRF_FIELD = "csrf_token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _R = TypeVar("_R", bound=Response)
@@ -53,8 +53,6 @@ def _key(request: Request) -> bytes:
 
 
 def _session_cookie(request: Request) -> str:
-    from api.auth import SESSION_COOKIE
-
     return request.cookies.get(SESSION_COOKIE, "")
 
 

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from api.app import create_app  # noqa: E402
-from api.demo import instance_body  # noqa: E402
+from api.demo_fleet import instance_body  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
 from api.settings import Settings  # noqa: E402
 

@@ -4,7 +4,7 @@
 
 Two ``kvplane serve`` processes (A, B) on a fresh PostgreSQL database (created from ``--postgres``,
 default ``KVPLANE_TEST_POSTGRES_URL``, dropped at the end), the demo fleet (six rank processes,
-``workers/engine_loop.py``) whose workers are given both URLs, A first: every command stream,
+``workers/testing/engine.py``) whose workers are given both URLs, A first: every command stream,
 heartbeat and record starts on A. ``--routers`` client threads post ``POST /v1/transfers``
 (``execute=true``, 4 blocks, one Idempotency-Key per request) and long-poll ``GET ?wait=30``, each
 with both URLs (half of them starting on B). After ``--kill-at`` of the requests finished, A is
@@ -33,7 +33,7 @@ from sqlalchemy.engine import make_url  # noqa: E402
 
 from api.client import Client  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
-from workers.engine_loop import (  # noqa: E402
+from workers.testing.engine import (  # noqa: E402
     CONTEXT,
     GENERATION,
     ControlPlane,

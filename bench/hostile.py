@@ -49,7 +49,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from api.demo import fake_peer  # noqa: E402
+from api.demo_fleet import fake_peer  # noqa: E402
 from api.geometry.builders import ViewSpec, instance_body  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
 from api.schemas_exec import MAX_METADATA_B64  # noqa: E402

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/latency.py [--quick] [--reps N] [--device cuda] [--json out.json]
 
-One control plane (``kvplane serve``, SQLite) and six rank processes (``workers/engine_loop.py``:
+One control plane (``kvplane serve``, SQLite) and six rank processes (``workers/testing/engine.py``:
 TP4 context with an 8-head target and a 2-head draft view → TP2 generation, each rank a fake
 engine embedding a Worker). For 1, 4, 16 and 64 blocks per request and 1, 4 and 16 requests in
 flight (closed loop), three paths between the same six processes:
@@ -31,7 +31,7 @@ flight (closed loop), three paths between the same six processes:
   from ``in flight`` client threads; the same workers serve it through their command stream.
   Latency = POST sent → GET answered ``done``.
 
-``--hosts``: the same three paths across three hosts (``workers/netbed.py``, root only): the
+``--hosts``: the same three paths across three hosts (``workers/testing/netbed.py``, root only): the
 control plane in ``kvp-cp``, the context ranks in ``kvp-ctx``, the generation ranks in ``kvp-gen``,
 every worker on ``--ucx-tls`` (default ``tcp``: the bytes cross the veths instead of shared
 memory). Adds GB/s (bytes/request × transfers/s) and the megabytes that left the context host's
@@ -66,7 +66,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
 from api.geometry import compile_plan, expand, parse_instance  # noqa: E402
-from workers.engine_loop import (  # noqa: E402
+from workers.testing.engine import (  # noqa: E402
     CONTEXT,
     GENERATION,
     Fleet,
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     bed = None
     hosts: dict[str, Any] = {}
     if args.hosts:
-        from workers import netbed
+        from workers.testing import netbed
 
         why = netbed.available()
         if why:

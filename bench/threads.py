@@ -3,7 +3,7 @@
     .venv/bin/python bench/threads.py [--blocks 4] [--in-flight 16] [--requests 1500]
 
 The same fleet as ``bench/latency.py`` (one control plane on SQLite, six rank processes from
-``workers/engine_loop.py``). Before and after one run of the engine path (``worker.send`` /
+``workers/testing/engine.py``). Before and after one run of the engine path (``worker.send`` /
 ``worker.expect`` on every rank, closed loop), it reads each thread's user + system CPU time
 from ``/proc/<pid>/task/<tid>/stat`` (Linux) and prints, per request, the CPU of every kind of
 thread: the fake engine's own thread (``MainThread``, where ``send``/``expect`` run), the
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
-from workers.engine_loop import Fleet, cpu_seconds  # noqa: E402
+from workers.testing.engine import Fleet, cpu_seconds  # noqa: E402
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from workers.executors import copy_local, gather, scatter, staging_layout  # noqa: E402
 from workers.pools import allocate_pools, fill_pattern  # noqa: E402
-from workers.testing import HeadSlice  # noqa: E402
+from workers.testing.oracles import HeadSlice  # noqa: E402
 
 TIMEOUT_S = 300.0
 

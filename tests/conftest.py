@@ -7,11 +7,11 @@
 
 ``db_url`` is parametrized over both backends; ``app`` and ``client`` build on it.
 
-``bed`` (session): the three-host network-namespace bed of ``workers/netbed.py`` (``kvp-cp``,
-``kvp-ctx``, ``kvp-gen`` on a bridge), built once and removed at the end; skipped loudly where
-namespaces cannot be built, a failure under ``CI=true``. ``postgres_socket_url``: this test's
-PostgreSQL database through the server's Unix socket, which a namespace reaches (the server
-listens on the root namespace's 127.0.0.1 only).
+``bed`` (session): the three-host network-namespace bed of ``workers/testing/netbed.py``
+(``kvp-cp``, ``kvp-ctx``, ``kvp-gen`` on a bridge), built once and removed at the end; skipped
+loudly where namespaces cannot be built, a failure under ``CI=true``. ``postgres_socket_url``:
+this test's PostgreSQL database through the server's Unix socket, which a namespace reaches (the
+server listens on the root namespace's 127.0.0.1 only).
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def postgres_socket_url(postgres_url: str) -> str:
 
 @pytest.fixture(scope="session")
 def bed() -> Iterator[Any]:
-    """The three-host bed (``workers.netbed.Bed``), built once; torn down at the end."""
-    from workers import netbed
+    """The three-host bed (``workers.testing.netbed.Bed``), built once; torn down at the end."""
+    from workers.testing import netbed
 
     why = netbed.available()
     if why is not None:

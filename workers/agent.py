@@ -8,7 +8,7 @@ Lifecycle of a :class:`Worker` (embedded in an engine, or as ``kvplane worker``)
    (agent metadata, pool base addresses, staging buffer). The metadata travels through the
    control plane, never a side channel.
 2. **start**: fetch the worker's *directory* (``workers/directory.py``) and start four threads:
-   the handover's progress loop (``workers/handover.py``, the hot path), the heartbeat (its
+   the handover's progress loop (``workers/handover/``, the hot path), the heartbeat (its
    answer's ``directory_revision`` triggers a refetch, so a re-registration or a restarted peer
    reaches the worker within one heartbeat interval; ``409 worker_stale`` re-attaches; it also
    carries what UCX uses for the endpoint's peer connections, ``ucx_in_use``), the

@@ -1,18 +1,20 @@
 """The planning core: pure data in, data out (no FastAPI, SQLAlchemy or torch).
 
-Pipeline: :func:`parse_instance` / :func:`parse_rank` check registered page tables;
-:func:`validate_pairing` explains every incompatibility; :func:`compile_plan` builds the rank map,
-elects senders and emits strided transfer templates; :func:`expand` applies a plan to one request's
-block lists. Module docstrings state the formulas: :mod:`.heads` (shards, replicas, head ranges),
-:mod:`.match` (view matching), :mod:`.validate` (error codes), :mod:`.plan` (election, templates),
-:mod:`.expand` (block alignment by tokens, also for different ``tokens_per_block``), :mod:`.state`
-(per-request recurrent state: the state axis, SSM heads, SECTIONED conv state).
+Pipeline: :func:`parse_instance` / :func:`parse_rank` (:mod:`.parse`) check registered page tables
+into :mod:`.model` data; :func:`validate_pairing` explains every incompatibility;
+:func:`compile_plan` builds the rank map, elects senders and emits strided transfer templates;
+:func:`expand` applies a plan to one request's block lists. Module docstrings state the formulas:
+:mod:`.heads` (shards, replicas, head ranges), :mod:`.match` (view matching), :mod:`.validate`
+(error codes), :mod:`.plan` (election, templates), :mod:`.expand` (block alignment by tokens, also
+for different ``tokens_per_block``), :mod:`.state` (per-request recurrent state: the state axis,
+SSM heads, SECTIONED conv state).
 """
 
 from api.geometry.errors import GeometryError, Problem
 from api.geometry.expand import Expansion, expand
 from api.geometry.heads import ViewGeometry
-from api.geometry.model import Buffer, Instance, Pool, RankTable, View, parse_instance, parse_rank
+from api.geometry.model import Buffer, Instance, Pool, RankTable, View
+from api.geometry.parse import parse_instance, parse_rank
 from api.geometry.plan import (
     Plan,
     ReceiverPlan,

@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 from functools import partial
-from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from fastapi.templating import Jinja2Templates
 
 from api import csrf
 from api.db import utcnow
@@ -30,23 +28,18 @@ from api.routers.transfers import push_commands
 from api.services import execution as execution_service
 from api.services import instances as instance_service
 from api.services import pairings as pairing_service
+from api.services import registration
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
 from web import charts, diagrams, queries
-from web.format import FILTERS, rate
+from web.format import rate
+from web.pages import STATIC_DIR, STATIC_URL, templates
 
-# web/ sits beside api/ (in the checkout and in an installed wheel alike).
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"
-STATIC_URL = "/ui/static"
 PAGE_SIZE = 50
 MATRIX_ROWS = 20
 MATRIX_COLUMNS = 12
-POLL_S = 3
 
 router = APIRouter(include_in_schema=False)
-templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
-templates.env.filters.update(FILTERS)
-templates.env.globals.update(static=STATIC_URL, poll_s=POLL_S)
 
 NOTICES = {
     "revalidated": "Pairing re-validated.",
@@ -64,7 +57,7 @@ def install(app: FastAPI, dependencies: Sequence[Any] = ()) -> None:
     """Serve the dashboard pages (behind the CSRF check, then ``dependencies``) and their
     static files from ``app``."""
     app.include_router(router, dependencies=[Depends(csrf.protect), *dependencies])
-    app.mount(STATIC_URL, StaticFiles(directory=str(WEB_DIR / "static")), name="dashboard-static")
+    app.mount(STATIC_URL, StaticFiles(directory=str(STATIC_DIR)), name="dashboard-static")
 
 
 def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
@@ -299,7 +292,7 @@ def instance_deregister(request: Request, name: str, form: FormDep, db: DbDep) -
         return RedirectResponse(f"/ui/instances/{name}/deregister", status_code=303)
     try:
         with db.write() as session:
-            instance_service.delete_instance(session=session, name=name)
+            registration.delete_instance(session=session, name=name)
     except NotFound as error:
         return _not_found(request, error)
     return RedirectResponse("/ui/instances?notice=deregistered", status_code=303)

@@ -10,7 +10,7 @@ from api import schemas
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
 from api.services import instances as service
-from api.services import stats
+from api.services import registration, stats
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 
@@ -49,7 +49,7 @@ def register_instance(
         before = stats.transfer_statuses(
             session=session, transfer_ids=stats.transfer_ids_of_instance(session=session, name=name)
         )
-        row, created, changed = service.register_instance(
+        row, created, changed = registration.register_instance(
             session=session, name=name, body=body, if_match=if_match
         )
         result = service.instance_read(row)
@@ -87,7 +87,7 @@ def report_rank(
         before = stats.transfer_statuses(
             session=session, transfer_ids=stats.transfer_ids_of_instance(session=session, name=name)
         )
-        row, created, changed = service.report_rank(
+        row, created, changed = registration.report_rank(
             session=session, name=name, rank=rank, body=body, if_match=if_match
         )
         result = service.instance_read(row)
@@ -153,7 +153,7 @@ def delete_instance(
         before = stats.transfer_statuses(
             session=session, transfer_ids=stats.transfer_ids_of_instance(session=session, name=name)
         )
-        service.delete_instance(session=session, name=name, if_match=if_match)
+        registration.delete_instance(session=session, name=name, if_match=if_match)
         finished = stats.newly_finished(session=session, before=before)
     metrics.transfers_settled(finished)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,6 +1,6 @@
 """Execution record: dispatching REST transfers to workers, and what workers report back.
 
-The hot path runs in the workers (``workers/handover.py``): every rank computes its routes from
+The hot path runs in the workers (``workers/handover/``): every rank computes its routes from
 its cached directory, so the control plane is not on a request's way. What is left here:
 
 - **dispatch** (REST ``execute=true``): :func:`dispatch_commands` checks that every rank taking
@@ -38,6 +38,7 @@ from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, Forbidden, KvplaneError, NotFound, Unavailable
 from api.geometry import Plan, expand
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
+from api.services.pairings import plan_for_pairing
 from api.services.workers import current_worker, instance_by_name, live_worker_ids, live_workers
 
 log = logging.getLogger(__name__)
@@ -636,8 +637,6 @@ def _plan_of(session: Session, tid: str, record: wire.TransferRecord
     if plan_row is None and pairing is not None and (
             pairing.context_epoch, pairing.generation_epoch) == (record.context_epoch,
                                                                  record.generation_epoch):
-        from api.services.pairings import plan_for_pairing
-
         try:
             plan_id, _ = plan_for_pairing(session=session, pairing=pairing,
                                           context_dp_rank=record.context_dp_rank,

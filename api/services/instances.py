@@ -1,4 +1,4 @@
-"""Instance registration: PUT whole or rank by rank, generation/epoch bookkeeping, staleness.
+"""Stored registrations: PUT whole or rank by rank, generation/epoch bookkeeping, reads.
 
 Replace semantics of ``PUT /v1/instances/{name}`` (documented in the README):
 
@@ -7,9 +7,14 @@ Replace semantics of ``PUT /v1/instances/{name}`` (documented in the README):
 - header changed: the registration is replaced, ranks not in the body are dropped (a restarted
   instance re-reports them).
 
-Any change bumps ``generation``, issues a new ``epoch`` and marks every pairing (and cached plan)
-that uses the instance ``stale``. Deleting an instance deletes its pairings and their cached plans;
-transfers keep their names and payload (their ``pairing_id`` becomes null).
+Any change bumps ``generation`` and issues a new ``epoch``. Deleting an instance deletes its
+pairings and their cached plans; transfers keep their names and payload (their ``pairing_id``
+becomes null).
+
+This module stores and reads registrations only; what a new epoch or a deregistration means for
+pairings, directories and transfers is :mod:`api.services.registration`, which the routes call.
+The other services read registrations from here (:func:`load_geometry`,
+:func:`geometry_problem`) and never import the layer above.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ from api.db import utcnow
 from api.errors import BadRequest, NotFound, PreconditionFailed
 from api.geometry import GeometryError, Instance, parse_instance, parse_rank
 from api.models import InstanceRow, RankRow
-from api.services.execution import fail_transfers_of_instance
-from api.services.pairings import bump_peer_directories, mark_stale_for_instance
 
 
 def new_epoch() -> str:
@@ -127,32 +130,24 @@ def load_geometry(row: InstanceRow) -> Instance:
     return parse_instance({**row.header, "ranks": [rank.body for rank in row.ranks]}, row.name)
 
 
-def _touch(session: Session, row: InstanceRow, instance: Instance) -> None:
+def _new_epoch(session: Session, row: InstanceRow, instance: Instance) -> None:
     row.generation += 1
     row.epoch = new_epoch()
     row.status = "ready" if instance.is_complete else "incomplete"
     row.updated_at = utcnow()
     session.flush()
-    mark_stale_for_instance(session=session, instance_id=row.id)
-    bump_peer_directories(session, row.id, itself=True)
-    # Jobs planned on the old epoch must never run against the new memory layout.
-    fail_transfers_of_instance(
-        session=session,
-        instance_id=row.id,
-        now=row.updated_at,
-        reason=f"peer_restarted: {row.name} re-registered (new epoch {row.epoch}); no byte of "
-        "the old layout is used",
-    )
 
 
-def register_instance(
+def store_instance(
     *,
     session: Session,
     name: str,
     body: schemas.InstanceCreate,
     if_match: str | None = None,
 ) -> tuple[InstanceRow, bool, bool]:
-    """Register or replace ``name``; returns ``(row, created, changed)``."""
+    """Store or replace ``name``'s registration; returns ``(row, created, changed)``.
+
+    A change of an existing instance issues a new epoch (see :mod:`api.services.registration`)."""
     header = _header(body)
     rank_bodies = [_rank_body(rank) for rank in body.ranks]
     try:
@@ -188,7 +183,7 @@ def register_instance(
         row.ranks.clear()
         session.flush()
         row.ranks.extend(RankRow(rank=r["rank"], body=r, updated_at=now) for r in rank_bodies)
-        _touch(session, row, instance)
+        _new_epoch(session, row, instance)
         return row, False, True
 
     changed = False
@@ -207,11 +202,11 @@ def register_instance(
     for rank, old in stored.items():
         if rank not in given:
             instance = instance.with_rank(parse_rank(instance, old.body))
-    _touch(session, row, instance)
+    _new_epoch(session, row, instance)
     return row, False, True
 
 
-def report_rank(
+def store_rank(
     *,
     session: Session,
     name: str,
@@ -219,17 +214,16 @@ def report_rank(
     body: schemas.RankCreate,
     if_match: str | None = None,
 ) -> tuple[InstanceRow, bool, bool]:
-    """Store one rank's page table; returns ``(row, created_rank, changed)``."""
+    """Store one rank's page table; returns ``(row, created_rank, changed)``.
+
+    A change issues a new epoch (see :mod:`api.services.registration`)."""
     if body.rank != rank:
         raise BadRequest(
             f"body rank {body.rank} differs from the path's rank {rank}",
             code="validation_error",
             errors=[{"loc": ["body", "rank"], "msg": f"must equal the path rank {rank}"}],
         )
-    row = _find(session, name, for_update=True)
-    if row is None:
-        raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
-    check_if_match(row, if_match)
+    row = lock_instance(session=session, name=name, if_match=if_match)
     rank_body = _rank_body(body)
     stored = {r.rank: r for r in row.ranks}
     old = stored.get(rank)
@@ -250,23 +244,22 @@ def report_rank(
     else:
         old.body = rank_body
         old.updated_at = now
-    _touch(session, row, instance)
+    _new_epoch(session, row, instance)
     return row, old is None, True
 
 
-def delete_instance(*, session: Session, name: str, if_match: str | None = None) -> None:
-    """Delete ``name``, its ranks, pairings and cached plans (transfers are kept)."""
+def lock_instance(*, session: Session, name: str, if_match: str | None = None) -> InstanceRow:
+    """``name``'s row, locked for a change; 404 when it is not registered, 412 unless
+    ``If-Match`` holds."""
     row = _find(session, name, for_update=True)
     if row is None:
         raise NotFound(f"instance {name!r} is not registered", code="instance_not_found")
     check_if_match(row, if_match)
-    fail_transfers_of_instance(
-        session=session,
-        instance_id=row.id,
-        now=utcnow(),
-        reason=f"peer_left: {row.name} was deregistered",
-    )
-    bump_peer_directories(session, row.id)
+    return row
+
+
+def remove_instance(*, session: Session, row: InstanceRow) -> None:
+    """Delete a locked instance row; its ranks, pairings and cached plans go with it."""
     session.execute(delete(InstanceRow).where(InstanceRow.id == row.id))
     session.expunge(row)
 

@@ -24,6 +24,7 @@ from api.errors import BadRequest, Conflict, Incompatible, NotFound
 from api.geometry import GeometryError, Instance, Plan, compile_plan, parse_instance
 from api.geometry import validate_pairing as validate_geometry
 from api.models import NO_DP_RANK, InstanceRow, PairingRow, PlanRow
+from api.services.instances import geometry_problem
 
 PLAN_MEMO_SIZE = 256
 
@@ -380,8 +381,6 @@ def check_compatibility(
     generation_dp_rank: int | None = None,
 ) -> schemas.CompatibilityRead:
     """Validate two inline instance bodies (nothing stored); a plan summary when compatible."""
-    from api.services.instances import geometry_problem
-
     instances: list[Instance] = []
     for side, body in (("context", context), ("generation", generation)):
         if body.role != side:

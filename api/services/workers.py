@@ -27,7 +27,8 @@ from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, NotFound
 from api.geometry.plan import _dp_choices
 from api.models import InstanceRow, PairingRow, WorkerRow
-from api.services.pairings import bump_peer_directories
+from api.services.instances import load_geometry
+from api.services.pairings import bump_peer_directories, cached_plan, plan_for_pairing
 
 HEARTBEAT_INTERVAL_S = 1.0
 WORKER_GONE_S = 10.0
@@ -415,8 +416,6 @@ def _directory(session: Session, worker_id: str, now: datetime,
 
 def _build_directory(session: Session, worker: WorkerRow, revision: str, now: datetime,
                      read_only: bool) -> wire.WorkerDirectory:
-    from api.services.pairings import cached_plan, plan_for_pairing
-
     instance = worker.instance
     role = instance.role
     pairings: list[wire.DirectoryPairing] = []
@@ -424,8 +423,8 @@ def _build_directory(session: Session, worker: WorkerRow, revision: str, now: da
     for pairing in _pairings_of(session, instance):
         peer = _peer_instance(pairing, instance)
         plans = []
-        for cdp in _dp_choices(_geometry(pairing.context)):
-            for gdp in _dp_choices(_geometry(pairing.generation)):
+        for cdp in _dp_choices(load_geometry(pairing.context)):
+            for gdp in _dp_choices(load_geometry(pairing.generation)):
                 hit = cached_plan(pairing.id, pairing.context_epoch, pairing.generation_epoch,
                                   cdp, gdp)
                 if hit is None and read_only:
@@ -471,9 +470,3 @@ def _build_directory(session: Session, worker: WorkerRow, revision: str, now: da
         pairings=pairings,
         peers=peers,
     )
-
-
-def _geometry(row: InstanceRow) -> Any:
-    from api.services.instances import load_geometry
-
-    return load_geometry(row)

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from api.auth import POLICY, SESSION_COOKIE, create_token, revoke_token
 from api.db import Database
-from api.demo import instance_body
+from api.demo_fleet import instance_body
 
 TRANSFER = {
     "context": "ctx",

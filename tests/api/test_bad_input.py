@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.demo import instance_body, rank_body
+from api.demo_fleet import instance_body, rank_body
 
 PROBLEM = "application/problem+json"
 

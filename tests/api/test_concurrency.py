@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.demo import instance_body, rank_body
+from api.demo_fleet import instance_body, rank_body
 
 
 def test_concurrent_rank_reports_all_land(app: FastAPI) -> None:

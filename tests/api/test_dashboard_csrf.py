@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from api.auth import SESSION_COOKIE
 from api.csrf import CSRF_COOKIE
-from api.demo import instance_body
+from api.demo_fleet import instance_body
 from tests.api.test_auth import ORIGIN, bearer, csrf_token, form_post, make_token
 
 DEREGISTER = "/ui/instances/ctx/deregister"

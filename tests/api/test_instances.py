@@ -6,7 +6,7 @@ import copy
 
 from fastapi.testclient import TestClient
 
-from api.demo import instance_body, rank_body
+from api.demo_fleet import instance_body, rank_body
 
 
 def test_put_creates_then_identical_put_changes_nothing(client: TestClient) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.db import utcnow
-from api.demo import fake_peer
+from api.demo_fleet import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.logs import ContextFilter, JsonFormatter, log_context, set_process_context
 from workers.metrics import WorkerMetrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from api.demo import instance_body
+from api.demo_fleet import instance_body
 
 
 def _register_pair(client: TestClient, *, gen_heads: int = 8) -> None:

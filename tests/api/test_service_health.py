@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.demo import instance_body
+from api.demo_fleet import instance_body
 from api.settings import Settings
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from api.demo import instance_body
+from api.demo_fleet import instance_body
 
 
 def _setup(client: TestClient) -> str:

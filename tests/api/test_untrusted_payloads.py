@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.demo import instance_body
+from api.demo_fleet import instance_body
 
 HOSTILE = st.one_of(
     st.integers(min_value=-(1 << 70), max_value=1 << 70),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import cli
-from api.describe import ConfigError, describe
+from api.cli.describe import ConfigError, describe
+from api.cli.main import cli
 from api.geometry import compile_plan, expand, parse_instance, validate_pairing
 
 from .test_offline_check import MODELS, config, runner, write_body

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import cli
-from api.describe import ConfigError, describe
+from api.cli.describe import ConfigError, describe
+from api.cli.main import cli
 from api.geometry import compile_plan, parse_instance, validate_pairing
 
 MODELS = Path(__file__).resolve().parents[1] / "data" / "models"

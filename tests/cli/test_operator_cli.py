@@ -18,8 +18,8 @@ import uvicorn
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import cli
-from api.demo import fake_peer
+from api.cli.main import cli
+from api.demo_fleet import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.settings import Settings
 

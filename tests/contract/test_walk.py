@@ -35,7 +35,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.demo import fake_peer, instance_body, rank_body
+from api.demo_fleet import fake_peer, instance_body, rank_body
 from api.errors import STATUS_TITLES
 from api.geometry import builders
 from api.migrate import upgrade

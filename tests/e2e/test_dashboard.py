@@ -15,8 +15,8 @@ from api import models, schemas
 from api.db import Database, utcnow
 from api.geometry.builders import ViewSpec, instance_body
 from api.models import TransferRow
-from api.services.instances import register_instance
 from api.services.pairings import create_pairing
+from api.services.registration import register_instance
 from tests.e2e.conftest import DRAFT, TARGET, LiveServer, screenshot, seed_fleet
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,5 @@
-"""Several hosts on one machine (``workers/netbed.py``): the bed, and the demo fleet across it.
+"""Several hosts on one machine (``workers/testing/netbed.py``): the bed, and the demo fleet
+across it.
 
 - ``bed`` (session, in ``tests/conftest.py``): namespaces ``kvp-cp`` (10.77.0.1), ``kvp-ctx``
   (10.77.0.2), ``kvp-gen`` (10.77.0.3) on the bridge ``kvp-br0``, ``tcp_retries2=3`` in each;
@@ -24,8 +25,8 @@ import pytest
 
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
-from workers import netbed  # noqa: E402 (after the importorskips)
-from workers.engine_loop import EngineRun, Fleet  # noqa: E402
+from workers.testing import netbed  # noqa: E402 (after the importorskips)
+from workers.testing.engine import EngineRun, Fleet  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 HOSTS = {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"}
@@ -123,7 +124,7 @@ def assert_clean(run: EngineRun) -> None:
 def payload_bytes(blocks: int, num_slots: int = NUM_SLOTS) -> int:
     """Bytes one demo request of ``blocks`` blocks moves (all routes)."""
     from api.geometry import compile_plan, expand, parse_instance
-    from workers.engine_loop import CONTEXT, GENERATION, demo_bodies, request_blocks
+    from workers.testing.engine import CONTEXT, GENERATION, demo_bodies, request_blocks
 
     context, generation = demo_bodies(num_slots=num_slots)
     plan = compile_plan(parse_instance(context, CONTEXT), parse_instance(generation, GENERATION))

@@ -18,8 +18,8 @@ import pytest
 
 from api.client import Client
 from api.geometry.builders import ViewSpec, instance_body
-from workers.engine_loop import REPO, ControlPlane
-from workers.netbed import Bed
+from workers.testing.engine import REPO, ControlPlane
+from workers.testing.netbed import Bed
 
 from .conftest import wait_until
 

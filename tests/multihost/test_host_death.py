@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from api.services.workers import WORKER_GONE_S
-from workers.engine_loop import CONTEXT, Fleet, RunResult
-from workers.netbed import Bed
+from workers.testing.engine import CONTEXT, Fleet, RunResult
+from workers.testing.netbed import Bed
 
 from .conftest import assert_clean, wait_released, wait_until
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from workers.engine_loop import CONTEXT, Fleet, run_rest
-from workers.netbed import Bed
+from workers.testing.engine import CONTEXT, Fleet, run_rest
+from workers.testing.netbed import Bed
 
 from .conftest import (
     HOSTS,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from workers.engine_loop import Fleet
-from workers.netbed import Bed
+from workers.testing.engine import Fleet
+from workers.testing.netbed import Bed
 
 from .conftest import HOSTS, assert_clean
 

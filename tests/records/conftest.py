@@ -11,10 +11,10 @@ from sqlalchemy import select
 
 from api import schemas, schemas_exec
 from api.db import Database, utcnow
-from api.demo import fake_peer
+from api.demo_fleet import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from api.models import InstanceRow, PairingRow
-from api.services import execution, instances, pairings, transfers
+from api.services import execution, instances, pairings, registration, transfers
 from api.services import workers as worker_service
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
@@ -47,10 +47,10 @@ def setup_fleet(db: Database, *, ctx_tp: int = 2, gen_tp: int = 1,
     """ctx (TP ctx_tp) and gen (TP gen_tp), paired, one live worker per rank."""
     ctx, gen = fleet_bodies(ctx_tp, gen_tp)
     with db.write() as session:
-        instances.register_instance(session=session, name="ctx",
-                                    body=schemas.InstanceCreate.model_validate(ctx))
-        instances.register_instance(session=session, name="gen",
-                                    body=schemas.InstanceCreate.model_validate(gen))
+        registration.register_instance(session=session, name="ctx",
+                                       body=schemas.InstanceCreate.model_validate(ctx))
+        registration.register_instance(session=session, name="gen",
+                                       body=schemas.InstanceCreate.model_validate(gen))
         pairing, _ = pairings.create_pairing(session=session, context="ctx", generation="gen")
         assert pairing.compatible
     workers = {

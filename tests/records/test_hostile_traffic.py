@@ -17,11 +17,11 @@ from sqlalchemy import event
 
 from api import dispatch, schemas_exec
 from api.db import Database, utcnow
-from api.demo import fake_peer
+from api.demo_fleet import fake_peer
 from api.dispatch import CommandHub, CommandStreamResponse, encode, render
 from api.errors import Conflict
 from api.geometry.builders import instance_body
-from api.services import execution, instances
+from api.services import execution, registration
 from api.services import workers as worker_service
 
 from .conftest import VIEWS, attach_worker, record, setup_fleet, status_of, submit
@@ -264,8 +264,8 @@ def test_a_heartbeat_costs_the_same_whatever_the_number_of_pairings(db: Database
     gen = instance_body(role="generation", views=VIEWS, tp=1, tokens_per_block=4)
     with db.write() as session:
         for i in range(8):
-            instances.register_instance(session=session, name=f"gen{i}",
-                                        body=schemas.InstanceCreate.model_validate(gen))
+            registration.register_instance(session=session, name=f"gen{i}",
+                                           body=schemas.InstanceCreate.model_validate(gen))
             pairings.create_pairing(session=session, context="ctx", generation=f"gen{i}")
     assert _heartbeat_statements(db, worker) == one
 

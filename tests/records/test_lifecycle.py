@@ -8,7 +8,7 @@ import pytest
 
 from api.db import Database, utcnow
 from api.errors import Conflict, Forbidden, Unavailable
-from api.services import execution, instances, stats
+from api.services import execution, registration, stats
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
 
@@ -156,8 +156,8 @@ def test_a_reregistration_fails_running_transfers(db: Database) -> None:
     changed = instance_body(role="generation", views=[ViewSpec("target", 2, 4, 8)], tp=1,
                             tokens_per_block=4, num_slots=32)
     with db.write() as session:
-        instances.register_instance(session=session, name="gen",
-                                    body=schemas.InstanceCreate.model_validate(changed))
+        registration.register_instance(session=session, name="gen",
+                                       body=schemas.InstanceCreate.model_validate(changed))
     status, error = status_of(db, transfer_id)
     assert status == "failed"
     assert error is not None and "peer_restarted" in error

@@ -102,7 +102,7 @@ def test_two_retries_at_once_dispatch_one_attempt(db: Database) -> None:
 
 def test_a_retry_after_a_re_registration_is_refused(db: Database) -> None:
     from api import schemas
-    from api.services import instances
+    from api.services import registration
 
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")
@@ -112,8 +112,8 @@ def test_a_retry_after_a_re_registration_is_refused(db: Database) -> None:
     for rank in ctx["ranks"]:
         rank["pools"][0]["num_slots"] *= 2  # a new memory layout
     with db.write() as session:
-        instances.register_instance(session=session, name="ctx",
-                                    body=schemas.InstanceCreate.model_validate(ctx))
+        registration.register_instance(session=session, name="ctx",
+                                       body=schemas.InstanceCreate.model_validate(ctx))
     with pytest.raises(Conflict) as refused, db.write() as session:
         execution.retry_transfer(session=session, transfer_id=transfer_id, now=utcnow())
     assert refused.value.code == "plan_gone"
@@ -128,14 +128,14 @@ def test_a_pairing_validated_during_a_re_registration_is_never_left_current(db: 
     """
     from api import schemas
     from api.models import InstanceRow, PairingRow
-    from api.services import instances, pairings
+    from api.services import pairings, registration
 
     setup_fleet(db, ctx_tp=1, gen_tp=1)
     ctx, _ = fleet_bodies(1, 1)
     ctx["ranks"][0]["pools"][0]["num_slots"] *= 2
 
     def re_register(session: Any) -> str:
-        row, _, changed = instances.register_instance(
+        row, _, changed = registration.register_instance(
             session=session, name="ctx", body=schemas.InstanceCreate.model_validate(ctx)
         )
         assert changed

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from api.client import ApiError, Client, TransportError
-from api.demo import fake_peer
+from api.demo_fleet import fake_peer
 from api.geometry.builders import ViewSpec, instance_body
 from workers.records import Recorder
 

@@ -13,8 +13,8 @@ their own (``api/client.py``). Delivery of REST commands is at least once (``api
   worker's command stream, heartbeat and records, SIGKILLed mid-burst. Every REST transfer ends
   ``done`` and verified, exactly one row per request (``Idempotency-Key``), every engine request
   completes and its record reaches the database through B. The drill runs twice: on loopback,
-  and across the network-namespace bed (``workers/netbed.py``: both API processes on the control
-  host, context and generation ranks on hosts of their own, UCX over TCP on the veths).
+  and across the network-namespace bed (``workers/testing/netbed.py``: both API processes on the
+  control host, context and generation ranks on hosts of their own, UCX over TCP on the veths).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def two_process_fleet(
     over the bridge."""
     pytest.importorskip("nixl")
     pytest.importorskip("torch")
-    from workers.engine_loop import ControlPlane, Fleet
+    from workers.testing.engine import ControlPlane, Fleet
 
     placement: dict[str, Any] = {}
     server: dict[str, Any] = {}
@@ -286,7 +286,7 @@ def test_one_api_process_killed_mid_burst_loses_and_duplicates_nothing(
     two_process_fleet: Any, postgres_url: str
 ) -> None:
     from api.services.execution import engine_transfer_id
-    from workers.engine_loop import CONTEXT, GENERATION
+    from workers.testing.engine import CONTEXT, GENERATION
 
     fleet = two_process_fleet
     a, b = fleet.servers

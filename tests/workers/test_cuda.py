@@ -8,7 +8,7 @@ import torch
 
 from workers.executors import copy_local, expand_fragments, fragments_crc32, gather, scatter
 from workers.pools import allocate_pools, attach_pools, fill_pattern
-from workers.testing import HeadSlice, reference_copy, reference_staging
+from workers.testing.oracles import HeadSlice, reference_copy, reference_staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
-from workers.engine_loop import free_port  # noqa: E402 (after the importorskips)
+from workers.testing.engine import free_port  # noqa: E402 (after the importorskips)
 
 ROOT = Path(__file__).resolve().parents[2]
 KVPLANE = Path(sys.executable).with_name("kvplane")

@@ -1,4 +1,4 @@
-"""The reference engine loop (``workers/engine_loop.py``) on the demo fleet, end to end.
+"""The reference engine loop (``workers/testing/engine.py``) on the demo fleet, end to end.
 
 Six rank processes (TP4 context with an 8-head target and a 2-head draft view → TP2 generation),
 each a fake engine that owns its pools, allocates and frees block ids like a paged cache and
@@ -22,7 +22,7 @@ from api.client import Client
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
-from workers.engine_loop import (  # noqa: E402 (after the importorskips)
+from workers.testing.engine import (  # noqa: E402 (after the importorskips)
     CONTEXT,
     GENERATION,
     BlockCache,

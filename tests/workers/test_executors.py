@@ -32,7 +32,7 @@ from workers.executors import (
     staging_layout,
 )
 from workers.pools import PoolSpec, allocate_pools, fill_pattern
-from workers.testing import HeadSlice, reference_copy, reference_staging
+from workers.testing.oracles import HeadSlice, reference_copy, reference_staging
 
 METHODS = ["strided", "index"]
 

@@ -15,7 +15,7 @@ pytest.importorskip("nixl")
 
 from workers.executors import BlockRangeError, Route, staging_layout  # noqa: E402
 from workers.pools import allocate_pools, fill_pattern  # noqa: E402
-from workers.testing import (  # noqa: E402
+from workers.testing.oracles import (  # noqa: E402
     HeadSlice,
     loopback_receiver,
     loopback_sender,

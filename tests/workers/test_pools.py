@@ -73,7 +73,7 @@ def test_pattern_is_deterministic_and_distinguishes_rank_pool_and_offset():
 
 def test_worker_modules_import_without_the_control_plane():
     code = (
-        "import sys; import workers.pools, workers.executors, workers.testing, "
+        "import sys; import workers.pools, workers.executors, workers.testing.oracles, "
         "workers.transport.local, workers.transport.nixl; "
         "bad = [m for m in ('sqlalchemy', 'fastapi', 'alembic') if m in sys.modules]; "
         "assert not bad, bad; assert 'nixl' not in sys.modules, 'nixl imported eagerly'"

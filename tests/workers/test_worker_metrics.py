@@ -244,7 +244,7 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
 
     from workers.agent import VerificationError
     from workers.pools import Pool, pattern_tensor
-    from workers.testing import HeadSlice, reference_copy
+    from workers.testing.oracles import HeadSlice, reference_copy
 
     hs = HeadSlice("HND", layers=3, tokens_per_block=4, head_dim=8, elem_bytes=2,
                    sender_heads=2, receiver_heads=4, src_head=0, dst_head=2, heads=2)

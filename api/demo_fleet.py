@@ -123,12 +123,12 @@ def demo_fleet_bodies() -> dict[str, dict[str, Any]]:
 
 def register_demo_fleet(db: Database) -> None:
     """Register the demo fleet and pair it, through the services (idempotent)."""
-    from api.services import instances, pairings
+    from api.services import pairings, registration
 
     try:
         with db.write() as session:
             for name, body in demo_fleet_bodies().items():
-                instances.register_instance(
+                registration.register_instance(
                     session=session, name=name, body=schemas.InstanceCreate.model_validate(body)
                 )
             row, _created = pairings.create_pairing(

@@ -1,6 +1,6 @@
 """Several hosts on one machine: network namespaces on a bridge, and the faults tests inject.
 
-The bed (``python -m workers.netbed up``, ``make hosts-up``; root only)::
+The bed (``python -m workers.testing.netbed up``, ``make hosts-up``; root only)::
 
     namespace kvp-cp   eth0 10.77.0.1/24 ─┐
     namespace kvp-ctx  eth0 10.77.0.2/24 ─┼─ bridge kvp-br0 (root namespace, 10.77.0.254/24)
@@ -222,7 +222,7 @@ class Bed:
         argv = [
             sys.executable,
             "-m",
-            "workers.netbed",
+            "workers.testing.netbed",
             "relay",
             "--ms",
             str(ms),
@@ -318,7 +318,8 @@ def relay(ms: float, a: tuple[str, str], b: tuple[str, str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.netbed", description="Network-namespace hosts for kvplane tests."
+        prog="python -m workers.testing.netbed",
+        description="Network-namespace hosts for kvplane tests.",
     )
     parser.add_argument("action", choices=["up", "down", "status", "relay"])
     parser.add_argument("--ms", type=float, default=5.0, help="relay: the delay each way")

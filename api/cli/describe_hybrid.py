@@ -7,7 +7,7 @@ A config is *hybrid* when it carries Mamba fields (``mamba_d_state`` or ``state_
   (entries containing ``"attention"``), ``attn_layer_indices``, ``hybrid_override_pattern``
   (``*`` = attention), or ``attn_layer_period`` + ``attn_layer_offset`` (Jamba); none → every
   layer is recurrent (pure Mamba2);
-- attention heads as in :mod:`api.describe` (``num_key_value_heads``, ``head_dim`` …);
+- attention heads as in :mod:`api.cli.describe` (``num_key_value_heads``, ``head_dim`` …);
 - ``d_state``: ``mamba_d_state`` / ``state_size`` / ``ssm_state_size``; ``d_conv``:
   ``mamba_d_conv`` / ``conv_kernel``; ``expand``: ``mamba_expand`` / ``expand``;
   ``d_inner = expand × hidden_size`` (or ``mamba_d_inner``);
@@ -96,7 +96,8 @@ def hybrid_spec(
     dtype: str,
     ssm_dtype: str | None = None,
 ) -> HybridSpec:
-    """The hybrid shape of a config; attention heads come from :func:`api.describe.view_spec`."""
+    """The hybrid shape of a config; attention heads come from
+    :func:`api.cli.describe.view_spec`."""
     layers = _positive(config.get("num_hidden_layers"), "num_hidden_layers")
     d_state = _positive(_first(config, STATE_KEYS), "d_state (mamba_d_state / state_size)")
     d_conv = _positive(_first(config, ("mamba_d_conv", "conv_kernel"), 4), "d_conv")

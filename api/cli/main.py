@@ -1,4 +1,5 @@
-"""The ``kvplane`` command line."""
+"""The ``kvplane`` root command: serve, migrate, check, describe, worker, demo, and the
+operator and token families (:mod:`api.cli.ops`, :mod:`api.cli.tokens`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import typer
 
-from api.cli_ops import (
+from api.cli.ops import (
     DEFAULT_URL,
     ControlPlane,
     Token,
@@ -108,8 +109,8 @@ def check(
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
 ) -> None:
     """Validate a planned pairing offline (no server): exit 0 compatible, 1 not, 2 bad input."""
+    from api.cli.check import check_bodies, explain
     from api.geometry import GeometryError
-    from api.offline import check_bodies, explain
 
     context_body = _load_json(context_file)
     generation_body = _load_json(generation_file)
@@ -186,8 +187,8 @@ def describe(
 ) -> None:
     """Build a registration body from a model config and a parallelism (hybrid Mamba/attention
     configs add a per-request state group)."""
-    from api.describe import ConfigError
-    from api.describe import describe as build
+    from api.cli.describe import ConfigError
+    from api.cli.describe import describe as build
 
     if layout not in ("HND", "NHD"):
         typer.echo("error: --layout must be HND or NHD", err=True)
@@ -299,7 +300,7 @@ def demo(
     keep_running: bool = typer.Option(False, help="Leave server and workers up afterwards."),
 ) -> None:
     """The main job: control plane + 6 real workers, a verified NIXL transfer TP4 → TP2."""
-    from api.demo_run import run_demo
+    from api.cli.demo import run_demo
 
     raise typer.Exit(
         run_demo(blocks=blocks, host=host, port=port, database=database, keep_running=keep_running)
@@ -307,7 +308,7 @@ def demo(
 
 
 def _install_operator_commands() -> None:
-    from api.cli_ops import install
+    from api.cli.ops import install
 
     install(cli)
 
@@ -315,14 +316,11 @@ def _install_operator_commands() -> None:
 _install_operator_commands()
 
 
-from api.cli_tokens import tokens_app  # noqa: E402
+from api.cli.tokens import tokens_app  # noqa: E402
 
 cli.add_typer(tokens_app, name="tokens")
 
 
 def main() -> None:
+    """The ``kvplane`` console script."""
     cli()
-
-
-if __name__ == "__main__":
-    main()

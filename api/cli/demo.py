@@ -3,7 +3,7 @@
 1. start a control plane (``kvplane serve``, a fresh SQLite file) on loopback;
 2. register a context instance (TP4; an 8-head target view and a 2-head draft view sharing one
    pool) and a generation instance (TP2), and pair them;
-3. start six rank processes on the CPU (``workers/engine_loop.py``: a fake engine per rank that
+3. start six rank processes on the CPU (``workers/testing/engine.py``: a fake engine per rank that
    owns its KV tensors and embeds a worker), every pool filled with the (rank, pool, byte) pattern;
 4. through REST, transfer ``blocks`` blocks staged and then per fragment, both verified: the bytes
    each transfer wrote carry the sender's pattern at the planned offsets, and every route's
@@ -44,7 +44,7 @@ def _row(path: str, checks: str, latencies: list[float], throughput: float,
 def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
              host: str = "127.0.0.1") -> int:
     """Run the demo; returns the process exit code (0 only if every byte verified)."""
-    from workers.engine_loop import CONTEXT, GENERATION, Fleet, run_rest
+    from workers.testing.engine import CONTEXT, GENERATION, Fleet, run_rest
 
     database.parent.mkdir(parents=True, exist_ok=True)
     for suffix in ("", "-wal", "-shm"):

@@ -1,0 +1,562 @@
+"""The :class:`Handover` of one rank: the engine-facing calls and the progress thread.
+
+``send``/``expect`` validate on the caller's thread (request id, mode, role, timeout, block ids
+against this rank's pools) and begin the handle there, so its grant (or, after an early grant,
+its WRITEs) leaves at once. One progress thread per worker then drives NIXL: it runs what the
+caller's thread hands it, dispatches the notifications that arrived (grants and aborts that come
+before their ``send``/``expect`` wait ``EARLY_TTL_S``), polls posted WRITEs, retries routes that
+wait for a peer's endpoint or for staging space, re-sends grants and fails handles whose
+deadline passed. While a handle is pending it polls every ``BUSY_SLEEP_S``, then, after
+``BUSY_POLLS`` polls without progress, every ``PATIENT_SLEEP_S``; idle, it waits up to
+``IDLE_WAIT_S``. A refreshed directory swaps in on the progress thread: a peer worker is retired
+only when its rank has another worker or its instance another epoch.
+
+The grant exchange is :mod:`workers.handover.grants`, how handles end is
+:mod:`workers.handover.handles`; :class:`Handover` inherits both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from workers.directory import Directory, HandoverError, PeerWorker
+from workers.executors import BlockRangeError, align_request, staging_layout
+from workers.handover.blocks import BlockMap, blocks_of, normalize_blocks
+from workers.handover.grants import GRANT_RESEND_S, MODES, GrantExchange, route_mode_of
+from workers.handover.handles import FAILED, Finished, Handle, Op, RouteState
+from workers.handover.notices import Ask, decode, notice, reason_field
+from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
+from workers.transport import PeerUnreachable, TransportError
+
+if TYPE_CHECKING:
+    from workers.transport.nixl import NixlTransport
+
+log = logging.getLogger("kvplane.handover")
+
+DEFAULT_TIMEOUT_S = 30.0
+EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
+IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
+# While a handle is pending, the loop polls NIXL every BUSY_SLEEP_S: a notification (a grant,
+# a chunk) waits at most that long to be seen, and every hop of a handover pays it (0.5 ms here
+# cost ~1 ms per request at 4 blocks: two hops). The raw bench loop polls as often. After
+# BUSY_POLLS polls without progress (a peer that has not called yet), it polls every
+# PATIENT_SLEEP_S instead: each poll costs ~15 us of CPU, and six spinning ranks on two cores
+# slowed the ranks that had work to do.
+BUSY_SLEEP_S = 0.00005
+BUSY_POLLS = 40
+PATIENT_SLEEP_S = 0.00025
+_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+
+
+class Handover(GrantExchange):
+    """The hot path of one rank: ``send`` / ``expect`` per request, one progress thread."""
+
+    def __init__(
+        self,
+        transport: NixlTransport,
+        *,
+        instance: str,
+        rank: int,
+        directory: Directory | None = None,
+        on_finished: Callable[[Handle], None] | None = None,
+        on_start: Callable[[Handle], None] | None = None,
+        check: Callable[[Handle], str | None] | None = None,
+        chunk_blocks: int = CHUNK_BLOCKS,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        hold_s: float = 0.0,
+        on_ask: Callable[[Ask], None] | None = None,
+        on_unknown_agent: Callable[[str], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.instance = instance
+        self.rank = rank
+        self.directory = directory or Directory.empty(instance, rank)
+        self.on_finished = on_finished
+        self.on_start = on_start  # caller's thread, before the first byte can move
+        # Progress thread, before a receive resolves: a reason fails it (fill-pattern checks).
+        self.check = check
+        self.chunk_blocks = chunk_blocks
+        self.default_timeout_s = default_timeout_s
+        # Fault injection for tests and chaos drills: a receiver holds its grants, a sender
+        # its writes, this long after the handle started (a frozen or dying peer).
+        self.hold_s = hold_s
+        # Context side: called on the progress thread with each new Ask (keep it short).
+        self.on_ask = on_ask
+        # An ask from an agent the directory does not name yet (a peer paired a moment ago):
+        # the owner refreshes the directory off this thread; the ask comes again.
+        self.on_unknown_agent = on_unknown_agent
+        self._asked: dict[str, float] = {}  # request ids asked for here: when
+        self.areas = StagingAreas(int(transport.staging.numel()))
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        # Held by the progress thread while it steps and by send()/expect() while they begin a
+        # handle; re-entrant, so a callback that starts another handle does not deadlock.
+        self._mutex = threading.RLock()
+        self._closed = False
+        self._ops: dict[int, Op] = {}
+        self._recv: dict[tuple[str, int, int], RouteState] = {}
+        self._send: dict[tuple[str, int, int], RouteState] = {}
+        self._waiting: list[RouteState] = []  # routes waiting for staging space or a peer
+        self._early: dict[tuple[str, int, int], tuple[str, list[str], float]] = {}
+        self._peers: dict[tuple[str, int], PeerWorker] = {}  # the directory's, plus kept ones
+        self._agents: dict[str, PeerWorker] = {}
+        self._retired: dict[str, PeerWorker] = {}
+        self._finished: deque[Handle] = deque()
+        self._loaded: set[str] = set()
+        self._next_resend = 0.0
+        self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
+        self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
+        self._apply_directory(self.directory)
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"kvplane-handover-{instance}-{rank}")
+        self._thread.start()
+
+    # --- engine API --------------------------------------------------------------------------
+
+    def send(self, request_id: str, peer: str, blocks: BlockMap, *,
+             context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
+             timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
+             context: Mapping[str, Any] | None = None, num_tokens: int | None = None) -> Handle:
+        """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
+
+        ``num_tokens``: the request's prompt tokens whose KV the context holds (vLLM's
+        ``num_computed_tokens``); blocks pair by token position from the start of the request
+        (:mod:`api.geometry.align`), and both sides must give the same value. Required with a
+        block-size ratio (a partial last block then moves only its tokens) and with CP over
+        layer groups of different lengths; ``ambiguous_alignment`` otherwise.
+        ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,
+        ``fragments`` or ``auto`` (per route: fragments when the route's fragments average at
+        least ``AUTO_FRAGMENT_BYTES``, else staged; both sides resolve it alike from the same
+        plan); ``verify``: crc32 of every route's bytes on both sides
+        (recorded); ``context``: the caller's extras, kept on ``handle.context``. Raises
+        :class:`HandoverError` (a ``code`` says why) when it cannot start.
+        """
+        return self._start("send", request_id, peer, blocks, context_dp_rank,
+                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens)
+
+    def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
+               context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
+               timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
+               context: Mapping[str, Any] | None = None,
+               num_tokens: int | None = None, ask: bool = False) -> Handle:
+        """Start receiving this rank's share of ``request_id`` from context instance ``peer``
+        (same options as :meth:`send`; the handle becomes ``arrived``). ``ask``: the context
+        side has not called ``send``; ask each writer to (see :class:`Ask`)."""
+        return self._start("receive", request_id, peer, blocks, context_dp_rank,
+                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens,
+                           ask)
+
+    def refuse(self, ask: Ask, reason: str) -> None:
+        """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
+        ce, ge = ask.epochs
+        self._asked[ask.request_id] = time.monotonic()
+        try:
+            self.transport.send_notif(ask.agent, notice(
+                "X", ask.request_id, ce, ge, ask.route[0], ask.route[1], reason_field(reason)))
+        except Exception as error:  # the asking rank is gone: its deadline covers it
+            log.debug("refusal to %s failed: %s", ask.agent, error)
+
+    def get_finished(self) -> Finished:
+        """Request ids whose handles resolved since the last call (connector-style poll)."""
+        sent, received, failed = set(), set(), {}
+        while self._finished:
+            handle = self._finished.popleft()
+            if handle.state == FAILED:
+                failed[handle.request_id] = str(handle.reason)
+            elif handle.side == "send":
+                sent.add(handle.request_id)
+            else:
+                received.add(handle.request_id)
+        return Finished(frozenset(sent), frozenset(received), failed)
+
+    def set_directory(self, directory: Directory) -> None:
+        """Swap in a refreshed directory (applied on the progress thread)."""
+        self._call(lambda: self._apply_directory(directory))
+
+    def close(self, reason: str = "the worker stopped") -> None:
+        """Fail every pending handle with ``reason`` and stop the progress thread."""
+        if self._closed:
+            return
+        done = threading.Event()
+
+        def shutdown() -> None:
+            for op in list(self._ops.values()):
+                self._fail(op, reason)
+            self._closed = True
+            done.set()
+
+        self._call(shutdown)
+        if not done.wait(5.0):
+            self._closed = True
+        self._thread.join(timeout=5.0)
+
+    @property
+    def pending(self) -> int:
+        return len(self._ops)
+
+    def peer(self, instance: str, rank: int) -> PeerWorker | None:
+        """The worker of ``instance`` rank ``rank`` this rank would talk to now."""
+        return self._peers.get((instance, rank))
+
+    # --- starting a handle (caller's thread: validation only) --------------------------------
+
+    def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
+               context_dp_rank: int | None, generation_dp_rank: int | None,
+               timeout_s: float | None, mode: str, verify: bool,
+               context: Mapping[str, Any] | None, num_tokens: int | None = None,
+               ask: bool = False) -> Handle:
+        if self._closed:
+            raise HandoverError("this worker's handover is closed", code="closed")
+        if not isinstance(request_id, str) or not _ID.match(request_id):
+            raise HandoverError(
+                f"request id {request_id!r}: 1-200 characters of letters, digits and ._:@/+=-",
+                code="invalid_request_id")
+        if mode not in MODES:
+            raise HandoverError(f"mode {mode!r}: auto, staged or fragments",
+                                code="invalid_mode")
+        directory = self.directory
+        role = "context" if side == "send" else "generation"
+        if directory.role and directory.role != role:
+            raise HandoverError(f"{self.instance} is a {directory.role} instance: it can only "
+                                f"{'send' if directory.role == 'context' else 'expect'}",
+                                code="wrong_role")
+        entry = directory.plan(peer, context_dp_rank, generation_dp_rank)
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        if not 0 < timeout <= 3600:
+            raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
+        if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 1):
+            raise HandoverError(f"num_tokens {num_tokens!r}: an integer ≥ 1",
+                                code="invalid_blocks")
+        pairs = normalize_blocks(blocks)
+        handle = Handle(request_id, side, peer, entry, timeout)
+        handle.context.update(context or {})
+        handle.context.update(blocks=blocks_of(pairs), verify=verify, num_tokens=num_tokens)
+        now = time.monotonic()
+        op = Op(handle, request_id, side, peer, mode, verify, now + timeout,
+                 hold_until=now + self.hold_s, ask=ask and side == "receive",
+                 dp=(context_dp_rank, generation_dp_rank))
+        for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
+            mine = route.sender_rank if side == "send" else route.receiver_rank
+            if mine != self.rank:
+                continue
+            missing = [g for g in route.layer_groups if g not in pairs]
+            if missing:
+                raise HandoverError(f"no block lists for layer group(s) {missing}",
+                                    code="invalid_blocks")
+            route_mode = route_mode_of(route) if mode == "auto" else mode  # the plan's route
+            try:  # a ratio: the route as this request runs it (see align_request)
+                route, src, dst = align_request(route, pairs, num_tokens)
+            except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
+                raise HandoverError(str(error), code=error.code) from None
+            layout = staging_layout(route, src)
+            if route_mode == "staged" and layout.nbytes > self.areas.nbytes:
+                raise HandoverError(
+                    f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "
+                    f"staging bytes; this worker's buffer holds {self.areas.nbytes} (use a "
+                    "larger --staging-mib or mode=fragments)", code="staging_too_small")
+            op.routes.append(RouteState(
+                op, route, route_dict, route.sender_rank, route.receiver_rank, src, dst, layout,
+                peer_rank=route.receiver_rank if side == "send" else route.sender_rank,
+                mode=route_mode))
+        modes = {state.mode for state in op.routes}
+        handle.context["mode"] = modes.pop() if len(modes) == 1 else mode
+        self._validate_ids(op)
+        if self.on_start is not None:
+            self.on_start(handle)
+        # Begin on the caller's thread: its grant (or, after an early grant, its WRITEs) leaves
+        # now rather than when the progress thread next wakes.
+        with self._mutex:
+            self._begin(op)
+        self._wake.set()
+        if self._closed and not self._thread.is_alive():  # raced close(): nobody will run it
+            handle._resolve(FAILED, "the worker stopped")
+        return handle
+
+    def _validate_ids(self, op: Op) -> None:
+        """Block ids against this rank's pools, before anything is granted or written."""
+        pools = self.transport.pools
+        checked: set[tuple[int, int]] = set()  # (id of an id array, pool size): checked once
+        for state in op.routes:
+            ids = state.src if op.side == "send" else state.dst
+            for seg in state.route.segments:
+                pool_id = seg.src_pool if op.side == "send" else seg.dst_pool
+                pool = pools.get(pool_id)
+                if pool is None:
+                    raise HandoverError(f"pool {pool_id} is not on rank {self.rank}",
+                                        code="invalid_blocks")
+                arr = ids[seg.layer_group]
+                num_slots = pool.spec.num_slots
+                if (id(arr), num_slots) in checked:  # views of one layer group share their ids
+                    continue
+                checked.add((id(arr), num_slots))
+                values = arr.ravel().tolist()  # a request's few ids: faster as Python ints
+                if values and (min(values) < 0 or max(values) >= num_slots):
+                    raise HandoverError(
+                        f"layer group {seg.layer_group}: block ids must be in [0, "
+                        f"{num_slots}) on rank {self.rank}", code="invalid_blocks")
+                if op.side == "receive" and len(set(values)) != len(values):
+                    raise HandoverError(f"layer group {seg.layer_group}: duplicate destination "
+                                        "block ids", code="invalid_blocks")
+
+    # --- progress thread ---------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        self._inbox.append(fn)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        quiet = 0  # polls in a row that moved nothing
+        try:
+            while not self._closed:
+                woken = self._wake.is_set()
+                self._wake.clear()
+                try:
+                    with self._mutex:
+                        busy, progressed = self._step()
+                except Exception:  # never let one bad step kill the hot path
+                    log.exception("handover progress step failed")
+                    busy = progressed = False
+                quiet = 0 if progressed or woken else quiet + 1
+                if busy:
+                    time.sleep(BUSY_SLEEP_S if quiet < BUSY_POLLS else PATIENT_SLEEP_S)
+                else:
+                    self._wake.wait(IDLE_WAIT_S)  # cleared (and counted) at the loop's top
+        finally:
+            # Whatever was started but not finished when the loop ends fails, never hangs.
+            self._closed = True
+            while self._inbox:
+                with contextlib.suppress(Exception):
+                    self._inbox.popleft()()
+            for op in list(self._ops.values()):
+                with contextlib.suppress(Exception):
+                    self._fail(op, "the worker stopped", notify=False)
+
+    def _step(self) -> tuple[bool, bool]:
+        """One poll: ``(handles pending, something moved)``."""
+        progressed = bool(self._inbox)
+        while self._inbox:
+            self._inbox.popleft()()
+        if self._closed:
+            return False, progressed
+        finished = len(self._finished)
+        progressed = self._drain() or progressed
+        now = time.monotonic()
+        for state in list(self._send.values()):
+            if state.pending and not state.done:
+                self._poll_writes(state)
+        if self._waiting:
+            self._retry_waiting()
+        if self._recv and now > self._next_resend:
+            self._next_resend = now + GRANT_RESEND_S / 4
+            self._resend_grants(now)
+        for op in list(self._ops.values()):
+            if now > op.deadline:
+                self._fail(op, self._deadline_reason(op))
+        self.areas.reclaim(now)
+        if self._early:
+            self._expire_early(now)
+        return bool(self._ops), progressed or len(self._finished) != finished
+
+    def _drain(self) -> bool:
+        """Handle every notification that arrived; whether there were any."""
+        notifications = self.transport.drain_notifications()
+        for agent, msgs in notifications.items():
+            for msg in msgs:
+                try:
+                    self._on_notification(agent, msg)
+                except Exception:  # one bad message must not drop the rest of the batch
+                    log.exception("notification %r from %s failed", msg[:80], agent)
+        return bool(notifications)
+
+    def _begin(self, op: Op) -> None:
+        self._ops[id(op)] = op
+        if self._closed:
+            self._fail(op, "the worker stopped", notify=False)
+            return
+        if not op.routes:  # this rank takes no part (e.g. another DP rank's request)
+            self._complete(op)
+            return
+        index = self._send if op.side == "send" else self._recv
+        if any(state.key in index for state in op.routes):
+            self._fail(op, f"request {op.xid!r} is already in flight on rank {self.rank}",
+                       notify=False)
+            return
+        for state in op.routes:
+            if not state.layout.nbytes and state.mode == "staged":
+                state.done = True
+                continue
+            index[state.key] = state
+            self._waiting.append(state)
+        self._retry_waiting()
+        if op.side == "send":
+            # A grant that already came in but waits in NIXL: take it now, and write on the
+            # caller's thread instead of when the progress thread next polls.
+            self._drain()
+        for state in op.routes:
+            early = self._early.pop(state.key, None)
+            if early is not None and not op.handle.done:
+                self._on_message(early[0], early[1], state, received_at=early[2])
+        self._maybe_complete(op)
+
+    def _retry_waiting(self) -> None:
+        """Routes waiting for their peer's endpoint or for staging space."""
+        still = []
+        for state in self._waiting:
+            op = state.op
+            if op.handle.done:
+                continue
+            try:
+                if self._advance(state):
+                    still.append(state)
+            except PeerUnreachable as error:
+                self._on_unreachable(str(state.agent), error)
+            except Exception as error:  # e.g. the peer vanished between two chunks
+                self._fail(op, f"{type(error).__name__}: {error}")
+        self._waiting = [s for s in still if not s.op.handle.done]
+
+    def _advance(self, state: RouteState) -> bool:
+        """One waiting route's next step; True while it still waits."""
+        op = state.op
+        if state.agent is None:
+            peer = self._peers.get((op.peer, state.peer_rank))
+            if peer is None or not self._load_peer(peer):
+                return True
+            if peer.epoch != self._peer_epoch(op):
+                self._fail(op, f"peer_restarted: {op.peer} re-registered since the plan this "
+                               "request uses")
+                return False
+            state.agent = peer.agent
+        if time.monotonic() < op.hold_until:
+            return True
+        if op.side == "receive" and not state.granted:
+            if op.ask:
+                self._send_ask(state)
+            return not self._grant(state)
+        if op.side == "send" and state.grant is not None and not state.written:
+            if state.grant[0] != state.agent:
+                self._fail(op, f"peer_restarted: the grant came from a worker of {op.peer} "
+                               f"rank {state.peer_rank} that is not the current one")
+                return False
+            return not self._write(state)
+        return False
+
+    def _peer_epoch(self, op: Op) -> str:
+        entry = op.handle.entry
+        return entry.generation_epoch if op.side == "send" else entry.context_epoch
+
+    def _load_peer(self, peer: PeerWorker) -> bool:
+        if peer.agent in self._loaded and self.transport.has_peer(peer.agent):
+            return True
+        try:
+            self.transport.add_peer(peer.info)
+        except TransportError as error:
+            log.warning("cannot load peer %s rank %d: %s", peer.instance, peer.rank, error)
+            return False
+        self._loaded.add(peer.agent)
+        return True
+
+    # --- notifications -----------------------------------------------------------------------
+
+    def _on_notification(self, agent: str, msg: bytes) -> None:
+        decoded = decode(msg)
+        if decoded is None:
+            return  # not ours (or mangled): nothing waits for it
+        kind, key, fields = decoded
+        if kind == "A":
+            self._on_ask(agent, fields)
+            return
+        index = self._send if kind == "G" or (kind == "X" and
+                                              self.directory.role == "context") else self._recv
+        state = index.get(key)
+        if state is None:
+            if kind == "G" and self._written.get(key) == agent:
+                self._probe(agent, fields)
+                return
+            if kind == "X" or (kind == "G" and self.directory.role == "context"):
+                # send()/expect() not called yet: a grant, or an abort, waits for it
+                self._early[key] = (agent, fields, time.monotonic())
+            return
+        self._on_message(agent, fields, state)
+
+    def _on_message(self, agent: str, fields: list[str], state: RouteState,
+                    received_at: float | None = None) -> None:
+        op = state.op
+        if op.handle.done:
+            return
+        kind = fields[0]
+        if state.agent is not None and agent != state.agent:
+            owner = self._retired.get(agent) or self._agents.get(agent)
+            who = f"{op.peer} rank {state.peer_rank}"
+            if owner is not None:
+                self._fail(op, f"peer_restarted: a message from {who}'s previous worker")
+            return  # a stranger's message: drop it
+        if (fields[2], fields[3]) != op.handle.entry.epochs():
+            self._fail(op, f"peer_restarted: {op.peer} planned with other epochs "
+                           f"({fields[2][:8]}/{fields[3][:8]})", notify=True)
+            return
+        try:
+            if kind == "X":
+                told = "|".join(fields[6:])
+                cause = "peer_unreachable: " if told.startswith("peer_unreachable") else ""
+                self._fail(op, f"{cause}peer {op.peer} rank {state.peer_rank} aborted: {told}",
+                           notify=False)
+            elif kind == "G" and op.side == "send" and state.grant is None:
+                self._on_grant(state, agent, fields, received_at)
+            elif kind == "C" and op.side == "receive":
+                self._on_chunk(state, int(fields[6]), int(fields[7]))
+            elif kind == "F" and op.side == "receive":
+                self._on_fragments_done(state)
+        except Exception as error:  # bad blocks, NIXL errors, a malformed message: fail it
+            self._fail(op, f"{type(error).__name__}: {error}")
+
+    def _expire_early(self, now: float) -> None:
+        self._early = {k: v for k, v in self._early.items() if now - v[2] < EARLY_TTL_S}
+
+    # --- directory ---------------------------------------------------------------------------
+
+    def _apply_directory(self, directory: Directory) -> None:
+        """Swap in a refreshed directory.
+
+        A peer worker is retired only when its rank has another worker now or its instance
+        has another epoch. A rank that is merely missing (the control plane is slow, its
+        heartbeats lag) keeps its last known worker: the hot path does not depend on the control
+        plane's view of liveness, only on NIXL and on deadlines.
+        """
+        self.directory = directory
+        peers = dict(directory.peers)
+        for key, peer in self._peers.items():
+            if key in peers:
+                continue
+            epoch = directory.peer_epochs.get(peer.instance)
+            if epoch is None or epoch == peer.epoch:  # still that epoch, or not paired now
+                peers[key] = peer
+        retired = {p.agent for p in self._peers.values()} - {p.agent for p in peers.values()}
+        for agent in retired:
+            self._retired[agent] = self._agents[agent]
+            if agent in self._loaded:
+                self._loaded.discard(agent)
+                try:
+                    self.transport.remove_peer(agent)
+                except TransportError as error:
+                    log.debug("dropping peer %s: %s", agent, error)
+        self._peers = peers
+        self._agents = {peer.agent: peer for peer in peers.values()}
+        if len(self._retired) > 4096:
+            self._retired = dict(list(self._retired.items())[-1024:])
+        for op in list(self._ops.values()):
+            current = directory.peer_epochs.get(op.peer)
+            if current is not None and current != self._peer_epoch(op):
+                self._fail(op, f"peer_restarted: {op.peer} re-registered (new epoch)")
+                continue
+            for state in op.routes:
+                if state.agent is not None and state.agent in retired and not state.done:
+                    self._fail(op, f"peer_restarted: the worker of {op.peer} rank "
+                                   f"{state.peer_rank} was replaced")
+                    break

@@ -1,0 +1,306 @@
+"""Grants: how a route's bytes move once both sides have called, receiver first.
+
+The receiver knows from the plan who writes how many bytes, so it allocates a staging area per
+writer from its own buffer (:mod:`workers.handover.staging`, no reservation round trip) and
+*grants* it to that writer in a ``G`` notification. The writer gathers its route chunk by chunk
+into its own staging and WRITEs each chunk into the granted area with a ``C`` notification; the
+receiver scatters each chunk into its blocks as it lands. In ``fragments`` mode the grant only
+says "ready" (offset -1), and the writer posts one descriptor per fragment straight into the
+receiver's pools (``F``). ``mode="auto"`` picks per route (:func:`route_mode_of`), alike on both
+sides. A granted route that hears nothing for ``GRANT_RESEND_S`` grants again; a writer that
+gets a grant again for a route it already wrote probes the connection (``P``).
+
+A receiver whose context side has not called ``send`` asks first (``expect(..., ask=True)``): an
+``A`` notification before each grant, answered by the context rank's ``on_ask`` hook.
+
+:class:`GrantExchange` is this part of :class:`~workers.handover.Handover`; it runs on the
+progress thread (and on the caller's thread while ``send``/``expect`` begin a handle).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from workers.directory import PeerWorker
+from workers.executors import Route, expand_fragments, fragments_crc32, gather, scatter
+from workers.handover.handles import HandleLifecycle, RouteState
+from workers.handover.notices import Ask, RouteKey, ask_payload, notice, parse_ask
+from workers.transport import PeerUnreachable, TransportError
+
+log = logging.getLogger("kvplane.handover")
+
+GRANT_RESEND_S = 1.0  # a granted route that heard nothing this long sends its grant again
+ASKED_TTL_S = 600.0  # an ask already served (or refused) is ignored when it comes again
+# mode="auto": fragments (pool to pool, no copies) when a route's fragments average at least
+# this many bytes; otherwise staged (gather, one WRITE per chunk, scatter).
+AUTO_FRAGMENT_BYTES = 8192
+MODES = ("auto", "staged", "fragments")
+
+
+def route_mode_of(route: Route) -> str:
+    """``mode="auto"`` for one route: ``fragments`` (pool to pool, no copies) when its fragments
+    average at least ``AUTO_FRAGMENT_BYTES``, else ``staged``. A function of the plan alone, so
+    the route's sender and receiver resolve it alike."""
+    nbytes = sum(route.bytes_per_block(g) for g in route.layer_groups)
+    fragments = route.fragments_per_block
+    return "fragments" if fragments and nbytes >= AUTO_FRAGMENT_BYTES * fragments else "staged"
+
+
+class GrantExchange(HandleLifecycle):
+    """The receiver's grants and the writer's WRITEs of each route (see the module docstring)."""
+
+    chunk_blocks: int
+    on_ask: Callable[[Ask], None] | None
+    on_unknown_agent: Callable[[str], None] | None
+    _asked: dict[str, float]
+    _agents: dict[str, PeerWorker]
+    _waiting: list[RouteState]
+    _written: dict[RouteKey, str]
+
+    # --- receiver ----------------------------------------------------------------------------
+
+    def _grant(self, state: RouteState) -> bool:
+        op = state.op
+        ttl_ms = max(1, int((op.deadline - time.monotonic()) * 1000))
+        if state.mode == "fragments":
+            offset = -1
+        else:
+            area = self.areas.alloc(state.layout.nbytes)
+            if area is None:
+                return False
+            state.area = area
+            offset = area
+            state.chunk_blocks = self.chunk_blocks
+            state.chunks = dict(enumerate(c for c in state.layout.chunks(self.chunk_blocks)
+                                          if c.nbytes))
+        state.granted = True
+        self._send_grant(state, offset, ttl_ms)
+        return True
+
+    def _send_grant(self, state: RouteState, offset: int, ttl_ms: int,
+                    again: bool = False) -> None:
+        op = state.op
+        ce, ge = op.handle.entry.epochs()
+        state.heard_at = time.monotonic()
+        assert state.agent is not None
+        try:
+            reconnected = self.transport.send_notif(state.agent, notice(
+                "G", op.xid, ce, ge, state.sender_rank, state.receiver_rank, offset,
+                state.layout.nbytes, state.chunk_blocks, ttl_ms))
+        except TransportError as error:
+            self._fail(op, f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: "
+                           f"{error}", notify=False)
+            return
+        if again and reconnected:  # the connection this route waited on had failed
+            self._on_unreachable(state.agent, PeerUnreachable(
+                "the connection failed while this rank waited for its bytes"), reload=False)
+
+    def _send_ask(self, state: RouteState) -> None:
+        """Ask the writer of ``state`` to send (before the grant, so both land together)."""
+        op = state.op
+        ce, ge = op.handle.entry.epochs()
+        payload = ask_payload(
+            request_id=op.handle.request_id, blocks=op.handle.context["blocks"], dp=op.dp,
+            mode=op.mode, verify=op.verify, num_tokens=op.handle.context.get("num_tokens"),
+            timeout_s=op.deadline - time.monotonic())
+        assert state.agent is not None
+        try:
+            self.transport.send_notif(state.agent, notice(
+                "A", op.xid, ce, ge, state.sender_rank, state.receiver_rank, payload))
+        except TransportError as error:  # the grant right after it fails the route
+            log.debug("ask to %s failed: %s", state.agent, error)
+
+    def _on_ask(self, agent: str, fields: list[str]) -> None:
+        """A generation rank asks this rank to send (see :class:`Ask`)."""
+        xid = fields[1]
+        if self.on_ask is None or self.directory.role == "generation" or xid in self._asked:
+            return
+        if any(key[0] == xid for key in self._send):
+            return  # already sending: the ask of another receiving rank of the same request
+        peer = self._agents.get(agent)
+        if peer is None:  # not a worker of a paired instance (yet): the ask comes again
+            log.debug("ask for %s from unknown agent %s", xid, agent)
+            if self.on_unknown_agent is not None:
+                self.on_unknown_agent(agent)
+            return
+        try:
+            ask = parse_ask(agent, peer.instance, peer.rank, fields)
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("malformed ask from %s: %s", agent, error)
+            return
+        now = time.monotonic()
+        self._asked[xid] = now
+        if len(self._asked) > 4096:
+            self._asked = {k: t for k, t in self._asked.items() if now - t < ASKED_TTL_S}
+        try:
+            self.on_ask(ask)
+        except Exception:
+            log.exception("on_ask hook failed for %s", xid)
+
+    def _resend_grants(self, now: float) -> None:
+        """Granted routes that heard nothing for a while send their grant again: a grant lost on
+        a connection that failed while idle gets through, and a failed one shows."""
+        for state in list(self._recv.values()):
+            if (state.granted and not state.done and not state.op.handle.done
+                    and now - state.heard_at > GRANT_RESEND_S):
+                offset = -1 if state.mode == "fragments" else int(state.area or 0)
+                if state.op.ask:
+                    self._send_ask(state)
+                self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)),
+                                 again=True)
+
+    def _on_chunk(self, state: RouteState, i: int, n: int) -> None:
+        chunk = state.chunks.pop(i, None)
+        if chunk is None:  # a duplicate or a chunk of another chunking: not ours
+            return
+        state.heard_at = time.monotonic()
+        assert state.area is not None
+        scatter(state.route, self.transport.staging, self.transport.pools, state.dst,
+                offset=state.area, chunk=chunk)
+        if not state.chunks:
+            self._route_received(state)
+
+    def _route_received(self, state: RouteState) -> None:
+        op = state.op
+        staging = self.transport.staging
+        if state.area is not None:
+            if staging.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(staging.device).synchronize()
+            if op.verify:
+                area = staging[state.area:state.area + state.layout.nbytes]
+                state.checksum = zlib.crc32(area.detach().cpu().numpy().tobytes()) & 0xFFFFFFFF
+            self.areas.free(state.area, state.layout.nbytes)
+            state.area = None
+        state.done = True
+        if self._recv.get(state.key) is state:
+            del self._recv[state.key]
+        self._maybe_complete(op)
+
+    def _on_fragments_done(self, state: RouteState) -> None:
+        op = state.op
+        if op.verify:
+            info = self.transport.peer_info_of(str(state.agent))
+            src_specs = {pid: p.spec for pid, p in info.pools.items()}
+            fragments = expand_fragments(state.route, src_specs, self.transport.pools,
+                                         state.src, state.dst)
+            state.checksum = fragments_crc32(self.transport.pools, fragments, side="dst")
+        state.done = True
+        if self._recv.get(state.key) is state:
+            del self._recv[state.key]
+        self._maybe_complete(op)
+
+    # --- sender ------------------------------------------------------------------------------
+
+    def _on_grant(self, state: RouteState, agent: str, fields: list[str],
+                  received_at: float | None = None) -> None:
+        op = state.op
+        offset, nbytes, chunk_blocks, ttl_ms = (int(x) for x in fields[6:10])
+        received = time.monotonic() if received_at is None else received_at
+        if nbytes != state.layout.nbytes:
+            self._fail(op, f"plan mismatch: receiver rank {state.receiver_rank} expects "
+                           f"{nbytes} bytes of this route, this rank would send "
+                           f"{state.layout.nbytes} (different block lists?)")
+            return
+        state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
+        # Before the directory names the receiver's worker, the route waits in _waiting.
+        if state.agent == agent and (time.monotonic() < op.hold_until or
+                                     not self._write(state)):
+            self._waiting.append(state)
+
+    def _write(self, state: RouteState) -> bool:
+        """Gather and post this route's WRITEs; False while local staging has no room."""
+        op = state.op
+        assert state.grant is not None
+        agent, offset, nbytes, chunk_blocks, write_by = state.grant
+        if state.written:
+            return True
+        if time.monotonic() > write_by:
+            self._fail(op, f"the grant of receiver rank {state.receiver_rank} expired before "
+                           "this rank could write")
+            return True
+        ce, ge = op.handle.entry.epochs()
+        tp = self.transport
+        if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
+            notif = notice("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
+            if op.verify:
+                frags = expand_fragments(state.route, tp.pools, tp.peer_info_of(agent).pools,
+                                         state.src, state.dst)
+                state.checksum = fragments_crc32(tp.pools, frags, side="src")
+            state.written = True
+            pending = tp.post_fragments(agent, state.route, state.src, state.dst, notif,
+                                        f"fragments to rank {state.receiver_rank}", nbytes)
+            if pending is None:  # no block to move: the notification alone
+                tp.send_notif(agent, notif)
+                self._route_sent(state)
+            else:
+                state.pending.append(pending)
+            return True
+        area = self.areas.alloc(nbytes)
+        if area is None:
+            return False
+        state.area = area
+        state.written = True
+        info = tp.peer_info_of(agent)
+        chunks = [c for c in state.layout.chunks(chunk_blocks) if c.nbytes]
+        crc = 0
+        for i, chunk in enumerate(chunks):
+            gather(state.route, tp.pools, state.src, out=tp.staging, offset=area, chunk=chunk)
+            if tp.staging.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(tp.staging.device).synchronize()
+            if op.verify:
+                piece = tp.staging[area + chunk.offset:area + chunk.offset + chunk.nbytes]
+                crc = zlib.crc32(piece.detach().cpu().numpy().tobytes(), crc)
+            remote = tp.desc(np.array([info.staging_address + offset + chunk.offset]),
+                             np.array([chunk.nbytes]), info.device_id)
+            state.pending.append(tp.post_write(
+                agent, tp.local_staging_desc(area + chunk.offset, chunk.nbytes), remote,
+                notice("C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)),
+                f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}"))
+        if op.verify:
+            state.checksum = crc & 0xFFFFFFFF
+        return True
+
+    def _poll_writes(self, state: RouteState) -> None:
+        try:
+            if all([self.transport.poll(p) for p in state.pending]):
+                state.pending.clear()
+                self._route_sent(state)
+        except PeerUnreachable as error:
+            self._on_unreachable(str(state.agent), error)
+        except TransportError as error:
+            self._fail(state.op, f"transport: {error}")
+
+    def _probe(self, agent: str, fields: list[str]) -> None:
+        """A grant again for a route this rank wrote: were its bytes lost with a connection?"""
+        if agent not in self._loaded:
+            return
+        head = fields[1:6]
+        try:
+            if self.transport.send_notif(agent, notice("P", *head)):  # had to reconnect
+                self.transport.send_notif(agent, notice(
+                    "X", *head, "peer_unreachable: the connection failed after this rank's "
+                    "WRITE completed; its bytes were lost with it"))
+        except TransportError as error:
+            log.debug("probe of %s failed: %s", agent, error)
+
+    def _route_sent(self, state: RouteState) -> None:
+        if state.area is not None:
+            self.areas.free(state.area, state.layout.nbytes)
+            state.area = None
+        state.done = True
+        if self._send.get(state.key) is state:
+            del self._send[state.key]
+        if state.agent is not None:
+            self._written[state.key] = state.agent
+            if len(self._written) > 4096:
+                del self._written[next(iter(self._written))]
+        self._maybe_complete(state.op)

@@ -1,0 +1,319 @@
+"""Handles and their lifecycle: what an engine holds per request, and how it ends.
+
+A :class:`Handle` is one rank's side of one request. It is ``pending`` until it resolves, exactly
+once: a receiver's becomes ``arrived`` when every writer's bytes are in its blocks; a sender's
+becomes ``released`` when its WRITEs completed (its context blocks may be freed); either becomes
+``failed`` with a reason: its deadline passed, a peer restarted (a notification from an old agent
+or epoch), the peer aborted, the connection failed, or the blocks were bad. Failures are told to
+the other side at once (an ``X`` notification), so neither waits for its deadline when the other
+already knows. Wait on a handle (``wait``), poll it (``done``, ``state``), give it a callback, or
+poll :meth:`~workers.handover.Handover.get_finished` (a :class:`Finished`).
+
+Inside the handover a request is an :class:`Op` with one :class:`RouteState` per route this rank
+takes part in. :class:`HandleLifecycle` is the part of :class:`~workers.handover.Handover` that
+ends them: complete, fail (releasing or quarantining their staging, telling the peer), a lost
+connection, the deadline's reason, and the ``on_finished`` hook. After a failed fragments-mode
+receive whose writer had its grant, the handle's blocks become reusable only after the grant's
+time to live plus ``QUARANTINE_MARGIN_S`` (``reusable_at``): a WRITE already on the wire may
+still land in them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from workers.directory import Directory, PlanEntry
+from workers.executors import Route, StagingChunk, StagingLayout
+from workers.handover.notices import RouteKey, notice, reason_field
+from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
+
+if TYPE_CHECKING:
+    from workers.transport.nixl import NixlTransport, _Pending
+
+log = logging.getLogger("kvplane.handover")
+
+PENDING, ARRIVED, RELEASED, FAILED = "pending", "arrived", "released", "failed"
+QUARANTINE_MARGIN_S = 5.0
+
+
+class Handle:
+    """One rank's side of one request's handover; resolves exactly once."""
+
+    def __init__(self, request_id: str, side: str, peer: str, entry: PlanEntry,
+                 timeout_s: float) -> None:
+        self.request_id = request_id
+        self.side = side  # "send" | "receive"
+        self.peer = peer
+        self.entry = entry
+        self.timeout_s = timeout_s
+        self.state = PENDING
+        self.reason: str | None = None
+        self.bytes = 0
+        self.routes: list[dict[str, Any]] = []
+        self.started_at = time.time()
+        self.finished_at: float | None = None
+        # When this rank's blocks of the request may be reused (time.time()), set on resolve: at
+        # once, except after a failed fragments-mode receive whose writer had its grant (a WRITE
+        # already on the wire may still land in the blocks until the grant's time to live
+        # is over, plus a margin).
+        self.reusable_at: float | None = None
+        self._quiet_s = 0.0
+        self.context: dict[str, Any] = {}  # caller's extras (e.g. REST transfer id, verify)
+        self._event: threading.Event | None = None  # made by the first wait(): most never wait
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self.state != PENDING
+
+    @property
+    def ok(self) -> bool:
+        return self.state in (ARRIVED, RELEASED)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until resolved (or ``timeout``); returns the state."""
+        with self._lock:
+            if self.done:
+                return self.state
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait(timeout)
+        return self.state
+
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        """Call ``callback(handle)`` once resolved (at once if it already is). Callbacks run on
+        the worker's progress thread, or on the thread that called ``send``/``expect`` when the
+        handle resolves at once: keep them short."""
+        with self._lock:
+            if not self.done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _resolve(self, state: str, reason: str | None = None) -> bool:
+        with self._lock:
+            if self.done:
+                return False
+            self.state, self.reason = state, reason
+            self.finished_at = time.time()
+            self.reusable_at = self.finished_at + self._quiet_s
+            callbacks, self._callbacks = self._callbacks, []
+            event = self._event
+        if event is not None:
+            event.set()
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a caller's callback must not kill the progress loop
+                log.exception("handle callback of %s failed", self.request_id)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Handle({self.request_id!r}, {self.side}, {self.state}, reason={self.reason!r})"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What :meth:`Handover.get_finished` returns: request ids resolved since the last call."""
+
+    sent: frozenset[str]
+    received: frozenset[str]
+    failed: Mapping[str, str]
+
+
+@dataclass
+class RouteState:
+    """One route of a handle: (sender rank → receiver rank) with its aligned blocks."""
+
+    op: Op
+    route: Route
+    route_dict: Mapping[str, Any]
+    sender_rank: int
+    receiver_rank: int
+    src: dict[int, np.ndarray]
+    dst: dict[int, np.ndarray]
+    layout: StagingLayout
+    peer_rank: int  # the other side's rank
+    mode: str = "staged"  # staged | fragments (auto resolved per route, alike on both sides)
+    agent: str | None = None  # the other side's NIXL agent (None until the directory has it)
+    area: int | None = None  # staging offset (receiver: granted area; sender: local area)
+    chunks: dict[int, StagingChunk] = field(default_factory=dict)  # receiver: outstanding
+    chunk_blocks: int = CHUNK_BLOCKS
+    pending: list[_Pending] = field(default_factory=list)  # sender: posted WRITEs
+    grant: tuple[str, int, int, int, float] | None = None  # agent, offset, nbytes, cb, write_by
+    granted: bool = False
+    heard_at: float = 0.0  # receiver: when it granted or the last chunk arrived
+    written: bool = False
+    done: bool = False
+    checksum: int | None = None
+
+    @property
+    def key(self) -> RouteKey:
+        return (self.op.xid, self.sender_rank, self.receiver_rank)
+
+
+@dataclass
+class Op:
+    """One request on this rank: its handle, its routes and its deadline."""
+
+    handle: Handle
+    xid: str
+    side: str
+    peer: str
+    mode: str
+    verify: bool
+    deadline: float
+    routes: list[RouteState] = field(default_factory=list)
+    hold_until: float = 0.0
+    ask: bool = False  # receiver: ask each writer to send (see Ask)
+    dp: tuple[int | None, int | None] = (None, None)  # context and generation DP ranks
+
+
+class HandleLifecycle:
+    """How this rank's handles end; the part of :class:`~workers.handover.Handover` that every
+    other part calls. The state below is set by ``Handover.__init__``."""
+
+    transport: NixlTransport
+    directory: Directory
+    areas: StagingAreas
+    check: Callable[[Handle], str | None] | None
+    on_finished: Callable[[Handle], None] | None
+    stats: dict[str, int]
+    _ops: dict[int, Op]
+    _send: dict[RouteKey, RouteState]
+    _recv: dict[RouteKey, RouteState]
+    _loaded: set[str]
+    _finished: deque[Handle]
+
+    def _maybe_complete(self, op: Op) -> None:
+        if not op.handle.done and all(state.done for state in op.routes):
+            self._complete(op)
+
+    def _complete(self, op: Op) -> None:
+        handle = op.handle
+        handle.bytes = sum(state.layout.nbytes for state in op.routes)
+        handle.routes = self._route_results(op)
+        if self.check is not None and op.side == "receive" and op.routes:
+            reason = self.check(handle)
+            if reason is not None:
+                self._ops.pop(id(op), None)
+                self.stats["failed"] += 1
+                self._resolve(handle, FAILED, reason)
+                return
+        self._ops.pop(id(op), None)
+        self.stats["sent" if op.side == "send" else "received"] += 1
+        self.stats["bytes"] += handle.bytes
+        self._resolve(handle, RELEASED if op.side == "send" else ARRIVED, None)
+
+    def _route_results(self, op: Op) -> list[dict[str, Any]]:
+        return [{"sender_rank": s.sender_rank, "receiver_rank": s.receiver_rank,
+                 "bytes": s.layout.nbytes if s.done else 0, "checksum": s.checksum}
+                for s in op.routes]
+
+    def _fail(self, op: Op, reason: str, notify: bool = True) -> None:
+        if op.handle.done:
+            return
+        now = time.monotonic()
+        ce, ge = op.handle.entry.epochs()
+        if op.side == "receive" and any(state.mode == "fragments" and state.granted
+                                        and not state.done for state in op.routes):
+            # A writer with our grant writes straight into the blocks: they stay out of use for
+            # as long as its grant lives (it never starts a WRITE later), plus the margin.
+            op.handle._quiet_s = max(0.0, op.deadline - now) + QUARANTINE_MARGIN_S
+        for state in op.routes:
+            if state.done:
+                continue
+            index = self._send if op.side == "send" else self._recv
+            if index.get(state.key) is state:
+                del index[state.key]
+            if state.area is not None:
+                # A late WRITE may still land (receiver) or still read (sender): keep it out
+                # of use until the grant's time to live is over.
+                ttl = max(0.0, op.deadline - now) + QUARANTINE_MARGIN_S
+                if state.pending or op.side == "receive":
+                    self.areas.quarantine(state.area, state.layout.nbytes, now + ttl)
+                else:
+                    self.areas.free(state.area, state.layout.nbytes)
+                state.area = None
+            for pending in state.pending:
+                self.transport.release(pending)
+            state.pending.clear()
+            if notify:
+                self._abort_notice(op, state, reason)
+        op.handle.routes = self._route_results(op)
+        self._ops.pop(id(op), None)
+        self.stats["failed"] += 1
+        log.warning("%s %s failed: %s", op.side, op.xid, reason)
+        self._resolve(op.handle, FAILED, reason)
+
+    def _abort_notice(self, op: Op, state: RouteState, reason: str) -> None:
+        """Tell the other side of ``state`` that ``op`` failed here (best effort)."""
+        if state.agent is None or state.agent not in self._loaded:
+            return
+        ce, ge = op.handle.entry.epochs()
+        try:
+            self.transport.send_notif(state.agent, notice(
+                "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
+                reason_field(reason)))
+        except Exception as error:  # the peer may be gone: its deadline covers it
+            log.debug("abort notification to %s failed: %s", state.agent, error)
+
+    def _resolve(self, handle: Handle, state: str, reason: str | None) -> None:
+        if handle._resolve(state, reason):
+            self._finished.append(handle)
+            if len(self._finished) > 100_000:  # nobody polls get_finished: stay bounded
+                self._finished.popleft()
+            if self.on_finished is not None:
+                try:
+                    self.on_finished(handle)
+                except Exception:
+                    log.exception("on_finished hook failed for %s", handle.request_id)
+
+    def _deadline_reason(self, op: Op) -> str:
+        waiting = [s for s in op.routes if not s.done]
+        parts = []
+        for s in waiting[:3]:
+            if s.agent is None:
+                parts.append(f"no worker of {op.peer} rank {s.peer_rank} in the directory")
+            elif op.side == "send" and s.grant is None:
+                parts.append(f"no grant from {op.peer} rank {s.peer_rank} (did it expect()?)")
+            elif op.side == "send":
+                parts.append(f"WRITEs to {op.peer} rank {s.peer_rank} still in flight")
+            elif not s.granted:
+                parts.append("no staging space")
+            else:
+                parts.append(f"{op.peer} rank {s.peer_rank} did not write "
+                             f"({len(s.chunks)} chunk(s) missing)")
+        return f"deadline: {op.handle.timeout_s:g} s passed; " + "; ".join(parts)
+
+    def _on_unreachable(self, agent: str, error: Exception, reload: bool = True) -> None:
+        """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``),
+        the peer is loaded again, and the aborts go over the new connection."""
+        victims: list[tuple[Op, str]] = []
+        for op in list(self._ops.values()):
+            lost = next((s for s in op.routes if s.agent == agent and not s.done), None)
+            if lost is not None and not op.handle.done:
+                reason = (f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "
+                          f"failed: {error}")
+                self._fail(op, reason, notify=False)
+                victims.append((op, reason))
+        if reload and agent in self._loaded and not self.transport.reset_peer(agent):
+            self._loaded.discard(agent)  # loaded again when a route needs it
+        for op, reason in victims:
+            for state in op.routes:
+                if not state.done:
+                    self._abort_notice(op, state, reason)
