@@ -204,7 +204,7 @@ class NotImplementedYet(KvplaneError):
     code = "not_implemented"
 
 
-#: Stable codes and where they come from; the README's error table is generated from this.
+#: Stable codes and where they come from; docs/api.md's error table lists them.
 ERROR_CODES: dict[str, tuple[int, str]] = {
     "validation_error": (422, "A field has the wrong type, range or format; see `errors[].loc`."),
     "malformed_json": (

@@ -11,7 +11,7 @@ with both URLs (half of them starting on B). After ``--kill-at`` of the requests
 SIGKILLed. Latency = POST sent → GET answered ``done``, retries through B included.
 
 Prints one row per phase: finished before the kill; in flight at the kill; started in the first
-5 s after it; started later. No pass/fail: a table for docs/operators.md.
+5 s after it; started later. No pass/fail: a table for docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 Each row starts a fresh server (a child process on 127.0.0.1, SQLite in a temporary directory,
 or PostgreSQL for row 2) and prints one figure line; the server's RSS and CPU time are read
-from ``/proc``. Every loop is bounded in count and time. A table for docs/reliability.md, not
+from ``/proc``. Every loop is bounded in count and time. A table for docs/benchmarks.md, not
 a pass/fail test.
 
 - 1: ``--workers`` workers attached with metadata at the cap (64 KiB of base64): ``GET

@@ -169,8 +169,7 @@ LAYERS = [
           exempt=("api.cli",)),
     Layer(("workers",), ("workers.testing",),
           "the data path never imports its test and bench equipment",
-          # workers.engine_loop: the reference engine's old path, kept for tests/vllm.
-          exempt=("workers.testing", "workers.engine_loop")),
+          exempt=("workers.testing",)),
     Layer(("workers",), ("api",),
           "workers reach the control plane only through the client, the wire schemas, the logs "
           "and the planning core",

@@ -1,6 +1,6 @@
 """Stored registrations: PUT whole or rank by rank, generation/epoch bookkeeping, reads.
 
-Replace semantics of ``PUT /v1/instances/{name}`` (documented in the README):
+Replace semantics of ``PUT /v1/instances/{name}`` (documented in docs/api.md):
 
 - header (everything but ``ranks``) unchanged: each rank in the body is upserted, ranks not in
   the body are kept; an identical body changes nothing;

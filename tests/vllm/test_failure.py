@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.engine_loop import ControlPlane
+from workers.testing.engine import ControlPlane
 
 from .engines import Engine, handover, prompts, require_vllm, write_model
 
