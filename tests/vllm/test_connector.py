@@ -20,9 +20,10 @@ import httpx
 import pytest
 
 from workers.testing.engine import ControlPlane
+from workers.testing.vllm_bed import Engine, prompts, write_model
+from workers.testing.vllm_bed import handover as _handover
 
-from .engines import Engine, prompts, require_vllm, write_model
-from .engines import handover as _handover
+from .conftest import require_vllm
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from workers.testing.engine import ControlPlane
+from workers.testing.vllm_bed import Engine, handover, prompts, write_model
 
-from .engines import Engine, handover, prompts, require_vllm, write_model
+from .conftest import require_vllm
 
 pytestmark = pytest.mark.slow
 

@@ -78,6 +78,7 @@ DEFAULT_HOLD_S = 60.0  # a prefill keeps a finished request's blocks this long f
 DEFAULT_TIMEOUT_S = 30.0  # a decode rank's receive fails after this
 PARK_S = 10.0  # an ask that came before its request's metadata waits this long
 DEFAULT_STAGING_MIB = 32
+IDLE_STEP_S = 0.01  # a rank's pause in a step that runs no model while blocks are held
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -141,6 +142,7 @@ class KvplaneConnectorMetadata(KVConnectorMetadata):
 
     receive: list[Receive] = field(default_factory=list)
     hold: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id: blocks, until
+    idle: bool = False  # the step runs no model: only held blocks keep the engine stepping
 
 
 class KvplaneConnector(KVConnectorBase_V1):
@@ -211,7 +213,9 @@ class KvplaneConnector(KVConnectorBase_V1):
             skip_blocks=int(params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks))))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvplaneConnectorMetadata(receive=self._new_receives, hold=self._new_holds)
+        meta = KvplaneConnectorMetadata(
+            receive=self._new_receives, hold=self._new_holds,
+            idle=scheduler_output.total_num_scheduled_tokens == 0 and bool(self._holding))
         self._new_receives, self._new_holds = [], {}
         return meta
 
@@ -318,6 +322,11 @@ class KvplaneConnector(KVConnectorBase_V1):
             self._hold(meta.hold)
         for receive in meta.receive:
             self._expect(receive)
+        if meta.idle and not meta.hold:
+            # vLLM steps without pause while a finished request's blocks are held, and with
+            # TP > 1 each rank busy-waits for the next step: the worker's own threads (asks,
+            # heartbeats, the directory) and a decode engine on the same core would starve.
+            time.sleep(IDLE_STEP_S)
 
     def _expect(self, receive: Receive) -> None:
         from workers.directory import HandoverError

@@ -1,5 +1,6 @@
-"""Real vLLM engines for the vLLM tier and ``bench/vllm_handover.py``: each one an ``engine.py``
-process in the vLLM environment (``.venv-vllm``), bound to its own core, driven over stdin/stdout.
+"""Real vLLM engines for the vLLM tier (``tests/vllm``) and ``bench/vllm_handover.py``: each one
+a ``tests/vllm/engine.py`` process in the vLLM environment (``.venv-vllm``), bound to its own
+core, driven over stdin/stdout.
 """
 
 from __future__ import annotations
@@ -10,15 +11,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
+HERE = ROOT / "tests" / "vllm"  # engine.py, tiny_model.py
 VLLM_PYTHON = Path(os.environ.get("KVPLANE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
@@ -31,17 +29,6 @@ def vllm_missing() -> str | None:
     if probe.returncode:
         return f"vllm does not import in {VLLM_PYTHON}: {probe.stderr[-400:]}"
     return None
-
-
-def require_vllm() -> None:
-    """Skip loudly without the vLLM environment; fail under ``CI=true``."""
-    reason = vllm_missing()
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true: the vLLM tier must run: {reason}")
-    print(f"\nSKIPPING the vLLM tier: {reason}", file=sys.stderr)
-    pytest.skip(reason)
 
 
 def write_model(workdir: Path) -> Path:
@@ -93,8 +80,9 @@ class Engine:
         return self.read()
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
-                 params: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params)
+                 params: Sequence[Mapping[str, Any] | None] | None = None) -> dict[str, Any]:
+        listed = None if params is None else [None if p is None else dict(p) for p in params]
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=listed)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
