@@ -67,8 +67,11 @@ demo: install
 test: install lint node-tools vllm-env
 	$(VENV)/bin/pytest -q
 
+LINTED := api workers web tests bench migrations examples
+
 lint: install
-	$(VENV)/bin/ruff check api workers tests bench
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy api workers
 
 bench: install

@@ -36,8 +36,11 @@ OPENAPI_TAGS = [
     {"name": "pairings", "description": "Validated (context, generation) pairs and their plans"},
     {"name": "compatibility", "description": "Compile-only checks of two inline instance bodies"},
     {"name": "transfers", "description": "Planned KV transfers of single requests"},
-    {"name": "workers", "description": "Worker processes attached to ranks: NIXL endpoints, "
-     "their directory of plans and peers, their command stream"},
+    {
+        "name": "workers",
+        "description": "Worker processes attached to ranks: NIXL endpoints, "
+        "their directory of plans and peers, their command stream",
+    },
     {"name": "health", "description": "Liveness, readiness and Prometheus metrics"},
 ]
 
@@ -79,14 +82,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         own_relay = hub.relay is None and db.engine.dialect.name == "postgresql"
         if own_relay:
             # Several API processes may share this database: relay commands between them.
-            hub.relay = PostgresRelay(_libpq_url(settings.database_url), hub, completions,
-                                      resolve=_resolver(app))
+            hub.relay = PostgresRelay(
+                _libpq_url(settings.database_url), hub, completions, resolve=_resolver(app)
+            )
             # Ready only once commands pushed by other processes can reach this one.
             from fastapi.concurrency import run_in_threadpool
 
             if not await run_in_threadpool(hub.relay.listening.wait, 10.0):
-                log.warning("the dispatch relay is not listening yet; commands from other "
-                            "API processes may be missed until it is")
+                log.warning(
+                    "the dispatch relay is not listening yet; commands from other "
+                    "API processes may be missed until it is"
+                )
         reaper = asyncio.create_task(_reap_overdue_forever(app))
         try:
             yield
@@ -169,8 +175,7 @@ def _resolver(app: FastAPI) -> Any:
     def resolve(refs: list[tuple[str, str, int, str, int]]) -> list[tuple[str, dict[str, Any]]]:
         db: Database = app.state.db
         with db.read() as session:
-            return execution.commands_for_refs(session=session, refs=refs,
-                                               now=app.state.clock())
+            return execution.commands_for_refs(session=session, refs=refs, now=app.state.clock())
 
     return resolve
 
@@ -209,8 +214,7 @@ async def _reap_overdue_forever(app: FastAPI) -> None:
         with db.read() as session:
             overdue = bool(execution.overdue_transfer_ids(session=session, now=now, limit=1))
             if check_gone:
-                gone = worker_service.fell_silent(session=session, since=last_gone_check,
-                                                  now=now)
+                gone = worker_service.fell_silent(session=session, since=last_gone_check, now=now)
                 last_gone_check = now
         if gone:
             with db.write() as session:

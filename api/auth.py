@@ -381,9 +381,7 @@ async def check(request: Request, principal: Principal, operation: str) -> None:
             f"this {principal.scope} token is bound to instance {principal.instance!r}; "
             f"{operation} here concerns another instance"
         )
-    raise Forbidden(
-        f"{_article(principal.scope)} {principal.scope} token may not call {operation}"
-    )
+    raise Forbidden(f"{_article(principal.scope)} {principal.scope} token may not call {operation}")
 
 
 async def authorize(request: Request) -> None:
@@ -479,9 +477,7 @@ class SessionKeys:
 
 def start_session(*, session: Session, token_id: str, ttl_s: int, now: datetime) -> str:
     """Store a new dashboard session of ``token_id`` (and drop expired ones); its id."""
-    session.execute(
-        delete(DashboardSessionRow).where(DashboardSessionRow.expires_at < now)
-    )
+    session.execute(delete(DashboardSessionRow).where(DashboardSessionRow.expires_at < now))
     row = DashboardSessionRow(
         id=uuid.uuid4().hex,
         token_id=token_id,
@@ -600,9 +596,7 @@ async def login(request: Request) -> Response:
 
     def store() -> str:
         with _db(request).write() as session:
-            return start_session(
-                session=session, token_id=principal.token_id, ttl_s=ttl_s, now=now
-            )
+            return start_session(session=session, token_id=principal.token_id, ttl_s=ttl_s, now=now)
 
     session_id = await run_in_threadpool(store)
     expires_at = int(now.timestamp()) + ttl_s

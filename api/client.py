@@ -42,8 +42,9 @@ ENCODE_PAUSE_S = 0.0002  # the pause between slices
 class ApiError(Exception):
     """A problem+json answer (or a non-JSON error) from the control plane."""
 
-    def __init__(self, status: int, code: str, detail: str,
-                 errors: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, detail: str, errors: list[dict[str, Any]] | None = None
+    ) -> None:
         super().__init__(f"{status} {code}: {detail}")
         self.status = status
         self.code = code
@@ -93,14 +94,19 @@ def _error_for(response: httpx.Response) -> ApiError:
     if status == 409 and code == "lease_lost":
         return LeaseLostError(status, code, detail, errors)
     kind: type[ApiError] = {
-        400: BadRequestError, 404: NotFoundError, 409: ConflictError,
-        412: PreconditionFailedError, 422: BadRequestError, 503: UnavailableError,
+        400: BadRequestError,
+        404: NotFoundError,
+        409: ConflictError,
+        412: PreconditionFailedError,
+        422: BadRequestError,
+        503: UnavailableError,
     }.get(status, ApiError)
     return kind(status, code, detail, errors)
 
 
-def _retry_delay(attempt: int, response: httpx.Response | None, base_s: float,
-                 cap_s: float) -> float:
+def _retry_delay(
+    attempt: int, response: httpx.Response | None, base_s: float, cap_s: float
+) -> float:
     if response is not None:
         header = response.headers.get("Retry-After")
         if header is not None:
@@ -118,8 +124,9 @@ class _Calls:
         raise NotImplementedError
 
     # instances -------------------------------------------------------------------------
-    def register_instance(self, name: str, body: Mapping[str, Any],
-                          if_match: int | None = None) -> Any:
+    def register_instance(
+        self, name: str, body: Mapping[str, Any], if_match: int | None = None
+    ) -> Any:
         headers = {} if if_match is None else {"If-Match": str(if_match)}
         return self._request("PUT", f"/v1/instances/{name}", json=body, headers=headers)
 
@@ -137,8 +144,9 @@ class _Calls:
 
     # pairings ---------------------------------------------------------------------------
     def create_pairing(self, context: str, generation: str) -> Any:
-        return self._request("POST", "/v1/pairings",
-                             json={"context": context, "generation": generation})
+        return self._request(
+            "POST", "/v1/pairings", json={"context": context, "generation": generation}
+        )
 
     def get_pairing(self, pairing_id: str) -> Any:
         return self._request("GET", f"/v1/pairings/{pairing_id}")
@@ -149,33 +157,40 @@ class _Calls:
     def validate_pairing(self, pairing_id: str) -> Any:
         return self._request("POST", f"/v1/pairings/{pairing_id}/validate")
 
-    def get_plan(self, pairing_id: str, context_dp_rank: int | None = None,
-                 generation_dp_rank: int | None = None) -> Any:
-        params = {k: v for k, v in (("context_dp_rank", context_dp_rank),
-                                    ("generation_dp_rank", generation_dp_rank)) if v is not None}
+    def get_plan(
+        self,
+        pairing_id: str,
+        context_dp_rank: int | None = None,
+        generation_dp_rank: int | None = None,
+    ) -> Any:
+        params = {
+            k: v
+            for k, v in (
+                ("context_dp_rank", context_dp_rank),
+                ("generation_dp_rank", generation_dp_rank),
+            )
+            if v is not None
+        }
         return self._request("GET", f"/v1/pairings/{pairing_id}/plan", params=params)
 
     def check_compatibility(self, body: Mapping[str, Any]) -> Any:
         return self._request("POST", "/v1/compatibility", json=body)
 
     # transfers --------------------------------------------------------------------------
-    def create_transfer(self, body: Mapping[str, Any],
-                        idempotency_key: str | None = None) -> Any:
+    def create_transfer(self, body: Mapping[str, Any], idempotency_key: str | None = None) -> Any:
         """Plan (and with ``execute``, dispatch) a transfer. Without ``idempotency_key`` one is
         generated, so a retry after a lost answer (or through another API process) returns
         the transfer the first attempt created instead of a duplicate."""
         key = idempotency_key or uuid.uuid4().hex
-        return self._request("POST", "/v1/transfers", json=body,
-                             headers={"Idempotency-Key": key})
+        return self._request("POST", "/v1/transfers", json=body, headers={"Idempotency-Key": key})
 
     def get_transfer(self, transfer_id: str, wait_s: float = 0.0) -> Any:
         params = {"wait": wait_s} if wait_s else {}
-        return self._request("GET", f"/v1/transfers/{transfer_id}", params=params,
-                             timeout=DEFAULT_TIMEOUT_S + wait_s)
+        return self._request(
+            "GET", f"/v1/transfers/{transfer_id}", params=params, timeout=DEFAULT_TIMEOUT_S + wait_s
+        )
 
-    def get_fragments(
-        self, transfer_id: str, offset: int = 0, limit: int | None = None
-    ) -> Any:
+    def get_fragments(self, transfer_id: str, offset: int = 0, limit: int | None = None) -> Any:
         """One page of a transfer's fragments (``next_offset`` says where the next starts)."""
         params: dict[str, int] = {"offset": offset} if offset else {}
         if limit is not None:
@@ -197,8 +212,9 @@ class _Calls:
         ``ucx_in_use``: what UCX uses for its peer connections (no body without it)."""
         if ucx_in_use is None:
             return self._request("POST", f"/v1/workers/{worker_id}/heartbeat")
-        return self._request("POST", f"/v1/workers/{worker_id}/heartbeat",
-                             json={"ucx_in_use": ucx_in_use})
+        return self._request(
+            "POST", f"/v1/workers/{worker_id}/heartbeat", json={"ucx_in_use": ucx_in_use}
+        )
 
     def get_directory(self, worker_id: str) -> Any:
         return self._request("GET", f"/v1/workers/{worker_id}/directory")
@@ -210,8 +226,9 @@ class _Calls:
         return self._request("GET", "/v1/workers", params=params)
 
     def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
-        return self._request("POST", "/v1/transfers/records",
-                             json={"worker_id": worker_id, "records": records})
+        return self._request(
+            "POST", "/v1/transfers/records", json={"worker_id": worker_id, "records": records}
+        )
 
     def list_parts(self, transfer_id: str) -> Any:
         return self._request("GET", f"/v1/transfers/{transfer_id}/parts")
@@ -219,18 +236,30 @@ class _Calls:
 
 #: Every (method, path template) the client calls; a test checks each exists in the spec.
 CLIENT_ROUTES = (
-    ("PUT", "/v1/instances/{name}"), ("PUT", "/v1/instances/{name}/ranks/{rank}"),
-    ("GET", "/v1/instances/{name}"), ("GET", "/v1/instances"),
-    ("DELETE", "/v1/instances/{name}"), ("POST", "/v1/pairings"),
-    ("GET", "/v1/pairings/{pairing_id}"), ("GET", "/v1/pairings"),
-    ("POST", "/v1/pairings/{pairing_id}/validate"), ("GET", "/v1/pairings/{pairing_id}/plan"),
-    ("POST", "/v1/compatibility"), ("POST", "/v1/transfers"),
-    ("GET", "/v1/transfers/{transfer_id}"), ("GET", "/v1/transfers/{transfer_id}/fragments"),
-    ("POST", "/v1/transfers/{transfer_id}/retry"), ("GET", "/v1/transfers"),
-    ("POST", "/v1/workers"), ("POST", "/v1/workers/{worker_id}/heartbeat"),
-    ("GET", "/v1/workers/{worker_id}/directory"), ("GET", "/v1/workers/{worker_id}/commands"),
-    ("DELETE", "/v1/workers/{worker_id}"), ("GET", "/v1/workers"),
-    ("POST", "/v1/transfers/records"), ("GET", "/v1/transfers/{transfer_id}/parts"),
+    ("PUT", "/v1/instances/{name}"),
+    ("PUT", "/v1/instances/{name}/ranks/{rank}"),
+    ("GET", "/v1/instances/{name}"),
+    ("GET", "/v1/instances"),
+    ("DELETE", "/v1/instances/{name}"),
+    ("POST", "/v1/pairings"),
+    ("GET", "/v1/pairings/{pairing_id}"),
+    ("GET", "/v1/pairings"),
+    ("POST", "/v1/pairings/{pairing_id}/validate"),
+    ("GET", "/v1/pairings/{pairing_id}/plan"),
+    ("POST", "/v1/compatibility"),
+    ("POST", "/v1/transfers"),
+    ("GET", "/v1/transfers/{transfer_id}"),
+    ("GET", "/v1/transfers/{transfer_id}/fragments"),
+    ("POST", "/v1/transfers/{transfer_id}/retry"),
+    ("GET", "/v1/transfers"),
+    ("POST", "/v1/workers"),
+    ("POST", "/v1/workers/{worker_id}/heartbeat"),
+    ("GET", "/v1/workers/{worker_id}/directory"),
+    ("GET", "/v1/workers/{worker_id}/commands"),
+    ("DELETE", "/v1/workers/{worker_id}"),
+    ("GET", "/v1/workers"),
+    ("POST", "/v1/transfers/records"),
+    ("GET", "/v1/transfers/{transfer_id}/parts"),
 )
 
 
@@ -276,8 +305,12 @@ class _Endpoints:
         with self._lock:
             if self._index == index:
                 self._index = (index + 1) % len(self.urls)
-                log.warning("control plane %s failed (%s); failing over to %s",
-                            self.urls[index], reason, self.urls[self._index])
+                log.warning(
+                    "control plane %s failed (%s); failing over to %s",
+                    self.urls[index],
+                    reason,
+                    self.urls[self._index],
+                )
         return True
 
 
@@ -289,8 +322,9 @@ class _Retry:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
 
-    def delay_after(self, attempt: int, response: httpx.Response | None,
-                    error: Exception | None) -> float:
+    def delay_after(
+        self, attempt: int, response: httpx.Response | None, error: Exception | None
+    ) -> float:
         """Seconds to wait before the next attempt; raises when the outcome is final."""
         if error is not None:
             if attempt >= self.retries:
@@ -301,16 +335,25 @@ class _Retry:
             raise _error_for(response)
         return _retry_delay(attempt, response, self.backoff_s, self.max_backoff_s)
 
-    def next_attempt(self, endpoints: _Endpoints, index: int, tried: set[int], attempt: int,
-                     response: httpx.Response | None, error: Exception | None) -> float:
+    def next_attempt(
+        self,
+        endpoints: _Endpoints,
+        index: int,
+        tried: set[int],
+        attempt: int,
+        response: httpx.Response | None,
+        error: Exception | None,
+    ) -> float:
         """After a failed attempt on URL ``index``: fail over when the outcome says the process
         may be gone, and return the delay before the next attempt (none before a URL this call
         has not tried yet: every URL gets one try whatever ``retries`` says); raises when the
         outcome is final."""
-        if error is not None or (response is not None
-                                 and response.status_code in RETRY_STATUSES):
-            reason = error if error is not None else (
-                f"HTTP {0 if response is None else response.status_code}")
+        if error is not None or (response is not None and response.status_code in RETRY_STATUSES):
+            reason = (
+                error
+                if error is not None
+                else (f"HTTP {0 if response is None else response.status_code}")
+            )
             if endpoints.fail_over(index, reason) and endpoints.index not in tried:
                 return 0.0
         return self.delay_after(attempt, response, error)
@@ -329,8 +372,9 @@ def encode_records(worker_id: str, records: Sequence[Mapping[str, Any]]) -> byte
         parts.append(json.dumps(record, separators=(",", ":")))
         if i % ENCODE_SLICE == 0 and i < len(records):
             time.sleep(ENCODE_PAUSE_S)
-    return ('{"worker_id":' + json.dumps(worker_id)
-            + ',"records":[' + ",".join(parts) + "]}").encode()
+    return (
+        '{"worker_id":' + json.dumps(worker_id) + ',"records":[' + ",".join(parts) + "]}"
+    ).encode()
 
 
 class Client(_Calls):
@@ -339,14 +383,25 @@ class Client(_Calls):
     ``base_url``: one URL, several (a list, or comma-separated), failed over in turn.
     """
 
-    def __init__(self, base_url: str | Sequence[str], *, token: str | None = None,
-                 retries: int = 5, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        token: str | None = None,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._endpoints = _Endpoints(base_urls(base_url))
-        self._http = httpx.Client(base_url=self._endpoints.urls[0], headers=headers,
-                                  timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(
+            base_url=self._endpoints.urls[0],
+            headers=headers,
+            timeout=timeout_s,
+            transport=transport,
+        )
         self._retry = _Retry(retries, backoff_s, max_backoff_s)
 
     @property
@@ -367,14 +422,14 @@ class Client(_Calls):
             tried.add(index)
             response, error = None, None
             try:
-                response = self._http.request(method, self._endpoints.url(index, path),
-                                              **kwargs)
+                response = self._http.request(method, self._endpoints.url(index, path), **kwargs)
             except _NETWORK_ERRORS as caught:
                 error = caught
             if response is not None and response.status_code < 400:
                 return _decode(response)
-            time.sleep(self._retry.next_attempt(self._endpoints, index, tried, attempt,
-                                                response, error))
+            time.sleep(
+                self._retry.next_attempt(self._endpoints, index, tried, attempt, response, error)
+            )
             attempt += 1
 
     def record_transfers(self, worker_id: str, records: Sequence[Mapping[str, Any]]) -> Any:
@@ -382,9 +437,12 @@ class Client(_Calls):
         a worker posts a second's records at once, and ``json.dumps`` of the whole batch is one
         C call that keeps the rank's other threads (its progress thread) off the GIL until it
         returns: 24-28 us of CPU per record inside a busy rank here, 12-14 ms for 500."""
-        return self._request("POST", "/v1/transfers/records",
-                             content=encode_records(worker_id, records),
-                             headers={"Content-Type": "application/json"})
+        return self._request(
+            "POST",
+            "/v1/transfers/records",
+            content=encode_records(worker_id, records),
+            headers={"Content-Type": "application/json"},
+        )
 
     def stream_commands(self, worker_id: str, *, read_timeout_s: float = 30.0) -> Iterator[Any]:
         """The worker's command stream: yields each JSON line as it arrives (no retries: the
@@ -394,7 +452,8 @@ class Client(_Calls):
         index = self._endpoints.index
         try:
             with self._http.stream(
-                "GET", self._endpoints.url(index, f"/v1/workers/{worker_id}/commands"),
+                "GET",
+                self._endpoints.url(index, f"/v1/workers/{worker_id}/commands"),
                 timeout=timeout,
             ) as response:
                 if response.status_code >= 400:
@@ -423,14 +482,25 @@ class AsyncClient(_Calls):
     """Asynchronous client with the same methods (each returns an awaitable) and the same
     failover between several URLs."""
 
-    def __init__(self, base_url: str | Sequence[str], *, token: str | None = None,
-                 retries: int = 5, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        token: str | None = None,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._endpoints = _Endpoints(base_urls(base_url))
-        self._http = httpx.AsyncClient(base_url=self._endpoints.urls[0], headers=headers,
-                                       timeout=timeout_s, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self._endpoints.urls[0],
+            headers=headers,
+            timeout=timeout_s,
+            transport=transport,
+        )
         self._retry = _Retry(retries, backoff_s, max_backoff_s)
 
     @property
@@ -446,14 +516,16 @@ class AsyncClient(_Calls):
             tried.add(index)
             response, error = None, None
             try:
-                response = await self._http.request(method, self._endpoints.url(index, path),
-                                                    **kwargs)
+                response = await self._http.request(
+                    method, self._endpoints.url(index, path), **kwargs
+                )
             except _NETWORK_ERRORS as caught:
                 error = caught
             if response is not None and response.status_code < 400:
                 return _decode(response)
-            await asyncio.sleep(self._retry.next_attempt(self._endpoints, index, tried,
-                                                         attempt, response, error))
+            await asyncio.sleep(
+                self._retry.next_attempt(self._endpoints, index, tried, attempt, response, error)
+            )
             attempt += 1
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:

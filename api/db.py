@@ -130,8 +130,9 @@ class Database:
         """A session inside a write transaction: committed on success, rolled back on error."""
         lock = self._write_lock
         if lock is not None and not lock.acquire(timeout=self._write_wait_s):
-            raise OperationalError("BEGIN IMMEDIATE", None,
-                                   sqlite3.OperationalError("database is locked"))
+            raise OperationalError(
+                "BEGIN IMMEDIATE", None, sqlite3.OperationalError("database is locked")
+            )
         try:
             with self._write() as session, session.begin():
                 yield session

@@ -100,10 +100,10 @@ class Line:
 def encode(message: dict[str, Any]) -> Line:
     """The line of ``message`` (a command dict as :mod:`api.services.execution` builds it)."""
     deadline = message.get("deadline_at")
-    body = json.dumps({k: v for k, v in message.items() if k != "timeout_s"},
-                      separators=(",", ":")).encode()
-    key = ((str(message["xid"]), str(message["side"])) if message.get("type") == "transfer"
-           else None)
+    body = json.dumps(
+        {k: v for k, v in message.items() if k != "timeout_s"}, separators=(",", ":")
+    ).encode()
+    key = (str(message["xid"]), str(message["side"])) if message.get("type") == "transfer" else None
     return Line(body, None if deadline is None else float(deadline), key)
 
 
@@ -185,13 +185,15 @@ class CommandHub:
             stream.generation += 1
             stream.open = True
             stream.final = None
-            stream.keys = OrderedDict((line.key, None) for line in stream.lines
-                                      if line.key is not None)
+            stream.keys = OrderedDict(
+                (line.key, None) for line in stream.lines if line.key is not None
+            )
             stream.wake.set()  # an older connection of it wakes and ends
             return Ticket(worker_id, stream, stream.generation)
 
-    async def next_lines(self, ticket: Ticket, timeout_s: float
-                         ) -> tuple[list[Line], bytes | None, bool]:
+    async def next_lines(
+        self, ticket: Ticket, timeout_s: float
+    ) -> tuple[list[Line], bytes | None, bool]:
         """``(lines, final line, ended)`` for ``ticket``'s connection: what is queued, waiting
         up to ``timeout_s`` for something; ``ended``: the connection must end now."""
         stream = ticket.stream
@@ -258,8 +260,10 @@ class CommandHub:
             stream.wake.set()
 
     def _current(self, ticket: Ticket) -> bool:
-        return (self._streams.get(ticket.worker_id) is ticket.stream
-                and ticket.stream.generation == ticket.generation)
+        return (
+            self._streams.get(ticket.worker_id) is ticket.stream
+            and ticket.stream.generation == ticket.generation
+        )
 
     def _drop(self, worker_id: str) -> None:
         """Forget ``worker_id``'s stream and its queue (under the lock)."""
@@ -274,8 +278,11 @@ class CommandHub:
     def _live(self, worker_id: str) -> _Stream | None:
         """The worker's stream if it is open or within its grace (an expired one is dropped)."""
         stream = self._streams.get(worker_id)
-        if stream is not None and not stream.open and (
-                time.monotonic() - stream.since >= RECONNECT_GRACE_S):
+        if (
+            stream is not None
+            and not stream.open
+            and (time.monotonic() - stream.since >= RECONNECT_GRACE_S)
+        ):
             self._drop(worker_id)
             return None
         return stream
@@ -297,7 +304,8 @@ class CommandHub:
         moments ago, or expected (a push waits for it within the reconnect grace)."""
         stream = self._streams.get(worker_id)
         return stream is not None and (
-            stream.open or time.monotonic() - stream.since < RECONNECT_GRACE_S)
+            stream.open or time.monotonic() - stream.since < RECONNECT_GRACE_S
+        )
 
     def queued_bytes(self, worker_id: str) -> int:
         stream = self._streams.get(worker_id)
@@ -330,7 +338,8 @@ class CommandHub:
             # A worker attached moments ago may not have opened its stream yet: its commands
             # wait for it as for a stream that just dropped.
             self._loop.call_soon_threadsafe(
-                self._hold, [(worker_id, encode(message)) for worker_id, message in remote])
+                self._hold, [(worker_id, encode(message)) for worker_id, message in remote]
+            )
         return [worker_id for worker_id, _ in remote]
 
     def deliver_now(self, lines: Sequence[tuple[str, Line]]) -> None:
@@ -370,23 +379,38 @@ class CommandHub:
                 stream.nbytes += line.nbytes
                 self.nbytes += line.nbytes
                 if stream.nbytes > STREAM_BYTES_MAX or self.nbytes > HUB_BYTES_MAX:
-                    cut.append((worker_id, f"{stream.nbytes} bytes of commands queued for "
-                                f"it, {self.nbytes} for every stream of this process"))
+                    cut.append(
+                        (
+                            worker_id,
+                            f"{stream.nbytes} bytes of commands queued for "
+                            f"it, {self.nbytes} for every stream of this process",
+                        )
+                    )
                     self._drop(worker_id)
                     continue
                 stream.wake.set()
         for worker_id, why in cut:
             self.cuts += 1
-            log.warning("worker %s is not reading its commands (%s); its stream is cut and its "
-                        "transfers' commands are owed again when it reconnects", worker_id, why)
+            log.warning(
+                "worker %s is not reading its commands (%s); its stream is cut and its "
+                "transfers' commands are owed again when it reconnects",
+                worker_id,
+                why,
+            )
 
 
 class CommandStreamResponse(StreamingResponse):
     """A command stream whose every write must complete within ``write_timeout_s``: a worker
     that does not read is cut (``on_stall``) instead of holding the server's memory."""
 
-    def __init__(self, content: Any, *, on_stall: Callable[[], None],
-                 write_timeout_s: float = WRITE_TIMEOUT_S, **options: Any) -> None:
+    def __init__(
+        self,
+        content: Any,
+        *,
+        on_stall: Callable[[], None],
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+        **options: Any,
+    ) -> None:
         super().__init__(content, **options)
         self.on_stall = on_stall
         self.write_timeout_s = write_timeout_s
@@ -473,8 +497,13 @@ class PostgresRelay:
     about 16 ms on loopback; a ``NOTIFY`` on a held one 0.2 ms).
     """
 
-    def __init__(self, url: str, hub: CommandHub, completions: Completions | None = None,
-                 resolve: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        hub: CommandHub,
+        completions: Completions | None = None,
+        resolve: Resolver | None = None,
+    ) -> None:
         self.url = url
         self.hub = hub
         self.completions = completions
@@ -483,8 +512,7 @@ class PostgresRelay:
         self._publish_lock = threading.Lock()
         self._stop = threading.Event()
         self.listening = threading.Event()  # LISTEN is active: notifications reach this process
-        self._thread = threading.Thread(target=self._listen, daemon=True,
-                                        name="kvplane-relay")
+        self._thread = threading.Thread(target=self._listen, daemon=True, name="kvplane-relay")
         self._thread.start()
 
     def _connect(self) -> Any:
@@ -494,24 +522,46 @@ class PostgresRelay:
 
     def publish(self, messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
         """Publish references to these commands (raises :class:`RelayError` on failure)."""
-        refs = [[worker_id, m["transfer_id"], int(m["attempt"]), m["side"], int(m["rank"])]
-                for worker_id, m in messages]
-        self._notify([
-            json.dumps({"refs": refs[i:i + REFS_PER_NOTIFY], "origin": self.hub.origin},
-                       separators=(",", ":"))
-            for i in range(0, len(refs), REFS_PER_NOTIFY)], required=True)
+        refs = [
+            [worker_id, m["transfer_id"], int(m["attempt"]), m["side"], int(m["rank"])]
+            for worker_id, m in messages
+        ]
+        self._notify(
+            [
+                json.dumps(
+                    {"refs": refs[i : i + REFS_PER_NOTIFY], "origin": self.hub.origin},
+                    separators=(",", ":"),
+                )
+                for i in range(0, len(refs), REFS_PER_NOTIFY)
+            ],
+            required=True,
+        )
 
     def publish_close(self, worker_id: str, message: dict[str, Any]) -> None:
         """Tell the other processes to end ``worker_id``'s stream with ``message``."""
-        self._notify([json.dumps({"close": worker_id, "message": message,
-                                  "origin": self.hub.origin}, separators=(",", ":"))])
+        self._notify(
+            [
+                json.dumps(
+                    {"close": worker_id, "message": message, "origin": self.hub.origin},
+                    separators=(",", ":"),
+                )
+            ]
+        )
 
     def publish_settled(self, transfer_ids: list[str]) -> None:
         """Tell the other processes that these transfers settled (their waiters wake)."""
-        self._notify([
-            json.dumps({"settled": transfer_ids[i:i + SETTLED_PER_NOTIFY],
-                        "origin": self.hub.origin}, separators=(",", ":"))
-            for i in range(0, len(transfer_ids), SETTLED_PER_NOTIFY)])
+        self._notify(
+            [
+                json.dumps(
+                    {
+                        "settled": transfer_ids[i : i + SETTLED_PER_NOTIFY],
+                        "origin": self.hub.origin,
+                    },
+                    separators=(",", ":"),
+                )
+                for i in range(0, len(transfer_ids), SETTLED_PER_NOTIFY)
+            ]
+        )
 
     def _notify(self, payloads: list[str], *, required: bool = False) -> None:
         if not payloads:
@@ -524,14 +574,14 @@ class PostgresRelay:
                     if self._publisher is None or self._publisher.closed:
                         self._publisher = self._connect()
                     for payload in payloads:
-                        self._publisher.execute("SELECT pg_notify(%s, %s)",
-                                                (NOTIFY_CHANNEL, payload))
+                        self._publisher.execute(
+                            "SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, payload)
+                        )
                     return
                 except Exception as error:
                     self._drop_publisher()
                     if attempt:
-                        log.warning("relaying %d notification(s) failed: %s", len(payloads),
-                                    error)
+                        log.warning("relaying %d notification(s) failed: %s", len(payloads), error)
                         if required:
                             raise RelayError(str(error)) from error
 
@@ -547,11 +597,13 @@ class PostgresRelay:
                 self.completions.settled(data["settled"])
         elif "close" in data:
             if self.hub.holds(data["close"]) and self.hub._loop is not None:
-                self.hub._loop.call_soon_threadsafe(self.hub._close, data["close"],
-                                                    data["message"])
+                self.hub._loop.call_soon_threadsafe(self.hub._close, data["close"], data["message"])
         elif "refs" in data and self.resolve is not None:
-            refs = [(str(w), str(t), int(a), str(s), int(r)) for w, t, a, s, r in data["refs"]
-                    if self.hub.holds(str(w))]
+            refs = [
+                (str(w), str(t), int(a), str(s), int(r))
+                for w, t, a, s, r in data["refs"]
+                if self.hub.holds(str(w))
+            ]
             if refs:
                 self.hub.deliver_threadsafe(self.resolve(refs))
 
@@ -569,8 +621,11 @@ class PostgresRelay:
                             try:
                                 self._on_note(data)
                             except Exception as error:  # one bad note must not stop the relay
-                                log.warning("dispatch relay: cannot deliver %s: %s",
-                                            note.payload[:200], error)
+                                log.warning(
+                                    "dispatch relay: cannot deliver %s: %s",
+                                    note.payload[:200],
+                                    error,
+                                )
             except Exception as error:
                 if self._stop.is_set():
                     return

@@ -54,6 +54,7 @@ def status_title(status: int) -> str:
     except ValueError:
         return "Error"
 
+
 log = logging.getLogger(__name__)
 
 
@@ -306,9 +307,7 @@ def validation_problem(exc: RequestValidationError) -> JSONResponse:
         for err in raw
     ]
     fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in errors[:5])
-    return problem_response(
-        422, "validation_error", f"Invalid field(s): {fields}", errors=errors
-    )
+    return problem_response(422, "validation_error", f"Invalid field(s): {fields}", errors=errors)
 
 
 def undecodable_body_detail(cause: BaseException) -> str:

@@ -117,8 +117,11 @@ class Metrics:
         if job_counts is not None:
             self.registry.register(
                 _CountsCollector(
-                    "kvplane_transfer_parts", "Recorded transfer parts by state", "state",
-                    JOB_STATES, job_counts,
+                    "kvplane_transfer_parts",
+                    "Recorded transfer parts by state",
+                    "state",
+                    JOB_STATES,
+                    job_counts,
                 )
             )
         if worker_counts is not None:

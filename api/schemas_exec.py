@@ -52,11 +52,19 @@ class UcxSettings(_Request):
     i.e. every transport or device it finds; on one machine that means shared memory / CMA)."""
 
     backend: Literal["UCX"] = "UCX"
-    tls: str = Field(default="default", min_length=1, max_length=256,
-                     description="UCX transports (UCX_TLS), e.g. tcp; `kvplane worker --ucx-tls`")
-    net_devices: str = Field(default="default", min_length=1, max_length=256,
-                             description="Network devices UCX may use (UCX_NET_DEVICES), e.g. "
-                             "eth0; `kvplane worker --ucx-net-devices`")
+    tls: str = Field(
+        default="default",
+        min_length=1,
+        max_length=256,
+        description="UCX transports (UCX_TLS), e.g. tcp; `kvplane worker --ucx-tls`",
+    )
+    net_devices: str = Field(
+        default="default",
+        min_length=1,
+        max_length=256,
+        description="Network devices UCX may use (UCX_NET_DEVICES), e.g. "
+        "eth0; `kvplane worker --ucx-net-devices`",
+    )
 
 
 # A UCX transport on a device as UCX's log writes it: tcp/eth0, cma/memory, rc_mlx5/mlx5_0:1.
@@ -71,34 +79,49 @@ class UcxInUse(_Request):
     endpoint configurations it built (``transport/device``: ``tcp/eth0`` is the network,
     ``cma/memory`` and every other ``…/memory`` shared memory between processes of one kernel)."""
 
-    transports: list[UcxTl] = Field(min_length=1, max_length=64, description="Every "
-                                    "transport/device on a lane to a peer, e.g. tcp/eth0, "
-                                    "cma/memory, rc_mlx5/mlx5_0:1")
+    transports: list[UcxTl] = Field(
+        min_length=1,
+        max_length=64,
+        description="Every "
+        "transport/device on a lane to a peer, e.g. tcp/eth0, "
+        "cma/memory, rc_mlx5/mlx5_0:1",
+    )
     lanes: dict[UcxLaneKind, UcxTls] = Field(
-        max_length=16, description="The same by lane kind as UCX names them: am (active "
+        max_length=16,
+        description="The same by lane kind as UCX names them: am (active "
         "messages, with the bandwidth lanes that carry a large WRITE's bytes), rma, amo (_am: "
-        "emulated over active messages), tag, stream, ka (keep-alive)")
+        "emulated over active messages), tag, stream, ka (keep-alive)",
+    )
     peers: list[Literal["intra-node", "inter-node"]] = Field(
-        min_length=1, max_length=2, description="Where the peers were: this machine "
-        "(intra-node) or another one (inter-node)")
-    shared_memory: bool = Field(description="A lane on shared memory: bytes between workers "
-                                "of one machine skip the network (UCX_TLS=tcp rules it out)")
+        min_length=1,
+        max_length=2,
+        description="Where the peers were: this machine (intra-node) or another one (inter-node)",
+    )
+    shared_memory: bool = Field(
+        description="A lane on shared memory: bytes between workers "
+        "of one machine skip the network (UCX_TLS=tcp rules it out)"
+    )
 
 
 class WorkerHeartbeat(_Request):
     """A worker's heartbeat; the body is optional (older workers send none)."""
 
-    ucx_in_use: UcxInUse | None = Field(default=None, description="What UCX uses for this "
-                                        "worker's peer connections, once it made one")
+    ucx_in_use: UcxInUse | None = Field(
+        default=None,
+        description="What UCX uses for this worker's peer connections, once it made one",
+    )
 
 
 class PeerInfo(_Request):
     """What other workers need to reach this one over NIXL (opaque metadata is base64)."""
 
     agent: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
-    metadata_b64: str = Field(min_length=4, max_length=MAX_METADATA_B64,
-                              pattern=r"^[A-Za-z0-9+/]+={0,2}$",
-                              description="The NIXL agent metadata, base64 (at most 64 KiB)")
+    metadata_b64: str = Field(
+        min_length=4,
+        max_length=MAX_METADATA_B64,
+        pattern=r"^[A-Za-z0-9+/]+={0,2}$",
+        description="The NIXL agent metadata, base64 (at most 64 KiB)",
+    )
     mem_type: Literal["DRAM", "VRAM"]
     device_id: int = Field(ge=0, le=1024)
     pools: list[PeerPool] = Field(min_length=1, max_length=1024)
@@ -145,17 +168,25 @@ class WorkerRead(BaseModel):
     registered_at: datetime
     heartbeat_at: datetime
     heartbeat_age_s: float
-    connected: bool = Field(default=False, description="Holds the command stream open to "
-                            "this API process (REST execute=true reaches it)")
+    connected: bool = Field(
+        default=False,
+        description="Holds the command stream open to "
+        "this API process (REST execute=true reaches it)",
+    )
     directory_revision: str | None = None
-    ucx: UcxSettings | None = Field(default=None, description="The UCX transports and devices "
-                                    "the worker's NIXL endpoint runs with (null: an older "
-                                    "worker that did not say)")
+    ucx: UcxSettings | None = Field(
+        default=None,
+        description="The UCX transports and devices "
+        "the worker's NIXL endpoint runs with (null: an older "
+        "worker that did not say)",
+    )
     ucx_in_use: UcxInUse | None = Field(
-        default=None, description="What UCX actually uses for the worker's peer connections "
+        default=None,
+        description="What UCX actually uses for the worker's peer connections "
         "(its heartbeat reports UCX's own log): shared memory (cma/memory …) or the network "
         "(tcp/eth0 …). Null until the worker connected to a peer, for an older worker, or "
-        "where the worker's UCX_LOG_LEVEL / UCX_LOG_FILE are the user's own")
+        "where the worker's UCX_LOG_LEVEL / UCX_LOG_FILE are the user's own",
+    )
 
 
 class WorkerList(BaseModel):
@@ -187,7 +218,8 @@ class PartRead(BaseModel):
     attempt: int
     worker_id: str | None
     result: dict[str, Any] | None = Field(
-        description="bytes, duration_s and per-route results (checksums with verify)")
+        description="bytes, duration_s and per-route results (checksums with verify)"
+    )
     error: str | None
     created_at: datetime
     finished_at: datetime | None
@@ -201,10 +233,13 @@ class TransferRecord(_Request):
     """One rank's finished part of one transfer (engine path or REST-dispatched)."""
 
     transfer_id: str | None = Field(
-        default=None, min_length=1, max_length=64,
+        default=None,
+        min_length=1,
+        max_length=64,
         description="The transfer's id when it was dispatched through POST /v1/transfers; "
         "absent for the engine path (the control plane derives it from pairing, epochs and "
-        "request id)")
+        "request id)",
+    )
     attempt: int = Field(default=1, ge=1, le=1000)
     request_id: str = Field(min_length=1, max_length=256)
     pairing_id: str = Field(min_length=1, max_length=64)
@@ -221,25 +256,40 @@ class TransferRecord(_Request):
     bytes: int = Field(ge=0, le=1 << 50)
     mode: Literal["auto", "staged", "fragments"] = "staged"
     verify: bool = False
-    started_at: float = Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False,
-                              description="Unix time the rank started its part (within a day "
-                              "before and a few minutes after the control plane's clock)")
-    finished_at: float = Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False,
-                               description="Unix time the rank finished its part (not before "
-                               "started_at)")
+    started_at: float = Field(
+        ge=0,
+        le=MAX_UNIX_S,
+        allow_inf_nan=False,
+        description="Unix time the rank started its part (within a day "
+        "before and a few minutes after the control plane's clock)",
+    )
+    finished_at: float = Field(
+        ge=0,
+        le=MAX_UNIX_S,
+        allow_inf_nan=False,
+        description="Unix time the rank finished its part (not before started_at)",
+    )
     routes: list[RouteResult] = Field(default_factory=list, max_length=4096)
     verified_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
     timeout_s: float | None = Field(
-        default=None, gt=0, le=3600,
+        default=None,
+        gt=0,
+        le=3600,
         description="The handle's deadline (engine path: the control plane fails the transfer "
-        "when a rank has not recorded its part by then, plus a grace)")
+        "when a rank has not recorded its part by then, plus a grace)",
+    )
     blocks: dict[str, dict[str, list[int]]] | None = Field(
-        default=None, description="The request's block lists (engine path; kept for "
-        "GET /v1/transfers/{id}/fragments)")
+        default=None,
+        description="The request's block lists (engine path; kept for "
+        "GET /v1/transfers/{id}/fragments)",
+    )
     num_tokens: int | None = Field(
-        default=None, ge=1, le=1 << 40,
+        default=None,
+        ge=1,
+        le=1 << 40,
         description="The request's prompt tokens, when the engine gave them (engine path; "
-        "the blocks are expanded with them)")
+        "the blocks are expanded with them)",
+    )
 
 
 class TransferRecords(_Request):

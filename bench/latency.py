@@ -128,18 +128,34 @@ class CpuMeter:
         self.rest_client = time.process_time()  # this process: the REST client threads
 
     def per_request_ms(self, requests: int) -> dict[str, float]:
-        out = {k: (cpu_seconds(v) - self.start[k]) * 1e3 / requests
-               for k, v in self.pids.items()}
+        out = {k: (cpu_seconds(v) - self.start[k]) * 1e3 / requests for k, v in self.pids.items()}
         out["client"] = (time.process_time() - self.rest_client) * 1e3 / requests
         return out
 
 
-def row(path: str, blocks: int, in_flight: int, nbytes: int, latencies: list[float],
-        throughput: float, failures: int, cpu: dict[str, float]) -> dict[str, Any]:
-    return {"path": path, "blocks": blocks, "in_flight": in_flight, "bytes": nbytes,
-            "n": len(latencies), "failed": failures, "cpu_ms": cpu, "latencies_s": latencies,
-            "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
-            "per_s": throughput}
+def row(
+    path: str,
+    blocks: int,
+    in_flight: int,
+    nbytes: int,
+    latencies: list[float],
+    throughput: float,
+    failures: int,
+    cpu: dict[str, float],
+) -> dict[str, Any]:
+    return {
+        "path": path,
+        "blocks": blocks,
+        "in_flight": in_flight,
+        "bytes": nbytes,
+        "n": len(latencies),
+        "failed": failures,
+        "cpu_ms": cpu,
+        "latencies_s": latencies,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+        "per_s": throughput,
+    }
 
 
 def merge_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,9 +165,16 @@ def merge_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
         return reps[0]
     latencies = [x for r in reps for x in r["latencies_s"]]
     first = reps[0]
-    merged = row(first["path"], first["blocks"], first["in_flight"], first["bytes"], latencies,
-                 float(np.median([r["per_s"] for r in reps])), sum(r["failed"] for r in reps),
-                 {k: float(np.mean([r["cpu_ms"][k] for r in reps])) for k in first["cpu_ms"]})
+    merged = row(
+        first["path"],
+        first["blocks"],
+        first["in_flight"],
+        first["bytes"],
+        latencies,
+        float(np.median([r["per_s"] for r in reps])),
+        sum(r["failed"] for r in reps),
+        {k: float(np.mean([r["cpu_ms"][k] for r in reps])) for k in first["cpu_ms"]},
+    )
     merged["p50_reps_ms"] = [r["p50_ms"] for r in reps]
     merged["per_s_reps"] = [r["per_s"] for r in reps]
     for key in ("nic_mb", "retries_503"):
@@ -164,26 +187,45 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--quick", action="store_true", help="fewer requests per cell")
-    parser.add_argument("--reps", type=int, default=1,
-                        help="measure every cell this many times, the paths taking turns")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="measure every cell this many times, the paths taking turns",
+    )
     parser.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
     parser.add_argument("--in-flight", default=",".join(map(str, IN_FLIGHT)))
-    parser.add_argument("--paths", default="raw,rawfrag,engine,ahead,rest",
-                        help="raw (staging to staging), rawfrag (the requests' fragments, pool "
-                        "to pool), engine, ahead (the engine path, generation ranks expecting "
-                        "--prefill-ms before the context ranks send), rest")
-    parser.add_argument("--prefill-ms", type=float, default=5.0,
-                        help="ahead: how long a context rank computes before it sends")
+    parser.add_argument(
+        "--paths",
+        default="raw,rawfrag,engine,ahead,rest",
+        help="raw (staging to staging), rawfrag (the requests' fragments, pool "
+        "to pool), engine, ahead (the engine path, generation ranks expecting "
+        "--prefill-ms before the context ranks send), rest",
+    )
+    parser.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=5.0,
+        help="ahead: how long a context rank computes before it sends",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--workdir", type=Path, help="logs and database (default: a temp dir)")
-    parser.add_argument("--hosts", action="store_true",
-                        help="across network namespaces kvp-cp / kvp-ctx / kvp-gen (root)")
-    parser.add_argument("--ucx-tls", default=None,
-                        help="the workers' UCX transports (default with --hosts: tcp)")
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="across network namespaces kvp-cp / kvp-ctx / kvp-gen (root)",
+    )
+    parser.add_argument(
+        "--ucx-tls", default=None, help="the workers' UCX transports (default with --hosts: tcp)"
+    )
     parser.add_argument("--loss", type=int, default=0, help="--hosts: %% packets dropped")
     parser.add_argument("--rate", default=None, help="--hosts: context egress limit (1gbit)")
-    parser.add_argument("--delay-ms", type=float, default=0.0,
-                        help="--hosts: delay each way between kvp-ctx and kvp-gen (TUN relay)")
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="--hosts: delay each way between kvp-ctx and kvp-gen (TUN relay)",
+    )
     args = parser.parse_args(argv)
     if (args.loss or args.rate or args.delay_ms) and not args.hosts:
         parser.error("--loss, --rate and --delay-ms need --hosts")
@@ -211,12 +253,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--hosts: {why}", file=sys.stderr)
             return 2
         bed = netbed.Bed().up()
-        hosts = {"host": bed.address("cp"), "ucx_tls": args.ucx_tls or "tcp",
-                 "hosts": {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"}}
+        hosts = {
+            "host": bed.address("cp"),
+            "ucx_tls": args.ucx_tls or "tcp",
+            "hosts": {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"},
+        }
     elif args.ucx_tls:
         hosts = {"ucx_tls": args.ucx_tls}
-    fleet = Fleet(workdir, num_slots=num_slots, device=args.device, staging_bytes=128 << 20,
-                  **hosts)
+    fleet = Fleet(
+        workdir, num_slots=num_slots, device=args.device, staging_bytes=128 << 20, **hosts
+    )
     rows: list[dict[str, Any]] = []
 
     def nic_mb() -> float:  # what left kvp-ctx: its NIC, and the delay relay's TUN if any
@@ -239,8 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up: NIXL connections, the REST command streams.
         fleet.run_engine(requests=4, blocks=4, in_flight=2, tag="warm")
         if "rest" in paths:
-            run_rest(fleet.server.url, requests=2, blocks=4, in_flight=1, num_slots=num_slots,
-                     seed=2, tag="warm-rest")
+            run_rest(
+                fleet.server.url,
+                requests=2,
+                blocks=4,
+                in_flight=1,
+                num_slots=num_slots,
+                seed=2,
+                tag="warm-rest",
+            )
         cells = [(b, n) for b in block_counts for n in flights]
         if "rest" in paths and REST_EXTRA[0] in block_counts and REST_EXTRA not in cells:
             cells.append(REST_EXTRA)
@@ -253,65 +306,127 @@ def main(argv: list[str] | None = None) -> int:
                 requests = requests_for(blocks, in_flight, args.quick)
                 if "raw" in paths and not extra:
                     meter, nic = CpuMeter(fleet), nic_mb()
-                    raw = fleet.run_raw(requests=requests, blocks=blocks, in_flight=in_flight,
-                                        seed=rep_seed)
+                    raw = fleet.run_raw(
+                        requests=requests, blocks=blocks, in_flight=in_flight, seed=rep_seed
+                    )
                     if raw.errors:
                         print(f"raw {blocks}x{in_flight}: {raw.errors}", file=sys.stderr)
                     lat = raw.latencies_s()
-                    cell.append(row("raw", blocks, in_flight, nbytes, lat, raw.throughput(),
-                                    requests - len(lat), meter.per_request_ms(requests)))
+                    cell.append(
+                        row(
+                            "raw",
+                            blocks,
+                            in_flight,
+                            nbytes,
+                            lat,
+                            raw.throughput(),
+                            requests - len(lat),
+                            meter.per_request_ms(requests),
+                        )
+                    )
                     cell[-1]["nic_mb"] = nic_mb() - nic
                 if "rawfrag" in paths and not extra:
                     meter, nic = CpuMeter(fleet), nic_mb()
-                    raw = fleet.run_raw(requests=requests, blocks=blocks, in_flight=in_flight,
-                                        seed=rep_seed, layout="fragments")
+                    raw = fleet.run_raw(
+                        requests=requests,
+                        blocks=blocks,
+                        in_flight=in_flight,
+                        seed=rep_seed,
+                        layout="fragments",
+                    )
                     if raw.errors:
-                        print(f"raw fragments {blocks}x{in_flight}: {raw.errors}",
-                              file=sys.stderr)
+                        print(f"raw fragments {blocks}x{in_flight}: {raw.errors}", file=sys.stderr)
                     lat = raw.latencies_s()
-                    cell.append(row(RAW_FRAGMENTS, blocks, in_flight, nbytes, lat,
-                                    raw.throughput(), requests - len(lat),
-                                    meter.per_request_ms(requests)))
+                    cell.append(
+                        row(
+                            RAW_FRAGMENTS,
+                            blocks,
+                            in_flight,
+                            nbytes,
+                            lat,
+                            raw.throughput(),
+                            requests - len(lat),
+                            meter.per_request_ms(requests),
+                        )
+                    )
                     cell[-1]["nic_mb"] = nic_mb() - nic
-                for key, name, prefill_ms in (("engine", "engine", 0.0),
-                                              ("ahead", AHEAD, args.prefill_ms)):
+                for key, name, prefill_ms in (
+                    ("engine", "engine", 0.0),
+                    ("ahead", AHEAD, args.prefill_ms),
+                ):
                     if key not in paths or extra:
                         continue
                     meter, nic = CpuMeter(fleet), nic_mb()
-                    run = fleet.run_engine(requests=requests, blocks=blocks,
-                                           in_flight=in_flight, seed=rep_seed,
-                                           prefill_ms=prefill_ms)
+                    run = fleet.run_engine(
+                        requests=requests,
+                        blocks=blocks,
+                        in_flight=in_flight,
+                        seed=rep_seed,
+                        prefill_ms=prefill_ms,
+                    )
                     if run.failures or run.leaked or run.stalled:
-                        print(f"{name} {blocks}x{in_flight}: failures "
-                              f"{list(run.failures.items())[:3]} leaked {run.leaked} "
-                              f"stalled {run.stalled}", file=sys.stderr)
+                        print(
+                            f"{name} {blocks}x{in_flight}: failures "
+                            f"{list(run.failures.items())[:3]} leaked {run.leaked} "
+                            f"stalled {run.stalled}",
+                            file=sys.stderr,
+                        )
                     lat = run.latencies_s()
                     time.sleep(RECORD_SETTLE_S)  # the batched records belong to this measurement
-                    cell.append(row(name, blocks, in_flight, nbytes, lat, run.throughput(),
-                                    requests - len(lat), meter.per_request_ms(requests)))
+                    cell.append(
+                        row(
+                            name,
+                            blocks,
+                            in_flight,
+                            nbytes,
+                            lat,
+                            run.throughput(),
+                            requests - len(lat),
+                            meter.per_request_ms(requests),
+                        )
+                    )
                     cell[-1]["nic_mb"] = nic_mb() - nic
                 if "rest" in paths:
                     meter, nic = CpuMeter(fleet), nic_mb()
                     requests = requests_for(blocks, in_flight, args.quick, "REST")
-                    rest = run_rest(fleet.server.url, requests=requests, blocks=blocks,
-                                    in_flight=in_flight, num_slots=num_slots, seed=rep_seed,
-                                    tag=f"rest-{rep_seed}")
+                    rest = run_rest(
+                        fleet.server.url,
+                        requests=requests,
+                        blocks=blocks,
+                        in_flight=in_flight,
+                        num_slots=num_slots,
+                        seed=rep_seed,
+                        tag=f"rest-{rep_seed}",
+                    )
                     if rest["errors"]:
-                        print(f"rest {blocks}x{in_flight}: {rest['errors'][:3]}",
-                              file=sys.stderr)
-                    cell.append(row("REST", blocks, in_flight, nbytes, rest["latencies"],
-                                    rest["throughput"], len(rest["errors"]),
-                                    meter.per_request_ms(requests)))
+                        print(f"rest {blocks}x{in_flight}: {rest['errors'][:3]}", file=sys.stderr)
+                    cell.append(
+                        row(
+                            "REST",
+                            blocks,
+                            in_flight,
+                            nbytes,
+                            rest["latencies"],
+                            rest["throughput"],
+                            len(rest["errors"]),
+                            meter.per_request_ms(requests),
+                        )
+                    )
                     cell[-1]["retries_503"] = len(rest["retries"])
                     cell[-1]["nic_mb"] = nic_mb() - nic
             for path in PATH_ORDER:
                 reps = [r for r in cell if r["path"] == path]
                 if reps:
                     rows.append(merge_reps(reps))
-            print(f"  {blocks} blocks x {in_flight} in flight: "
-                  + ", ".join(f"{r['path']} p50 {r['p50_ms']:.1f} ms" for r in rows
-                              if r["blocks"] == blocks and r["in_flight"] == in_flight),
-                  file=sys.stderr)
+            print(
+                f"  {blocks} blocks x {in_flight} in flight: "
+                + ", ".join(
+                    f"{r['path']} p50 {r['p50_ms']:.1f} ms"
+                    for r in rows
+                    if r["blocks"] == blocks and r["in_flight"] == in_flight
+                ),
+                file=sys.stderr,
+            )
     finally:
         fleet.stop()
         if bed is not None:
@@ -319,38 +434,67 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print_report(rows, args, load_before, load_after, time.time() - started)
     if args.json:
-        args.json.write_text(json.dumps({
-            "rows": rows, "cpu": cpu_model(), "cpus": os.cpu_count(), "device": args.device,
-            "load_before": load_before, "load_after": load_after, "hosts": args.hosts,
-            "ucx_tls": args.ucx_tls or ("tcp" if args.hosts else None), "loss": args.loss,
-            "rate": args.rate, "delay_ms": args.delay_ms}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "cpu": cpu_model(),
+                    "cpus": os.cpu_count(),
+                    "device": args.device,
+                    "load_before": load_before,
+                    "load_after": load_after,
+                    "hosts": args.hosts,
+                    "ucx_tls": args.ucx_tls or ("tcp" if args.hosts else None),
+                    "loss": args.loss,
+                    "rate": args.rate,
+                    "delay_ms": args.delay_ms,
+                },
+                indent=1,
+            )
+        )
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
-                 load_before: tuple[float, ...], load_after: tuple[float, ...],
-                 seconds: float) -> None:
+def print_report(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    load_before: tuple[float, ...],
+    load_after: tuple[float, ...],
+    seconds: float,
+) -> None:
     raw = {(r["blocks"], r["in_flight"]): r for r in rows if r["path"] == "raw"}
     if args.hosts:
-        print(f"Across hosts kvp-cp / kvp-ctx / kvp-gen (veths on a bridge), UCX_TLS="
-              f"{args.ucx_tls or 'tcp'}" + (f", {args.loss} % loss each way on kvp-ctx"
-                                            if args.loss else "")
-              + (f", kvp-ctx egress {args.rate}" if args.rate else "")
-              + (f", {args.delay_ms:g} ms each way kvp-ctx <-> kvp-gen" if args.delay_ms
-                 else ""))
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); device {args.device}; "
-          f"load average before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
-          f"{'/'.join(f'{x:.2f}' for x in load_after)}; {seconds:.0f} s"
-          + (" (--quick)" if args.quick else "")
-          + (f"; every cell {args.reps} times, the paths taking turns (p50/p99 over all its "
-             "requests, transfers/s the median repetition's)" if args.reps > 1 else ""))
+        print(
+            f"Across hosts kvp-cp / kvp-ctx / kvp-gen (veths on a bridge), UCX_TLS="
+            f"{args.ucx_tls or 'tcp'}"
+            + (f", {args.loss} % loss each way on kvp-ctx" if args.loss else "")
+            + (f", kvp-ctx egress {args.rate}" if args.rate else "")
+            + (f", {args.delay_ms:g} ms each way kvp-ctx <-> kvp-gen" if args.delay_ms else "")
+        )
+    print(
+        f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); device {args.device}; "
+        f"load average before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{'/'.join(f'{x:.2f}' for x in load_after)}; {seconds:.0f} s"
+        + (" (--quick)" if args.quick else "")
+        + (
+            f"; every cell {args.reps} times, the paths taking turns (p50/p99 over all its "
+            "requests, transfers/s the median repetition's)"
+            if args.reps > 1
+            else ""
+        )
+    )
     print()
     hosts = bool(args.hosts)
-    print("| path | blocks | in flight | bytes/request | n | p50 ms | p99 ms | transfers/s "
-          + ("| GB/s | MB out of kvp-ctx " if hosts else "")
-          + "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if hosts else "")
-          + "---:|---:|---:|")
+    print(
+        "| path | blocks | in flight | bytes/request | n | p50 ms | p99 ms | transfers/s "
+        + ("| GB/s | MB out of kvp-ctx " if hosts else "")
+        + "| p50 ÷ raw | transfers/s ÷ raw | CPU ms/request: ranks / server |"
+    )
+    print(
+        "|---|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|" if hosts else "")
+        + "---:|---:|---:|"
+    )
     order = {path: i for i, path in enumerate(PATH_ORDER)}
     for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"], order[r["path"]])):
         base = raw.get((r["blocks"], r["in_flight"]))
@@ -363,11 +507,12 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
         if r.get("retries_503"):
             failed += f" ({r['retries_503']} × 503)"
         cpu = r["cpu_ms"]
-        net = (f"{r['bytes'] * r['per_s'] / 1e9:.3f} | {r.get('nic_mb', 0):.0f} | "
-               if hosts else "")
-        print(f"| {r['path']} | {r['blocks']} | {r['in_flight']} | {r['bytes']:,} | "
-              f"{r['n']}{failed} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['per_s']:.1f} | "
-              f"{net}{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |")
+        net = f"{r['bytes'] * r['per_s'] / 1e9:.3f} | {r.get('nic_mb', 0):.0f} | " if hosts else ""
+        print(
+            f"| {r['path']} | {r['blocks']} | {r['in_flight']} | {r['bytes']:,} | "
+            f"{r['n']}{failed} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['per_s']:.1f} | "
+            f"{net}{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |"
+        )
     print()
     print("Goals (issue 11):")
     for goal, met in goals(rows):
@@ -375,30 +520,44 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace,
     ahead = [r for r in rows if r["path"] == AHEAD and (r["blocks"], r["in_flight"]) in raw]
     if ahead:
         print()
-        print(f"{AHEAD} (context ranks send {args.prefill_ms:g} ms after the generation ranks "
-              "expect; latency from the last send), p50 against raw (the goals above are "
-              "judged on the engine row):")
+        print(
+            f"{AHEAD} (context ranks send {args.prefill_ms:g} ms after the generation ranks "
+            "expect; latency from the last send), p50 against raw (the goals above are "
+            "judged on the engine row):"
+        )
         for r in sorted(ahead, key=lambda r: (r["blocks"], r["in_flight"])):
             base = raw[(r["blocks"], r["in_flight"])]
-            print(f"- {r['blocks']} blocks, {r['in_flight']} in flight: {r['p50_ms']:.2f} ms, "
-                  f"{r['p50_ms'] / base['p50_ms']:.1f}× raw")
+            print(
+                f"- {r['blocks']} blocks, {r['in_flight']} in flight: {r['p50_ms']:.2f} ms, "
+                f"{r['p50_ms'] / base['p50_ms']:.1f}× raw"
+            )
     frag = {(r["blocks"], r["in_flight"]): r for r in rows if r["path"] == RAW_FRAGMENTS}
     if frag:
         print()
-        print(f"The engine path against {RAW_FRAGMENTS} (the same fragments pool to pool, no "
-              "protocol), p50 and transfers/s ratios:")
+        print(
+            f"The engine path against {RAW_FRAGMENTS} (the same fragments pool to pool, no "
+            "protocol), p50 and transfers/s ratios:"
+        )
         for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"])):
             base = frag.get((r["blocks"], r["in_flight"]))
             if r["path"] == "engine" and base:
-                print(f"- {r['blocks']} blocks, {r['in_flight']} in flight: p50 "
-                      f"{r['p50_ms'] / base['p50_ms']:.1f}×, transfers/s "
-                      f"{r['per_s'] / base['per_s']:.2f}×")
+                print(
+                    f"- {r['blocks']} blocks, {r['in_flight']} in flight: p50 "
+                    f"{r['p50_ms'] / base['p50_ms']:.1f}×, transfers/s "
+                    f"{r['per_s'] / base['per_s']:.2f}×"
+                )
 
 
 def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     def get(path: str, blocks: int, in_flight: int) -> dict[str, Any] | None:
-        return next((r for r in rows if (r["path"], r["blocks"], r["in_flight"]) ==
-                     (path, blocks, in_flight)), None)
+        return next(
+            (
+                r
+                for r in rows
+                if (r["path"], r["blocks"], r["in_flight"]) == (path, blocks, in_flight)
+            ),
+            None,
+        )
 
     out: list[tuple[str, bool]] = []
     for n in sorted({r["in_flight"] for r in rows if r["blocks"] == 4 and r["path"] == "raw"}):
@@ -407,23 +566,40 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
             per_rep = ""
             if "p50_reps_ms" in engine and "p50_reps_ms" in raw:
                 per_rep = "; each repetition " + ", ".join(
-                    f"{e / r:.1f}×" for e, r in zip(engine["p50_reps_ms"], raw["p50_reps_ms"],
-                                                    strict=True))
-            out.append((f"engine p50 ≤ 2 × raw p50 at 4 blocks, {n} in flight "
-                        f"({engine['p50_ms']:.2f} vs {2 * raw['p50_ms']:.2f} ms{per_rep})",
-                        engine["p50_ms"] <= 2 * raw["p50_ms"]))
+                    f"{e / r:.1f}×"
+                    for e, r in zip(engine["p50_reps_ms"], raw["p50_reps_ms"], strict=True)
+                )
+            out.append(
+                (
+                    f"engine p50 ≤ 2 × raw p50 at 4 blocks, {n} in flight "
+                    f"({engine['p50_ms']:.2f} vs {2 * raw['p50_ms']:.2f} ms{per_rep})",
+                    engine["p50_ms"] <= 2 * raw["p50_ms"],
+                )
+            )
     for b in sorted({r["blocks"] for r in rows if r["in_flight"] == 16}):
         engine, raw = get("engine", b, 16), get("raw", b, 16)
         if engine and raw:
-            out.append((f"engine transfers/s ≥ 0.5 × raw at 16 in flight, {b} blocks "
-                        f"({engine['per_s']:.1f} vs {0.5 * raw['per_s']:.1f}/s)",
-                        engine["per_s"] >= 0.5 * raw["per_s"]))
+            out.append(
+                (
+                    f"engine transfers/s ≥ 0.5 × raw at 16 in flight, {b} blocks "
+                    f"({engine['per_s']:.1f} vs {0.5 * raw['per_s']:.1f}/s)",
+                    engine["per_s"] >= 0.5 * raw["per_s"],
+                )
+            )
     rest = get("REST", 4, 8)
     if rest:
-        out.append((f"REST at 4 blocks, 8 in flight: p50 ≤ 30 ms ({rest['p50_ms']:.1f} ms)",
-                    rest["p50_ms"] <= 30))
-        out.append((f"REST at 4 blocks, 8 in flight: ≥ 50 transfers/s ({rest['per_s']:.1f}/s)",
-                    rest["per_s"] >= 50))
+        out.append(
+            (
+                f"REST at 4 blocks, 8 in flight: p50 ≤ 30 ms ({rest['p50_ms']:.1f} ms)",
+                rest["p50_ms"] <= 30,
+            )
+        )
+        out.append(
+            (
+                f"REST at 4 blocks, 8 in flight: ≥ 50 transfers/s ({rest['per_s']:.1f}/s)",
+                rest["per_s"] >= 50,
+            )
+        )
     return out
 
 

@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--requests", type=int, default=1500)
-    parser.add_argument("--settle", type=float, default=1.2,
-                        help="seconds to wait for the run's batched records")
+    parser.add_argument(
+        "--settle", type=float, default=1.2, help="seconds to wait for the run's batched records"
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="kvplane-threads-"))
@@ -75,8 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         names = fleet.call_all("threads")
         before = {pid: thread_cpu(pid) for pid in pids["ranks"]}
         server_before = cpu_seconds(pids["server"])
-        run = fleet.run_engine(requests=args.requests, blocks=args.blocks,
-                               in_flight=args.in_flight, seed=7, tag="threads")
+        run = fleet.run_engine(
+            requests=args.requests,
+            blocks=args.blocks,
+            in_flight=args.in_flight,
+            seed=7,
+            tag="threads",
+        )
         after = {pid: thread_cpu(pid) for pid in pids["ranks"]}
         time.sleep(args.settle)
         server_ms = (cpu_seconds(pids["server"]) - server_before) * 1e3 / args.requests
@@ -96,19 +102,22 @@ def main(argv: list[str] | None = None) -> int:
             per_kind[key] += (cpu - was) * 1e3 / args.requests
             kernel[key] += (system - was_system) * 1e3 / args.requests
     total = sum(per_kind.values()) + server_ms
-    print(f"{args.requests} requests of {args.blocks} blocks, {args.in_flight} in flight: "
-          f"{run.throughput():.0f} transfers/s; {os.cpu_count()} logical CPUs; load average "
-          f"before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
-          f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"{args.requests} requests of {args.blocks} blocks, {args.in_flight} in flight: "
+        f"{run.throughput():.0f} transfers/s; {os.cpu_count()} logical CPUs; load average "
+        f"before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print()
     print("| process | thread | CPU ms/request | of which kernel | share |")
     print("|---|---|---:|---:|---:|")
     for (role, kind), ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         if ms >= 0.005:
-            print(f"| {role} ranks ({ranks_of[role]}) | {kind} | {ms:.2f} | "
-                  f"{kernel[(role, kind)]:.2f} | {100 * ms / total:.0f} % |")
-    print(f"| control plane | all threads | {server_ms:.2f} | | "
-          f"{100 * server_ms / total:.0f} % |")
+            print(
+                f"| {role} ranks ({ranks_of[role]}) | {kind} | {ms:.2f} | "
+                f"{kernel[(role, kind)]:.2f} | {100 * ms / total:.0f} % |"
+            )
+    print(f"| control plane | all threads | {server_ms:.2f} | | {100 * server_ms / total:.0f} % |")
     print(f"| **all** | | **{total:.2f}** | **{sum(kernel.values()):.2f}** (ranks) | |")
     return 0 if not run.failures and not run.leaked else 1
 

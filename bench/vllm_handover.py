@@ -42,8 +42,15 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(prefill: Engine, decode: Engine, in_flight: int, rounds: int, prompt_tokens: int,
-            oracle: Engine, seed: int) -> dict[str, Any]:
+def measure(
+    prefill: Engine,
+    decode: Engine,
+    in_flight: int,
+    rounds: int,
+    prompt_tokens: int,
+    oracle: Engine,
+    seed: int,
+) -> dict[str, Any]:
     handover_s: list[float] = []
     ttft_s: list[float] = []
     mismatches = 0
@@ -61,8 +68,9 @@ def measure(prefill: Engine, decode: Engine, in_flight: int, rounds: int, prompt
     return {"handover": handover_s, "ttft": ttft_s, "mismatches": mismatches}
 
 
-def run_pair(kind: str, workdir: Path, model: Path, args: argparse.Namespace
-             ) -> dict[int, dict[str, Any]]:
+def run_pair(
+    kind: str, workdir: Path, model: Path, args: argparse.Namespace
+) -> dict[int, dict[str, Any]]:
     plane = None
     engines: list[Engine] = []
     try:
@@ -70,11 +78,25 @@ def run_pair(kind: str, workdir: Path, model: Path, args: argparse.Namespace
             plane = ControlPlane(workdir / kind)
             (workdir / kind).mkdir(exist_ok=True)
             plane.start()
-            prefill = Engine(workdir, model, "prefill", "0", instance="vllm-prefill",
-                             control_plane=plane.url, log_name=f"{kind}-prefill")
+            prefill = Engine(
+                workdir,
+                model,
+                "prefill",
+                "0",
+                instance="vllm-prefill",
+                control_plane=plane.url,
+                log_name=f"{kind}-prefill",
+            )
             engines.append(prefill)
-            decode = Engine(workdir, model, "decode", "1", instance="vllm-decode",
-                            control_plane=plane.url, log_name=f"{kind}-decode")
+            decode = Engine(
+                workdir,
+                model,
+                "decode",
+                "1",
+                instance="vllm-decode",
+                control_plane=plane.url,
+                log_name=f"{kind}-decode",
+            )
         else:
             prefill = Engine(workdir, model, "nixl-prefill", "0", log_name=f"{kind}-prefill")
             engines.append(prefill)
@@ -83,9 +105,10 @@ def run_pair(kind: str, workdir: Path, model: Path, args: argparse.Namespace
         for engine in engines:
             assert engine.read() == {"ready": True}
         # The oracle is the decode engine by itself (no kv_transfer_params: a plain request).
-        return {n: measure(prefill, decode, n, args.rounds, args.prompt_tokens, decode,
-                           seed=1000 * n)
-                for n in args.in_flight}
+        return {
+            n: measure(prefill, decode, n, args.rounds, args.prompt_tokens, decode, seed=1000 * n)
+            for n in args.in_flight
+        }
     finally:
         for engine in engines:
             engine.stop()
@@ -96,8 +119,9 @@ def run_pair(kind: str, workdir: Path, model: Path, args: argparse.Namespace
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 4])
+    parser.add_argument(
+        "--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4]
+    )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     args = parser.parse_args()
     missing = vllm_missing()
@@ -107,27 +131,35 @@ def main() -> None:
         workdir = Path(tmp)
         model = write_model(workdir)
         results = {kind: run_pair(kind, workdir, model, args) for kind in ("kvplane", "nixl")}
-    print(f"# {time.strftime('%Y-%m-%d')} · {platform.processor() or platform.machine()} · "
-          f"{os.cpu_count()} cores · {args.rounds} rounds, prompts of ~{args.prompt_tokens} "
-          "tokens, TP1 -> TP1, bfloat16, block size 32")
-    print("| in flight | connector | handover p50 | handover p99 | TTFT p50 | TTFT p99 | "
-          "tokens = one engine |")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} · {platform.processor() or platform.machine()} · "
+        f"{os.cpu_count()} cores · {args.rounds} rounds, prompts of ~{args.prompt_tokens} "
+        "tokens, TP1 -> TP1, bfloat16, block size 32"
+    )
+    print(
+        "| in flight | connector | handover p50 | handover p99 | TTFT p50 | TTFT p99 | "
+        "tokens = one engine |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in args.in_flight:
         for kind, label in (("kvplane", "kvplane"), ("nixl", "NixlConnector")):
             r = results[kind][n]
-            print(f"| {n} | {label} | {1e3 * statistics.median(r['handover']):.1f} ms | "
-                  f"{1e3 * _pct(r['handover'], 0.99):.1f} ms | "
-                  f"{1e3 * statistics.median(r['ttft']):.1f} ms | "
-                  f"{1e3 * _pct(r['ttft'], 0.99):.1f} ms | "
-                  f"{args.rounds + 2 - r['mismatches']}/{args.rounds + 2} |")
+            print(
+                f"| {n} | {label} | {1e3 * statistics.median(r['handover']):.1f} ms | "
+                f"{1e3 * _pct(r['handover'], 0.99):.1f} ms | "
+                f"{1e3 * statistics.median(r['ttft']):.1f} ms | "
+                f"{1e3 * _pct(r['ttft'], 0.99):.1f} ms | "
+                f"{args.rounds + 2 - r['mismatches']}/{args.rounds + 2} |"
+            )
     print()
     print("| in flight | handover p50, kvplane ÷ NixlConnector | TTFT p50, kvplane ÷ Nixl |")
     print("|---|---|---|")
     for n in args.in_flight:
         k, x = results["kvplane"][n], results["nixl"][n]
-        print(f"| {n} | {statistics.median(k['handover']) / statistics.median(x['handover']):.2f}"
-              f" | {statistics.median(k['ttft']) / statistics.median(x['ttft']):.2f} |")
+        print(
+            f"| {n} | {statistics.median(k['handover']) / statistics.median(x['handover']):.2f}"
+            f" | {statistics.median(k['ttft']) / statistics.median(x['ttft']):.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -164,18 +164,31 @@ class Layer:
 
 
 LAYERS = [
-    Layer(("api", "workers", "web"), ("api.cli",),
-          "the command line sits above the server and the workers; nothing below imports it",
-          exempt=("api.cli",)),
-    Layer(("workers",), ("workers.testing",),
-          "the data path never imports its test and bench equipment",
-          exempt=("workers.testing",)),
-    Layer(("workers",), ("api",),
-          "workers reach the control plane only through the client, the wire schemas, the logs "
-          "and the planning core",
-          allowed=("api.client", "api.schemas", "api.schemas_exec", "api.logs", "api.geometry")),
-    Layer(("api.geometry",), ("api", "workers", "web"),
-          "the planning core imports nothing else of kvplane", allowed=("api.geometry",)),
+    Layer(
+        ("api", "workers", "web"),
+        ("api.cli",),
+        "the command line sits above the server and the workers; nothing below imports it",
+        exempt=("api.cli",),
+    ),
+    Layer(
+        ("workers",),
+        ("workers.testing",),
+        "the data path never imports its test and bench equipment",
+        exempt=("workers.testing",),
+    ),
+    Layer(
+        ("workers",),
+        ("api",),
+        "workers reach the control plane only through the client, the wire schemas, the logs "
+        "and the planning core",
+        allowed=("api.client", "api.schemas", "api.schemas_exec", "api.logs", "api.geometry"),
+    ),
+    Layer(
+        ("api.geometry",),
+        ("api", "workers", "web"),
+        "the planning core imports nothing else of kvplane",
+        allowed=("api.geometry",),
+    ),
 ]
 
 

@@ -143,8 +143,13 @@ class Worker:
 
     # --- attach --------------------------------------------------------------------------
 
-    def attach(self, tensors: Mapping[int, torch.Tensor] | None = None, *,
-               ucx_tls: str | None = None, ucx_net_devices: str | None = None) -> str:
+    def attach(
+        self,
+        tensors: Mapping[int, torch.Tensor] | None = None,
+        *,
+        ucx_tls: str | None = None,
+        ucx_net_devices: str | None = None,
+    ) -> str:
         """Open the rank's pools and NIXL endpoint and register them; returns the worker id.
 
         ``ucx_tls`` / ``ucx_net_devices`` override the worker's UCX settings (e.g. ``"tcp"`` so
@@ -161,33 +166,41 @@ class Worker:
             if ucx_net_devices is not None:
                 self.ucx_net_devices = ucx_net_devices
             instance = self.client.get_instance(self.instance)
-            rank_body = next((r for r in instance.get("ranks", []) if r["rank"] == self.rank),
-                             None)
+            rank_body = next((r for r in instance.get("ranks", []) if r["rank"] == self.rank), None)
             if rank_body is None:
-                raise WorkerError(f"{self.instance} rank {self.rank} has not reported its page "
-                                  "table")
+                raise WorkerError(
+                    f"{self.instance} rank {self.rank} has not reported its page table"
+                )
             specs = [PoolSpec.from_dict(pool) for pool in rank_body["pools"]]
             if tensors is not None:
                 self._tensors = tensors
             if self._tensors is not None:
                 self.pools = attach_pools(specs, self._tensors, self.device)
-            elif sorted(specs, key=lambda spec: spec.id) != [p.spec for _, p in sorted(
-                    self.pools.items())]:
+            elif sorted(specs, key=lambda spec: spec.id) != [
+                p.spec for _, p in sorted(self.pools.items())
+            ]:
                 self.pools = allocate_pools(specs, self.device)
             if self.fill:
                 for pool in self.pools.values():
                     fill_pattern(self.rank, pool)
-                self._touched = {pid: np.zeros(p.tensor.numel(), dtype=bool)
-                                 for pid, p in self.pools.items()}
+                self._touched = {
+                    pid: np.zeros(p.tensor.numel(), dtype=bool) for pid, p in self.pools.items()
+                }
             if self.handover is not None:
-                self.handover.close(f"peer_restarted: {self.instance} re-registered; this "
-                                    "worker attached again")
+                self.handover.close(
+                    f"peer_restarted: {self.instance} re-registered; this worker attached again"
+                )
             if self.transport is not None:
                 self.transport.close()
             agent = f"{self.instance}.r{self.rank}.{uuid.uuid4().hex[:8]}"
-            self.transport = NixlTransport(agent, self.pools, staging_bytes=self.staging_bytes,
-                                           progress_thread=False, ucx_tls=self.ucx_tls,
-                                           ucx_net_devices=self.ucx_net_devices)
+            self.transport = NixlTransport(
+                agent,
+                self.pools,
+                staging_bytes=self.staging_bytes,
+                progress_thread=False,
+                ucx_tls=self.ucx_tls,
+                ucx_net_devices=self.ucx_net_devices,
+            )
             peer = self.transport.peer_info().to_json()
             body: dict[str, Any] = {
                 "instance": self.instance,
@@ -208,16 +221,28 @@ class Worker:
                 attached = self.client.register_worker(body)
             self.worker_id = str(attached["id"])
             self.heartbeat_interval_s = float(attached["heartbeat_interval_s"])
-            self.handover = Handover(self.transport, instance=self.instance, rank=self.rank,
-                                     on_finished=self._on_finished,
-                                     on_start=self._mark_targeted if self.fill else None,
-                                     check=self._check_filled if self.fill else None,
-                                     chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
-                                     hold_s=self.hold_s, on_ask=self.on_ask,
-                                     on_unknown_agent=self._refresh_soon)
-            log.info("worker %s attached to %s rank %d (%s, agent %s, UCX tls=%s devices=%s)",
-                     self.worker_id, self.instance, self.rank, self.device, agent,
-                     self.transport.ucx.tls, self.transport.ucx.net_devices)
+            self.handover = Handover(
+                self.transport,
+                instance=self.instance,
+                rank=self.rank,
+                on_finished=self._on_finished,
+                on_start=self._mark_targeted if self.fill else None,
+                check=self._check_filled if self.fill else None,
+                chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
+                hold_s=self.hold_s,
+                on_ask=self.on_ask,
+                on_unknown_agent=self._refresh_soon,
+            )
+            log.info(
+                "worker %s attached to %s rank %d (%s, agent %s, UCX tls=%s devices=%s)",
+                self.worker_id,
+                self.instance,
+                self.rank,
+                self.device,
+                agent,
+                self.transport.ucx.tls,
+                self.transport.ucx.net_devices,
+            )
             if self._threads:  # already started: the new endpoint needs a fresh directory
                 self._refresh_quietly()
             return self.worker_id
@@ -232,8 +257,7 @@ class Worker:
             return
         self.refresh_directory()
         self.recorder = Recorder(self.client, lambda: self.worker_id)
-        for target, name in ((self._heartbeat_loop, "heartbeat"),
-                             (self._command_loop, "commands")):
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands")):
             thread = threading.Thread(target=target, daemon=True, name=f"kvplane-{name}")
             thread.start()
             self._threads.append(thread)
@@ -270,20 +294,36 @@ class Worker:
 
     # --- engine API ----------------------------------------------------------------------
 
-    def send(self, request_id: str, peer: str, blocks: BlockMap, *,
-             num_tokens: int | None = None, **options: Any) -> Handle:
+    def send(
+        self,
+        request_id: str,
+        peer: str,
+        blocks: BlockMap,
+        *,
+        num_tokens: int | None = None,
+        **options: Any,
+    ) -> Handle:
         """Send this rank's share of ``request_id`` to generation instance ``peer``;
         ``num_tokens``: the request's prompt tokens (blocks pair by token position; see
         :meth:`workers.handover.Handover.send` for it and the other options)."""
-        return self._handover_call("send", request_id, peer, blocks,
-                                   dict(options, num_tokens=num_tokens))
+        return self._handover_call(
+            "send", request_id, peer, blocks, dict(options, num_tokens=num_tokens)
+        )
 
-    def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
-               num_tokens: int | None = None, **options: Any) -> Handle:
+    def expect(
+        self,
+        request_id: str,
+        peer: str,
+        blocks: BlockMap,
+        *,
+        num_tokens: int | None = None,
+        **options: Any,
+    ) -> Handle:
         """Receive this rank's share of ``request_id`` from context instance ``peer``
         (the same ``num_tokens`` as the sender's; see :meth:`workers.handover.Handover.expect`)."""
-        return self._handover_call("expect", request_id, peer, blocks,
-                                   dict(options, num_tokens=num_tokens))
+        return self._handover_call(
+            "expect", request_id, peer, blocks, dict(options, num_tokens=num_tokens)
+        )
 
     def get_finished(self) -> Finished:
         """Request ids resolved since the last call (sent, received, failed with reasons)."""
@@ -295,8 +335,9 @@ class Worker:
         """Call ``listener(handle)`` for every handle that resolves (progress thread)."""
         self._listeners.append(listener)
 
-    def _handover_call(self, kind: str, request_id: str, peer: str, blocks: BlockMap,
-                       options: Mapping[str, Any]) -> Handle:
+    def _handover_call(
+        self, kind: str, request_id: str, peer: str, blocks: BlockMap, options: Mapping[str, Any]
+    ) -> Handle:
         handover = self.handover
         if handover is None:
             raise HandoverError("the worker is not attached", code="not_attached")
@@ -354,8 +395,11 @@ class Worker:
                 # hot path); None until known, and then the heartbeat has no body.
                 transport = self.transport
                 report = transport.ucx_in_use() if transport is not None else None
-                seen = (self.client.heartbeat(self.worker_id) if report is None
-                        else self.client.heartbeat(self.worker_id, ucx_in_use=report))
+                seen = (
+                    self.client.heartbeat(self.worker_id)
+                    if report is None
+                    else self.client.heartbeat(self.worker_id, ucx_in_use=report)
+                )
                 if seen.get("directory_revision") != self.directory.revision:
                     self.refresh_directory()
             except ConflictError as error:
@@ -375,11 +419,11 @@ class Worker:
                     log.warning("attaching again failed: %s", attach_error)
             except ApiError as error:
                 if error.status in (401, 403):
-                    log.error("heartbeat refused: %s; the worker keeps its cached directory",
-                              error)
+                    log.error("heartbeat refused: %s; the worker keeps its cached directory", error)
                 else:
-                    log.warning("heartbeat failed (%s); the hot path runs on the cached "
-                                "directory", error)
+                    log.warning(
+                        "heartbeat failed (%s); the hot path runs on the cached directory", error
+                    )
 
     # --- REST commands -------------------------------------------------------------------
 
@@ -394,7 +438,8 @@ class Worker:
             url = getattr(self.client, "url", None)
             try:
                 for command in self.client.stream_commands(
-                        worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S):
+                    worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S
+                ):
                     failures = 0
                     if self._stop.is_set() or worker_id != self.worker_id:
                         break
@@ -415,16 +460,18 @@ class Worker:
             failures += 1
             # Another API process to try (the client failed over): at once, once per URL;
             # then back off, the control plane is down.
-            moved = (getattr(self.client, "url", None) != url
-                     and failures < len(getattr(self.client, "urls", ())))
+            moved = getattr(self.client, "url", None) != url and failures < len(
+                getattr(self.client, "urls", ())
+            )
             delay = FAILOVER_DELAY_S if moved else OUTAGE_BACKOFF_S
             self._stop.wait(delay if not self._stop.is_set() else 0)
 
     def _superseded(self, why: str) -> None:
         """Another worker took this rank over: stop serving (attaching again would take it
         back, and two workers would fight over the rank)."""
-        log.error("this worker was superseded on %s rank %d (%s); it stops", self.instance,
-                  self.rank, why)
+        log.error(
+            "this worker was superseded on %s rank %d (%s); it stops", self.instance, self.rank, why
+        )
         self.superseded = True
         self._stop.set()
         if self.handover is not None:
@@ -450,45 +497,64 @@ class Worker:
             return None
         epochs = (command["context_epoch"], command["generation_epoch"])
         peer = command["generation"] if command["side"] == "send" else command["context"]
-        entry = self.directory.plans.get((peer, command["context_dp_rank"],
-                                          command["generation_dp_rank"]))
+        entry = self.directory.plans.get(
+            (peer, command["context_dp_rank"], command["generation_dp_rank"])
+        )
         if entry is None or entry.epochs() != epochs:
             self._refresh_quietly()  # a pairing or epoch newer than the cached directory
         call = self.send if command["side"] == "send" else self.expect
         try:
-            handle = call(command["xid"], peer, command["blocks"],
-                          context_dp_rank=command["context_dp_rank"],
-                          generation_dp_rank=command["generation_dp_rank"],
-                          timeout_s=float(command["timeout_s"]), mode=command["mode"],
-                          verify=bool(command["verify"]),
-                          num_tokens=command.get("num_tokens"),
-                          context={"transfer_id": command["transfer_id"],
-                                   "attempt": int(command["attempt"])})
+            handle = call(
+                command["xid"],
+                peer,
+                command["blocks"],
+                context_dp_rank=command["context_dp_rank"],
+                generation_dp_rank=command["generation_dp_rank"],
+                timeout_s=float(command["timeout_s"]),
+                mode=command["mode"],
+                verify=bool(command["verify"]),
+                num_tokens=command.get("num_tokens"),
+                context={"transfer_id": command["transfer_id"], "attempt": int(command["attempt"])},
+            )
         except Exception as error:  # bad blocks, unknown pairing, ...: the transfer fails now
             self._record_refusal(command, error)
             return None
         if handle.entry.epochs() != epochs:
-            log.warning("transfer %s was planned with other epochs than this worker's "
-                        "directory; it will fail as peer_restarted", command["transfer_id"])
+            log.warning(
+                "transfer %s was planned with other epochs than this worker's "
+                "directory; it will fail as peer_restarted",
+                command["transfer_id"],
+            )
         return handle
 
     def _record_refusal(self, command: Mapping[str, Any], error: Exception) -> None:
         now = time.time()
         if self.recorder is None:
             return
-        self.recorder.add({
-            "transfer_id": command["transfer_id"], "attempt": int(command["attempt"]),
-            "request_id": command["request_id"], "pairing_id": "unknown",
-            "context": command["context"], "generation": command["generation"],
-            "context_epoch": command["context_epoch"],
-            "generation_epoch": command["generation_epoch"],
-            "context_dp_rank": command["context_dp_rank"],
-            "generation_dp_rank": command["generation_dp_rank"],
-            "side": command["side"], "rank": self.rank, "status": "failed",
-            "error": f"{type(error).__name__}: {error}"[:2000], "bytes": 0,
-            "mode": command["mode"], "verify": bool(command["verify"]),
-            "started_at": now, "finished_at": now,
-        }, urgent=True)
+        self.recorder.add(
+            {
+                "transfer_id": command["transfer_id"],
+                "attempt": int(command["attempt"]),
+                "request_id": command["request_id"],
+                "pairing_id": "unknown",
+                "context": command["context"],
+                "generation": command["generation"],
+                "context_epoch": command["context_epoch"],
+                "generation_epoch": command["generation_epoch"],
+                "context_dp_rank": command["context_dp_rank"],
+                "generation_dp_rank": command["generation_dp_rank"],
+                "side": command["side"],
+                "rank": self.rank,
+                "status": "failed",
+                "error": f"{type(error).__name__}: {error}"[:2000],
+                "bytes": 0,
+                "mode": command["mode"],
+                "verify": bool(command["verify"]),
+                "started_at": now,
+                "finished_at": now,
+            },
+            urgent=True,
+        )
 
     # --- outcomes ------------------------------------------------------------------------
 
@@ -509,8 +575,10 @@ class Worker:
             # A REST transfer's waiter needs the receivers' parts now (and, with verify, the
             # senders' checksums too); everything else rides the next batch.
             urgent = "transfer_id" in handle.context and (
-                handle.side == "receive" or handle.state == FAILED
-                or bool(handle.context.get("verify")))
+                handle.side == "receive"
+                or handle.state == FAILED
+                or bool(handle.context.get("verify"))
+            )
             self.recorder.add(self._record(handle, verified), urgent=urgent)
         for listener in self._listeners:
             try:
@@ -529,8 +597,13 @@ class Worker:
         transfers (their parts are each rank's answer to a command) and every send of a
         worker made with ``record_releases=True`` are recorded.
         """
-        return (handle.side == "receive" or handle.state == FAILED or self.record_releases
-                or "transfer_id" in handle.context or bool(handle.context.get("verify")))
+        return (
+            handle.side == "receive"
+            or handle.state == FAILED
+            or self.record_releases
+            or "transfer_id" in handle.context
+            or bool(handle.context.get("verify"))
+        )
 
     def _record(self, handle: Handle, verified: int | None) -> dict[str, Any]:
         entry = handle.entry
@@ -539,17 +612,23 @@ class Worker:
             "attempt": int(context.get("attempt", 1)),
             "request_id": str(context.get("request_id", handle.request_id)),
             "pairing_id": entry.pairing_id,
-            "context": entry.context, "generation": entry.generation,
-            "context_epoch": entry.context_epoch, "generation_epoch": entry.generation_epoch,
+            "context": entry.context,
+            "generation": entry.generation,
+            "context_epoch": entry.context_epoch,
+            "generation_epoch": entry.generation_epoch,
             "context_dp_rank": entry.context_dp_rank,
             "generation_dp_rank": entry.generation_dp_rank,
-            "side": handle.side, "rank": self.rank,
+            "side": handle.side,
+            "rank": self.rank,
             "status": "failed" if handle.state == FAILED else "done",
             "error": None if handle.reason is None else str(handle.reason)[:2000],
-            "bytes": handle.bytes, "mode": context.get("mode", "staged"),
+            "bytes": handle.bytes,
+            "mode": context.get("mode", "staged"),
             "verify": bool(context.get("verify", False)),
-            "started_at": handle.started_at, "finished_at": handle.finished_at or time.time(),
-            "routes": handle.routes, "verified_bytes": verified,
+            "started_at": handle.started_at,
+            "finished_at": handle.finished_at or time.time(),
+            "routes": handle.routes,
+            "verified_bytes": verified,
             "timeout_s": handle.timeout_s,
         }
         if "transfer_id" in context:
@@ -569,8 +648,9 @@ class Worker:
         for _, dst_pool, _, starts in self._planned_writes(handle, sources=False):
             self._touched[dst_pool][starts] = True
 
-    def _planned_writes(self, handle: Handle, *, sources: bool = True
-                        ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    def _planned_writes(
+        self, handle: Handle, *, sources: bool = True
+    ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """What ``handle`` writes into this rank's pools, byte by byte, per pool pair:
         ``(sender rank × 10⁶ + sender pool, destination pool, source offsets, destination
         offsets)``; without ``sources`` the source offsets are meaningless (no peer needed)."""
@@ -588,15 +668,22 @@ class Worker:
                 assert self.handover is not None
                 peer = self.handover.peer(handle.peer, route.sender_rank)
                 if peer is None:
-                    raise VerificationError(f"no endpoint of {handle.peer} rank "
-                                            f"{route.sender_rank} to verify against")
+                    raise VerificationError(
+                        f"no endpoint of {handle.peer} rank {route.sender_rank} to verify against"
+                    )
                 src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer.info["pools"]}
             lanes, src, dst = align_request(route, pairs, num_tokens)
             fragments = expand_fragments(lanes, src_specs, self.pools, src, dst)
             for (src_pool, dst_pool), (so, do, ln) in fragments.items():
                 within = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
-                out.append((route.sender_rank * 1_000_000 + src_pool, dst_pool,
-                            np.repeat(so, ln) + within, np.repeat(do, ln) + within))
+                out.append(
+                    (
+                        route.sender_rank * 1_000_000 + src_pool,
+                        dst_pool,
+                        np.repeat(so, ln) + within,
+                        np.repeat(do, ln) + within,
+                    )
+                )
         return out
 
     def _check_filled(self, handle: Handle) -> str | None:
@@ -609,8 +696,7 @@ class Worker:
         except VerificationError as error:
             return str(error)
         finally:
-            log.debug("fill check of %s: %.3f s", handle.request_id,
-                      time.perf_counter() - started)
+            log.debug("fill check of %s: %.3f s", handle.request_id, time.perf_counter() - started)
         return None
 
     def verify_transfer(self, handle: Handle) -> int:
@@ -620,8 +706,9 @@ class Worker:
         from workers.pools import pattern_at
 
         checked = 0
-        images = {pid: pool.tensor.detach().cpu().numpy().reshape(-1)
-                  for pid, pool in self.pools.items()}
+        images = {
+            pid: pool.tensor.detach().cpu().numpy().reshape(-1) for pid, pool in self.pools.items()
+        }
         slots: dict[int, set[int]] = {}
         for source, dst_pool, sources, starts in self._planned_writes(handle):
             sender, src_pool = divmod(source, 1_000_000)
@@ -631,7 +718,8 @@ class Worker:
                 raise VerificationError(
                     f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes among "
                     f"those written from rank {sender} (first at offset "
-                    f"{int(starts[wrong[0]])})")
+                    f"{int(starts[wrong[0]])})"
+                )
             checked += starts.size
             stride = self.pools[dst_pool].spec.slot_stride_bytes
             heads = starts[np.flatnonzero(np.diff(starts, prepend=-2) != 1)]  # run starts
@@ -647,23 +735,26 @@ class Worker:
     def verify_untouched(self) -> int:
         """Fill mode: every byte of every pool that no transfer targeted still holds this
         rank's pattern (a stray write anywhere shows up). Returns the bytes checked."""
-        checked = sum(self._check_untouched(pid, 0, pool.tensor.numel())
-                      for pid, pool in self.pools.items())
+        checked = sum(
+            self._check_untouched(pid, 0, pool.tensor.numel()) for pid, pool in self.pools.items()
+        )
         self.stats.verified_bytes += checked
         return checked
 
     def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
         from workers.pools import pattern_at
 
-        image = self.pools[pid].tensor.detach().cpu().reshape(-1).view(-1).numpy().view(
-            np.uint8)[lo:hi]
+        image = (
+            self.pools[pid].tensor.detach().cpu().reshape(-1).view(-1).numpy().view(np.uint8)[lo:hi]
+        )
         own = pattern_at(self.rank, pid, np.arange(lo, hi, dtype=np.int64))
         untouched = ~self._touched[pid][lo:hi]
         wrong = np.flatnonzero((image != own) & untouched)
         if wrong.size:
             raise VerificationError(
                 f"verification failed: pool {pid} has {wrong.size} bytes that no transfer "
-                f"targeted but that changed (first at offset {lo + int(wrong[0])})")
+                f"targeted but that changed (first at offset {lo + int(wrong[0])})"
+            )
         return int(untouched.sum())
 
 

@@ -120,8 +120,9 @@ class Directory:
             peer_epochs=peer_epochs,
         )
 
-    def plan(self, peer: str, context_dp_rank: int | None,
-             generation_dp_rank: int | None) -> PlanEntry:
+    def plan(
+        self, peer: str, context_dp_rank: int | None, generation_dp_rank: int | None
+    ) -> PlanEntry:
         """The cached plan toward ``peer``; :class:`HandoverError` when there is none."""
         entry = self.plans.get((peer, context_dp_rank, generation_dp_rank))
         if entry is not None:

@@ -410,8 +410,10 @@ def align_request(
     paged = [g for g in route.layer_groups if g not in route.state_groups]
     cp = route.cp_modulus
     if num_tokens is not None and route.small_tokens_per_block is None:
-        raise BlockRangeError("this route does not say its tokens_per_block (a plan from an "
-                              "older control plane): refresh the directory to use num_tokens")
+        raise BlockRangeError(
+            "this route does not say its tokens_per_block (a plan from an "
+            "older control plane): refresh the directory to use num_tokens"
+        )
     try:
         totals = request_totals(
             blocks, paged, num_tokens=num_tokens,
@@ -886,8 +888,9 @@ def expand_fragments(
         src_ids, dst_ids = _column(bs[g], seg), _column(bd[g], seg)
         for ids, spec, what in ((src_ids, sspec, "context"), (dst_ids, dspec, "generation")):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.num_slots):
-                raise BlockRangeError(f"layer group {g}: {what} block ids must be in "
-                                      f"0..{spec.num_slots - 1}")
+                raise BlockRangeError(
+                    f"layer group {g}: {what} block ids must be in 0..{spec.num_slots - 1}"
+                )
         so = (src_ids[:, None] * sspec.slot_stride_bytes + fsrc[None, :]).reshape(-1)
         do = (dst_ids[:, None] * dspec.slot_stride_bytes + fdst[None, :]).reshape(-1)
         ln = np.broadcast_to(flen, (src_ids.size, flen.size)).reshape(-1)
@@ -920,7 +923,9 @@ class FragmentTable:
 
 
 def fragment_tables(
-    route: Route, src_specs: Mapping[int, Any], dst_specs: Mapping[int, Any],
+    route: Route,
+    src_specs: Mapping[int, Any],
+    dst_specs: Mapping[int, Any],
     limit: int = FRAGMENT_TABLE_MAX,
 ) -> tuple[FragmentTable, FragmentTable] | None:
     """Both sides' :class:`FragmentTable` of ``route`` (pool specs by id); None when a side
@@ -935,8 +940,10 @@ def fragment_tables(
             n = int(spec.num_slots) * lengths.size
             if size + n > limit:
                 return None
-            offsets = (np.arange(spec.num_slots, dtype=np.int64)[:, None] * spec.slot_stride_bytes
-                       + frag_offsets[None, :]).reshape(-1)
+            offsets = (
+                np.arange(spec.num_slots, dtype=np.int64)[:, None] * spec.slot_stride_bytes
+                + frag_offsets[None, :]
+            ).reshape(-1)
             bases.append(size)
             slots.append(int(spec.num_slots))
             entries.append((pool, offsets, np.tile(lengths, spec.num_slots)))
@@ -946,14 +953,18 @@ def fragment_tables(
 
 
 def fragment_indices(
-    route: Route, tables: tuple[FragmentTable, FragmentTable], src_blocks: Blocks,
+    route: Route,
+    tables: tuple[FragmentTable, FragmentTable],
+    src_blocks: Blocks,
     dst_blocks: Blocks,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The indices into both sides' tables of every fragment of these (aligned) block lists,
     pairwise: local ``[i]`` goes to remote ``[i]``. Raises :class:`BlockRangeError` for a block
     id outside its pool."""
-    ids = (_normalize_blocks(route, src_blocks, "src_blocks"),
-           _normalize_blocks(route, dst_blocks, "dst_blocks"))
+    ids = (
+        _normalize_blocks(route, src_blocks, "src_blocks"),
+        _normalize_blocks(route, dst_blocks, "dst_blocks"),
+    )
     out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
     checked: set[tuple[int, int, int, int]] = set()  # segments of one group share their ids
     for i, seg in enumerate(route.segments):
@@ -965,11 +976,11 @@ def fragment_indices(
             if col.size and key not in checked:
                 checked.add(key)
                 if int(col.min()) < 0 or int(col.max()) >= slots:
-                    raise BlockRangeError(f"layer group {seg.layer_group}: {what} block ids "
-                                          f"must be in 0..{slots - 1}")
+                    raise BlockRangeError(
+                        f"layer group {seg.layer_group}: {what} block ids must be in 0..{slots - 1}"
+                    )
             out[side].append((tables[side].bases[i] + col[:, None] * k.size + k).reshape(-1))
-    return tuple(np.concatenate(x).astype(np.int32) if x else np.zeros(0, np.int32)
-                 for x in out)  # type: ignore[return-value]
+    return tuple(np.concatenate(x).astype(np.int32) if x else np.zeros(0, np.int32) for x in out)  # type: ignore[return-value]
 
 
 def _touched_slots(pool: Pool, offsets: np.ndarray) -> tuple[memoryview, np.ndarray]:

@@ -44,9 +44,15 @@ def _refused(status: int) -> bool:
 class Recorder:
     """Batches records and posts them from a background thread."""
 
-    def __init__(self, client: Client, worker_id: Callable[[], str | None], *,
-                 batch: int = BATCH, interval_s: float = INTERVAL_S,
-                 max_pending: int = MAX_PENDING) -> None:
+    def __init__(
+        self,
+        client: Client,
+        worker_id: Callable[[], str | None],
+        *,
+        batch: int = BATCH,
+        interval_s: float = INTERVAL_S,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
         self.client = client
         self.worker_id = worker_id
         self.batch = batch
@@ -99,8 +105,10 @@ class Recorder:
             self._cond.notify()
         self._thread.join(timeout=2.0)
         if self._pending:
-            log.warning("%d transfer record(s) not delivered: the control plane was unreachable",
-                        len(self._pending))
+            log.warning(
+                "%d transfer record(s) not delivered: the control plane was unreachable",
+                len(self._pending),
+            )
 
     def _loop(self) -> None:
         delay = 0.0  # current backoff after failed posts
@@ -114,8 +122,9 @@ class Recorder:
                         self._cond.wait(hold_until - now)
                         continue
                     due = last_post + self.interval_s - now
-                    if self._pending and (self._urgent or len(self._pending) >= self.batch
-                                          or due <= 0):
+                    if self._pending and (
+                        self._urgent or len(self._pending) >= self.batch or due <= 0
+                    ):
                         break
                     self._cond.wait(due if self._pending else None)
                 if self._stop:
@@ -133,8 +142,12 @@ class Recorder:
                 self.failures += 1
                 delay = min(MAX_BACKOFF_S, max(0.5, delay * 2))
                 hold_until = time.monotonic() + delay
-                log.warning("recording %d transfer(s) failed (%s); retrying in %.1f s",
-                            len(batch), error, delay)
+                log.warning(
+                    "recording %d transfer(s) failed (%s); retrying in %.1f s",
+                    len(batch),
+                    error,
+                    delay,
+                )
                 continue
             delay = 0.0
             with self._cond:

@@ -30,8 +30,7 @@ BURST_IN_FLIGHT = 4
 RECORD_WAIT_S = 15.0
 
 
-def _row(path: str, checks: str, latencies: list[float], throughput: float,
-         failures: int) -> str:
+def _row(path: str, checks: str, latencies: list[float], throughput: float, failures: int) -> str:
     import numpy as np
 
     head = f"| {path:<11} | {checks:<10} | {len(latencies):>4} | {failures:>6} |"
@@ -41,8 +40,9 @@ def _row(path: str, checks: str, latencies: list[float], throughput: float,
     return f"{head} {'-':>8} | {'-':>8} | {'-':>12} |"
 
 
-def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
-             host: str = "127.0.0.1") -> int:
+def run_demo(
+    *, blocks: int, port: int, database: Path, keep_running: bool, host: str = "127.0.0.1"
+) -> int:
     """Run the demo; returns the process exit code (0 only if every byte verified)."""
     from workers.testing.engine import CONTEXT, GENERATION, Fleet, run_rest
 
@@ -52,16 +52,19 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
     logs = database.parent / "demo-logs"
     logs.mkdir(exist_ok=True)
     num_slots = max(2 * blocks, 128)
-    fleet = Fleet(logs, num_slots=num_slots, fill=True, database=database, port=port,
-                  host=host)
+    fleet = Fleet(logs, num_slots=num_slots, fill=True, database=database, port=port, host=host)
     ok = True
     try:
         print(f"control plane: {fleet.server.url} (database {database}, logs in {logs}/)")
         fleet.start()
-        print(f"pairing {fleet.pairing['id']}: compatible, "
-              f"{len(fleet.pairing['warnings'])} warning(s)")
-        print("ranks: 6 processes (4 context, 2 generation), each a fake engine embedding a "
-              "worker; pools pattern-filled")
+        print(
+            f"pairing {fleet.pairing['id']}: compatible, "
+            f"{len(fleet.pairing['warnings'])} warning(s)"
+        )
+        print(
+            "ranks: 6 processes (4 context, 2 generation), each a fake engine embedding a "
+            "worker; pools pattern-filled"
+        )
         client = Client(fleet.server.url, retries=3)
 
         # --- REST, one big verified transfer per mode ------------------------------------------
@@ -71,76 +74,127 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
         rows = []
         expected_record = 2  # transfers the control plane must list as done at the end
         for mode in ("staged", "fragments"):
-            transfer = client.create_transfer({
-                "context": CONTEXT, "generation": GENERATION, "request_id": f"demo-{mode}",
-                "blocks": {"0": {"context": context_ids, "generation": generation_ids}},
-                "execute": True, "mode": mode, "verify": True,
-            })
+            transfer = client.create_transfer(
+                {
+                    "context": CONTEXT,
+                    "generation": GENERATION,
+                    "request_id": f"demo-{mode}",
+                    "blocks": {"0": {"context": context_ids, "generation": generation_ids}},
+                    "execute": True,
+                    "mode": mode,
+                    "verify": True,
+                }
+            )
             done = client.get_transfer(transfer["id"], wait_s=60)
             parts = client.list_parts(transfer["id"])["items"]
             verified = sum((p["result"] or {}).get("verified_bytes") or 0 for p in parts)
-            sends = [p["result"]["duration_s"] for p in parts
-                     if p["kind"] == "send" and p["state"] == "done"]
-            rows.append((mode, done["status"], done["bytes"], done["duration_s"],
-                         max(sends, default=float("nan")), done["fragments"],
-                         sum(route["runs"] for route in done["routes"]), verified))
+            sends = [
+                p["result"]["duration_s"]
+                for p in parts
+                if p["kind"] == "send" and p["state"] == "done"
+            ]
+            rows.append(
+                (
+                    mode,
+                    done["status"],
+                    done["bytes"],
+                    done["duration_s"],
+                    max(sends, default=float("nan")),
+                    done["fragments"],
+                    sum(route["runs"] for route in done["routes"]),
+                    verified,
+                )
+            )
             if done["status"] != "done":
                 ok = False
                 print(f"{mode}: {done['status']}: {done['error']}")
-        header = (f"| {'mode':<9} | {'status':<6} | {'bytes':>11} | {'end-to-end s':>12} | "
-                  f"{'slowest sender s':>16} | {'fragments':>9} | {'runs':>5} | "
-                  f"{'verified bytes':>14} |")
+        header = (
+            f"| {'mode':<9} | {'status':<6} | {'bytes':>11} | {'end-to-end s':>12} | "
+            f"{'slowest sender s':>16} | {'fragments':>9} | {'runs':>5} | "
+            f"{'verified bytes':>14} |"
+        )
         print()
         print(header)
         print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
         for mode, status, nbytes, seconds, wire, fragments, runs, verified in rows:
-            print(f"| {mode:<9} | {status:<6} | {nbytes:>11,} | {seconds or float('nan'):>12.3f} "
-                  f"| {wire:>16.3f} | {fragments:>9,} | {runs:>5} | {verified:>14,} |")
+            print(
+                f"| {mode:<9} | {status:<6} | {nbytes:>11,} | {seconds or float('nan'):>12.3f} "
+                f"| {wire:>16.3f} | {fragments:>9,} | {runs:>5} | {verified:>14,} |"
+            )
         print()
-        print("end-to-end: dispatch to done, including the first NIXL connection set-up and the "
-              "receivers' checks; slowest sender: gather, WRITEs and crc32 of one context rank.")
+        print(
+            "end-to-end: dispatch to done, including the first NIXL connection set-up and the "
+            "receivers' checks; slowest sender: gather, WRITEs and crc32 of one context rank."
+        )
 
         # --- a burst of small requests, three ways ---------------------------------------------
         print()
-        print(f"burst: {BURST_REQUESTS} requests of {BURST_BLOCKS} blocks, {BURST_IN_FLIGHT} in "
-              "flight, on the same six processes")
-        raw = fleet.run_raw(requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
-                            in_flight=BURST_IN_FLIGHT, seed=7)
+        print(
+            f"burst: {BURST_REQUESTS} requests of {BURST_BLOCKS} blocks, {BURST_IN_FLIGHT} in "
+            "flight, on the same six processes"
+        )
+        raw = fleet.run_raw(
+            requests=BURST_REQUESTS, blocks=BURST_BLOCKS, in_flight=BURST_IN_FLIGHT, seed=7
+        )
         burst = [("raw NIXL", "none", raw.latencies_s(), raw.throughput(), len(raw.errors))]
         problems: list[str] = list(raw.errors)
         # Each path twice: without checks (still with fill mode's marking of each receive's
         # bytes), then with every byte checked; the same six processes, other seeds.
         for verify, checks, seed in ((False, "none", 8), (True, "every byte", 10)):
-            engine = fleet.run_engine(requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
-                                      in_flight=BURST_IN_FLIGHT, seed=seed, verify=verify)
-            rest = run_rest(fleet.server.url, requests=BURST_REQUESTS, blocks=BURST_BLOCKS,
-                            in_flight=BURST_IN_FLIGHT, num_slots=num_slots, seed=seed + 1,
-                            tag=f"demo-rest-{time.time_ns() % 10**9}", verify=verify)
-            burst.append(("engine path", checks, engine.latencies_s(), engine.throughput(),
-                         len(engine.failures)))
-            burst.append(("REST", checks, rest["latencies"], rest["throughput"],
-                         len(rest["errors"])))
+            engine = fleet.run_engine(
+                requests=BURST_REQUESTS,
+                blocks=BURST_BLOCKS,
+                in_flight=BURST_IN_FLIGHT,
+                seed=seed,
+                verify=verify,
+            )
+            rest = run_rest(
+                fleet.server.url,
+                requests=BURST_REQUESTS,
+                blocks=BURST_BLOCKS,
+                in_flight=BURST_IN_FLIGHT,
+                num_slots=num_slots,
+                seed=seed + 1,
+                tag=f"demo-rest-{time.time_ns() % 10**9}",
+                verify=verify,
+            )
+            burst.append(
+                (
+                    "engine path",
+                    checks,
+                    engine.latencies_s(),
+                    engine.throughput(),
+                    len(engine.failures),
+                )
+            )
+            burst.append(
+                ("REST", checks, rest["latencies"], rest["throughput"], len(rest["errors"]))
+            )
             problems += [*engine.failures.values(), *rest["errors"]]
             if engine.leaked or not engine.complete:
                 ok = False
                 print(f"FAILED burst: leaked blocks {engine.leaked}, stalled {engine.stalled}")
             expected_record += 2 * BURST_REQUESTS
-        header = (f"| {'path':<11} | {'checks':<10} | {'done':>4} | {'failed':>6} | "
-                  f"{'p50 ms':>8} | {'p99 ms':>8} | {'transfers/s':>12} |")
+        header = (
+            f"| {'path':<11} | {'checks':<10} | {'done':>4} | {'failed':>6} | "
+            f"{'p50 ms':>8} | {'p99 ms':>8} | {'transfers/s':>12} |"
+        )
         print()
         print(header)
         print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
         for row in burst:
             print(_row(*row))
         print()
-        print("raw: the same routes as plain NIXL WRITEs with one notification each (no "
-              "gather, scatter or checks); engine: send/expect in process, the request's last "
-              "call to its last arrival; REST: POST /v1/transfers + GET ?wait= from a client. "
-              "Checks 'every byte': crc32 on both sides, and each receiving rank checks every "
-              "byte the request wrote before it says arrived (in Python, which dominates "
-              "these rows' latencies). Checks 'none' still pays the fill pattern's bookkeeping "
-              "(each receive marks the bytes it will write, in Python, before its grant). "
-              "bench/latency.py measures the paths without fill mode, in more shapes.")
+        print(
+            "raw: the same routes as plain NIXL WRITEs with one notification each (no "
+            "gather, scatter or checks); engine: send/expect in process, the request's last "
+            "call to its last arrival; REST: POST /v1/transfers + GET ?wait= from a client. "
+            "Checks 'every byte': crc32 on both sides, and each receiving rank checks every "
+            "byte the request wrote before it says arrived (in Python, which dominates "
+            "these rows' latencies). Checks 'none' still pays the fill pattern's bookkeeping "
+            "(each receive marks the bytes it will write, in Python, before its grant). "
+            "bench/latency.py measures the paths without fill mode, in more shapes."
+        )
         if problems:
             ok = False
             print(f"FAILED burst: {len(problems)} request(s) failed: {problems[:3]}")
@@ -150,8 +204,10 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
         swept = sum(s["swept_bytes"] for s in stats)
         leaked = sum(s["leaked"] for s in stats)
         print()
-        print(f"swept {swept:,} untouched pool bytes (all still their own pattern); "
-              f"{leaked} blocks leaked")
+        print(
+            f"swept {swept:,} untouched pool bytes (all still their own pattern); "
+            f"{leaked} blocks leaked"
+        )
         # The record follows within about a second (engine-path parts come in batches).
         deadline = time.monotonic() + RECORD_WAIT_S
         while True:
@@ -160,19 +216,27 @@ def run_demo(*, blocks: int, port: int, database: Path, keep_running: bool,
             if done_count >= expected_record or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        print(f"record: {listed['total']} transfers in the control plane, {done_count} done "
-              f"(engine-path ones included, recorded in batches)")
+        print(
+            f"record: {listed['total']} transfers in the control plane, {done_count} done "
+            f"(engine-path ones included, recorded in batches)"
+        )
         if done_count != expected_record or listed["total"] != expected_record:
             ok = False
             print(f"FAILED record: expected {expected_record} transfers, all done")
         ok = ok and leaked == 0
         print()
-        print("verified: every byte the checked transfers wrote (the sender's pattern at the "
-              "planned offsets), every untouched pool byte, and sender/receiver crc32 of their "
-              "routes" if ok else "FAILED: see above and the logs")
+        print(
+            "verified: every byte the checked transfers wrote (the sender's pattern at the "
+            "planned offsets), every untouched pool byte, and sender/receiver crc32 of their "
+            "routes"
+            if ok
+            else "FAILED: see above and the logs"
+        )
         if keep_running:
-            print(f"left running: {fleet.server.url} (dashboard at /, API docs at /docs); "
-                  "Ctrl-C stops")
+            print(
+                f"left running: {fleet.server.url} (dashboard at /, API docs at /docs); "
+                "Ctrl-C stops"
+            )
             try:
                 while True:
                     time.sleep(1)

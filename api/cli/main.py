@@ -238,14 +238,19 @@ def worker(
         None, min=0.1, help="Exit after this many seconds without a transfer."
     ),
     metrics_port: int | None = typer.Option(
-        None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."),
+        None, min=1, max=65535, help="Serve this worker's Prometheus metrics on this port."
+    ),
     ucx_tls: str | None = typer.Option(
-        None, help="UCX transports for worker-to-worker bytes (UCX_TLS), e.g. `tcp` so that "
+        None,
+        help="UCX transports for worker-to-worker bytes (UCX_TLS), e.g. `tcp` so that "
         "workers of one machine use its network instead of shared memory; default: the "
-        "process's UCX_TLS, else every transport UCX finds. Shown in GET /v1/workers."),
+        "process's UCX_TLS, else every transport UCX finds. Shown in GET /v1/workers.",
+    ),
     ucx_net_devices: str | None = typer.Option(
-        None, help="Network devices UCX may use (UCX_NET_DEVICES), e.g. `eth0` or "
-        "`mlx5_0:1`; default: the process's UCX_NET_DEVICES, else every device."),
+        None,
+        help="Network devices UCX may use (UCX_NET_DEVICES), e.g. `eth0` or "
+        "`mlx5_0:1`; default: the process's UCX_NET_DEVICES, else every device.",
+    ),
 ) -> None:
     """Serve one rank: allocate its pools, attach over NIXL, run the transfers that REST
     pushes to it (engines embed `workers.agent.Worker` instead) until stopped."""
@@ -262,9 +267,16 @@ def worker(
         with Client(control_plane, token=token) as client:
             # Refuse a rank the instance does not have before allocating anything.
             check_rank(client.get_instance(instance), rank, option="--rank")
-            agent = Worker(client, instance, rank, device=device,
-                           staging_bytes=staging_mib << 20, fill=fill_pattern,
-                           ucx_tls=ucx_tls, ucx_net_devices=ucx_net_devices)
+            agent = Worker(
+                client,
+                instance,
+                rank,
+                device=device,
+                staging_bytes=staging_mib << 20,
+                fill=fill_pattern,
+                ucx_tls=ucx_tls,
+                ucx_net_devices=ucx_net_devices,
+            )
             worker_metrics.instrument(agent)
             if metrics_port is not None:
                 from prometheus_client import start_http_server
@@ -276,8 +288,10 @@ def worker(
                 set_process_context(worker_id=agent.worker_id)
                 worker_metrics.describe_worker(agent)
                 ucx = agent.transport.ucx if agent.transport is not None else None
-                typer.echo(f"worker {agent.worker_id}: {instance} rank {rank} on {device}"
-                           + (f" (UCX tls={ucx.tls}, devices={ucx.net_devices})" if ucx else ""))
+                typer.echo(
+                    f"worker {agent.worker_id}: {instance} rank {rank} on {device}"
+                    + (f" (UCX tls={ucx.tls}, devices={ucx.net_devices})" if ucx else "")
+                )
                 agent.serve(idle_exit_s=idle_exit_s)
             except KeyboardInterrupt:
                 pass

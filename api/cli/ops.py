@@ -25,7 +25,9 @@ TOKEN_ENV = "KVPLANE_TOKEN"
 ControlPlane = Annotated[
     str,
     typer.Option(
-        "--control-plane", envvar=URL_ENV, show_envvar=True,
+        "--control-plane",
+        envvar=URL_ENV,
+        show_envvar=True,
         help="Control-plane URL; several API processes: comma-separated, failed over in turn.",
     ),
 ]
@@ -501,9 +503,7 @@ def transfers_list(
         _dump(page)
         return
     if not page["items"]:
-        typer.echo(
-            _nothing("transfers", status=status, context=context, generation=generation)
-        )
+        typer.echo(_nothing("transfers", status=status, context=context, generation=generation))
         return
     rows = [
         [

@@ -63,9 +63,7 @@ def is_nested(ids: Any) -> bool:
     """One block list per CP rank (rather than one flat list)."""
     if isinstance(ids, np.ndarray):
         return ids.ndim == 2 or (ids.dtype == object and bool(ids.size))
-    return bool(len(ids)) and all(
-        isinstance(item, (list, tuple, np.ndarray)) for item in ids
-    )
+    return bool(len(ids)) and all(isinstance(item, (list, tuple, np.ndarray)) for item in ids)
 
 
 def count(ids: Any) -> int:

@@ -101,8 +101,18 @@ def check_state_match(
             rank: int = holder.rank,
             **extra: Any,
         ) -> None:
-            mismatch_finding(findings, match, rank, sender, code, what, field_name,
-                             local_value, peer_value, **extra)
+            mismatch_finding(
+                findings,
+                match,
+                rank,
+                sender,
+                code,
+                what,
+                field_name,
+                local_value,
+                peer_value,
+                **extra,
+            )
 
         state_sides = (
             generation.is_state_group(receiver_group),

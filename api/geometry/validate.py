@@ -489,8 +489,10 @@ def derive_duplication(
                 if table is None:
                     continue
                 for view in table.views:
-                    if view.owner == owner and view.roles_key == roles and (
-                        assumed_total(instance, table, view) is not None
+                    if (
+                        view.owner == owner
+                        and view.roles_key == roles
+                        and (assumed_total(instance, table, view) is not None)
                     ):
                         explicit = replace(view, total_kv_heads=heads)
                         cache[(side, table.rank, view.index)] = view_geometry(

@@ -543,8 +543,9 @@ def transfer_detail(request: Request, transfer_id: str, db: DbDep) -> HTMLRespon
         jobs = sorted(
             (
                 execution_service.part_read(session, part)
-                for part in execution_service.list_parts(session=session, transfer_id=row.id,
-                                                         limit=1000)
+                for part in execution_service.list_parts(
+                    session=session, transfer_id=row.id, limit=1000
+                )
             ),
             key=lambda part: (-part.attempt, part.kind, part.rank),
         )
@@ -592,7 +593,8 @@ def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep)
     try:
         with db.write() as session:
             _, commands = execution_service.retry_transfer(
-                session=session, transfer_id=transfer_id, now=_now(request))
+                session=session, transfer_id=transfer_id, now=_now(request)
+            )
         push_commands(request, commands)  # 503 when the relay cannot deliver them
     except NotFound as error:
         return _not_found(request, error)
@@ -618,8 +620,9 @@ def worker_list(request: Request, db: DbDep, page: Page = 1) -> HTMLResponse:
             session=session, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
         )
         hub = request.app.state.hub
-        items = [worker_service.worker_read(row, now, connected=hub.connected(row.id))
-                 for row in rows]
+        items = [
+            worker_service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows
+        ]
     return _render(
         request,
         "workers.html",

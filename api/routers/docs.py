@@ -33,26 +33,30 @@ def install(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     def swagger_ui() -> HTMLResponse:
-        return _local_only(get_swagger_ui_html(
-            openapi_url=openapi_url,
-            title=f"{title}: API docs",
-            swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
-            swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
-            swagger_favicon_url=f"{ASSETS_URL}/favicon.png",
-            oauth2_redirect_url=None,
-            # Swagger UI would otherwise ask a public validator service about the spec.
-            swagger_ui_parameters={"validatorUrl": None},
-        ))
+        return _local_only(
+            get_swagger_ui_html(
+                openapi_url=openapi_url,
+                title=f"{title}: API docs",
+                swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
+                swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
+                swagger_favicon_url=f"{ASSETS_URL}/favicon.png",
+                oauth2_redirect_url=None,
+                # Swagger UI would otherwise ask a public validator service about the spec.
+                swagger_ui_parameters={"validatorUrl": None},
+            )
+        )
 
     @app.get("/redoc", include_in_schema=False)
     def redoc() -> HTMLResponse:
-        return _local_only(get_redoc_html(
-            openapi_url=openapi_url,
-            title=f"{title}: API reference",
-            redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
-            redoc_favicon_url=f"{ASSETS_URL}/favicon.png",
-            with_google_fonts=False,
-        ))
+        return _local_only(
+            get_redoc_html(
+                openapi_url=openapi_url,
+                title=f"{title}: API reference",
+                redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
+                redoc_favicon_url=f"{ASSETS_URL}/favicon.png",
+                with_google_fonts=False,
+            )
+        )
 
     app.mount(ASSETS_URL, StaticFiles(directory=str(ASSETS_DIR)), name="docs-assets")
 

@@ -71,14 +71,14 @@ def register_worker(
     now = now_of(request)
     superseded: list[str] = []
     with db.write() as session:
-        row = service.register_worker(session=session, body=body, now=now,
-                                      superseded=superseded)
+        row = service.register_worker(session=session, body=body, now=now, superseded=superseded)
         read = service.worker_read(row, now)
     for old in superseded:  # told on its stream (and by 409 worker_superseded on its heartbeat)
         hub_of(request).close(old, {"type": "superseded", "by": row.id})
     metrics.worker_heartbeats.inc()
-    return wire.WorkerAttached(**read.model_dump(),
-                               heartbeat_interval_s=service.HEARTBEAT_INTERVAL_S)
+    return wire.WorkerAttached(
+        **read.model_dump(), heartbeat_interval_s=service.HEARTBEAT_INTERVAL_S
+    )
 
 
 @workers_router.get(
@@ -99,8 +99,9 @@ def list_workers(
     hub = hub_of(request)
     with db.read() as session:
         rows = service.list_workers(session=session, instance=instance, limit=limit, offset=offset)
-    listing = wire.WorkerList(items=[
-        service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows])
+    listing = wire.WorkerList(
+        items=[service.worker_read(row, now, connected=hub.connected(row.id)) for row in rows]
+    )
     # Built and validated once here: serialized directly, not validated again on the way out.
     return Response(content=listing.model_dump_json(), media_type="application/json")
 
@@ -112,7 +113,10 @@ def list_workers(
     responses=problem_responses(404, 409, 422, 503),
 )
 def worker_heartbeat(
-    worker_id: WorkerId, request: Request, db: DbDep, metrics: MetricsDep,
+    worker_id: WorkerId,
+    request: Request,
+    db: DbDep,
+    metrics: MetricsDep,
     body: Annotated[wire.WorkerHeartbeat | None, Body()] = None,
 ) -> wire.WorkerRead:
     """A worker is alive, and says what UCX uses for its peer connections once it knows (the
@@ -120,11 +124,16 @@ def worker_heartbeat(
     directory (409 `worker_stale`: its instance re-registered, attach again)."""
     now = now_of(request)
     with db.write() as session:  # one UPDATE and one read of the kept revision, O(1)
-        row = service.heartbeat(session=session, worker_id=worker_id, now=now,
-                                ucx_in_use=body.ucx_in_use if body is not None else None)
+        row = service.heartbeat(
+            session=session,
+            worker_id=worker_id,
+            now=now,
+            ucx_in_use=body.ucx_in_use if body is not None else None,
+        )
         revision = service.directory_revision(session=session, worker=row, now=now)
-        read = service.worker_read(row, now, connected=hub_of(request).connected(row.id),
-                                   revision=revision)
+        read = service.worker_read(
+            row, now, connected=hub_of(request).connected(row.id), revision=revision
+        )
     metrics.worker_heartbeats.inc()
     return read
 
@@ -142,12 +151,12 @@ def get_worker_directory(worker_id: WorkerId, request: Request, db: DbDep) -> Re
     # Answered as the JSON encoded when the revision was built: no validation per request.
     try:
         with db.read() as session:  # a plan missing from the cache: compiled in a write below
-            body = service.worker_directory_json(session=session, worker_id=worker_id, now=now,
-                                                 read_only=True)
+            body = service.worker_directory_json(
+                session=session, worker_id=worker_id, now=now, read_only=True
+            )
     except service.PlanNotCached:
         with db.write() as session:
-            body = service.worker_directory_json(session=session, worker_id=worker_id,
-                                                 now=now)
+            body = service.worker_directory_json(session=session, worker_id=worker_id, now=now)
     return Response(content=body, media_type="application/json")
 
 
@@ -156,13 +165,15 @@ def get_worker_directory(worker_id: WorkerId, request: Request, db: DbDep) -> Re
     operation_id="stream_worker_commands",
     response_class=StreamingResponse,
     responses={
-        200: {"description": "Newline-delimited JSON: `hello`, then `transfer` commands and "
-              "`ping` keep-alives", "content": {"application/x-ndjson": {}}},
+        200: {
+            "description": "Newline-delimited JSON: `hello`, then `transfer` commands and "
+            "`ping` keep-alives",
+            "content": {"application/x-ndjson": {}},
+        },
         **problem_responses(404, 409, 422, 503),
     },
 )
-def stream_worker_commands(worker_id: WorkerId, request: Request,
-                           db: DbDep) -> StreamingResponse:
+def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> StreamingResponse:
     """The push channel of REST `execute=true`: held open by the worker, one JSON line per
     command (a newer stream of the same worker replaces this one). A stream that opens first
     re-sends the commands of running transfers its rank has not recorded yet. A command's
@@ -177,12 +188,14 @@ def stream_worker_commands(worker_id: WorkerId, request: Request,
     def owed() -> list[tuple[str, Line]]:
         try:
             with db.read() as session:
-                commands = execution.commands_owed_to(session=session, worker_id=worker_id,
-                                                      now=now_of(request))
+                commands = execution.commands_owed_to(
+                    session=session, worker_id=worker_id, now=now_of(request)
+                )
             return [(worker, encode(command)) for worker, command in commands]
         except Exception as error:  # the stream itself must not fail for it
-            log.warning("worker %s: cannot look up the commands it may have missed: %s",
-                        worker_id, error)
+            log.warning(
+                "worker %s: cannot look up the commands it may have missed: %s", worker_id, error
+            )
             return []
 
     async def lines() -> AsyncIterator[bytes]:
@@ -210,9 +223,11 @@ def stream_worker_commands(worker_id: WorkerId, request: Request,
             hub.disconnect(ticket)
 
     return CommandStreamResponse(
-        lines(), on_stall=lambda: hub.cut(claim[0] if claim else None, "a write stalled"),
+        lines(),
+        on_stall=lambda: hub.cut(claim[0] if claim else None, "a write stalled"),
         media_type="application/x-ndjson",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
 
 
 @workers_router.delete(
@@ -236,8 +251,9 @@ def stop_worker(worker_id: WorkerId, request: Request, db: DbDep) -> Response:
     response_model=wire.RecordsAccepted,
     responses=problem_responses(403, 404, 409, 413, 422, 503),
 )
-def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
-                     metrics: MetricsDep) -> wire.RecordsAccepted:
+def record_transfers(
+    body: wire.TransferRecords, request: Request, db: DbDep, metrics: MetricsDep
+) -> wire.RecordsAccepted:
     """A worker's batch of finished transfer parts (repeats are ignored). Settles transfers
     and wakes their `?wait=` long-polls. Refused whole: times outside a window of the control
     plane's clock (422 `record_time_out_of_range`), a pairing that is not the record's own
@@ -245,8 +261,9 @@ def record_transfers(body: wire.TransferRecords, request: Request, db: DbDep,
     now = now_of(request)
     stored: list[wire.TransferRecord] = []
     with db.write() as session:
-        accepted, settled = execution.record_parts(session=session, body=body, now=now,
-                                                   stored=stored)
+        accepted, settled = execution.record_parts(
+            session=session, body=body, now=now, stored=stored
+        )
         finished = stats.finished(session=session, transfer_ids=settled)
     completions: Completions = request.app.state.completions
     completions.settled(settled)
@@ -277,6 +294,7 @@ def list_transfer_parts(
 
     with db.read() as session:
         get_transfer(session=session, transfer_id=transfer_id)
-        rows = execution.list_parts(session=session, transfer_id=transfer_id, state=state,
-                                    limit=1000)
+        rows = execution.list_parts(
+            session=session, transfer_id=transfer_id, state=state, limit=1000
+        )
         return wire.PartList(items=[execution.part_read(session, row) for row in rows])

@@ -71,8 +71,9 @@ def create_transfer(
             # A replay: the first attempt may have died with the API process that took it,
             # after its commit and before its push. Send again what no rank has recorded yet
             # (a worker drops a command it already has).
-            commands = execution.commands_owed(session=session, now=request.app.state.clock(),
-                                               transfers=[row])
+            commands = execution.commands_owed(
+                session=session, now=request.app.state.clock(), transfers=[row]
+            )
         result = service.transfer_read(row)
     push_commands(request, commands)
     if created:
@@ -100,17 +101,25 @@ def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) 
         ids = sorted({command["transfer_id"] for _, command in commands})
         db = request.app.state.db
         with db.write() as session:
-            execution.fail_transfers(session=session, transfer_ids=ids,
-                                     now=request.app.state.clock(),
-                                     reason=f"commands_undelivered: {error}")
+            execution.fail_transfers(
+                session=session,
+                transfer_ids=ids,
+                now=request.app.state.clock(),
+                reason=f"commands_undelivered: {error}",
+            )
         raise Unavailable(
             f"the commands of transfer(s) {', '.join(ids)} could not be relayed to the API "
             f"process that holds the workers' streams ({error}); they are failed: retry",
-            code="commands_undelivered", headers={"Retry-After": "1"}) from None
+            code="commands_undelivered",
+            headers={"Retry-After": "1"},
+        ) from None
     if missed:
-        log.warning("no command stream open for worker(s) %s; their commands wait %.0f s for "
-                    "it, then their transfers fail at their deadline",
-                    ", ".join(sorted(set(missed))), RECONNECT_GRACE_S)
+        log.warning(
+            "no command stream open for worker(s) %s; their commands wait %.0f s for "
+            "it, then their transfers fail at their deadline",
+            ", ".join(sorted(set(missed))),
+            RECONNECT_GRACE_S,
+        )
 
 
 @router.get(

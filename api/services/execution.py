@@ -50,8 +50,9 @@ REAP_BATCH = 100  # overdue transfers one request fails at most (issue 13 item 1
 ACTIVE = ("queued", "running")
 
 
-def engine_transfer_id(pairing_id: str, context_epoch: str, generation_epoch: str,
-                       request_id: str) -> str:
+def engine_transfer_id(
+    pairing_id: str, context_epoch: str, generation_epoch: str, request_id: str
+) -> str:
     """The id of an engine-path transfer: the same on every rank that records a part of it."""
     key = f"{pairing_id}|{context_epoch}|{generation_epoch}|{request_id}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -71,12 +72,14 @@ def xid(transfer_id: str, attempt: int) -> str:
 # --- dispatch --------------------------------------------------------------------------------
 
 
-def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, now: datetime,
-                      timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
+def dispatch_commands(
+    *, session: Session, transfer: TransferRow, attempt: int, now: datetime, timeout_s: float
+) -> list[tuple[str, dict[str, Any]]]:
     """``[(worker_id, command)]`` of ``attempt`` of ``transfer``, one per rank taking part;
     changes nothing. Raises ``503 workers_unavailable`` when a rank has no live worker."""
     epochs, workers = live_worker_ids(
-        session, (transfer.context_name, transfer.generation_name), now)
+        session, (transfer.context_name, transfer.generation_name), now
+    )
     senders, receivers = participants(transfer.summary)
     ctx, gen = workers[transfer.context_name], workers[transfer.generation_name]
     missing = [f"context rank {r}" for r in sorted(senders) if r not in ctx]
@@ -87,40 +90,61 @@ def dispatch_commands(*, session: Session, transfer: TransferRow, attempt: int, 
             code="workers_unavailable",
             headers={"Retry-After": "2"},
         )
-    command = _command(transfer, attempt, epochs[transfer.context_name],
-                       epochs[transfer.generation_name], now + timedelta(seconds=timeout_s),
-                       now)
+    command = _command(
+        transfer,
+        attempt,
+        epochs[transfer.context_name],
+        epochs[transfer.generation_name],
+        now + timedelta(seconds=timeout_s),
+        now,
+    )
     commands = [(ctx[r], {**command, "side": "send", "rank": r}) for r in sorted(senders)]
     commands += [(gen[r], {**command, "side": "receive", "rank": r}) for r in sorted(receivers)]
     return commands
 
 
-def attempt_values(*, attempt: int, commands: Sequence[Any], now: datetime,
-                   timeout_s: float) -> dict[str, Any]:
+def attempt_values(
+    *, attempt: int, commands: Sequence[Any], now: datetime, timeout_s: float
+) -> dict[str, Any]:
     """The transfer columns an attempt with these commands starts with."""
-    return {"attempt": attempt, "status": "running" if commands else "done", "error": None,
-            "started_at": now, "finished_at": None if commands else now,
-            "deadline_at": now + timedelta(seconds=timeout_s), "updated_at": now}
+    return {
+        "attempt": attempt,
+        "status": "running" if commands else "done",
+        "error": None,
+        "started_at": now,
+        "finished_at": None if commands else now,
+        "deadline_at": now + timedelta(seconds=timeout_s),
+        "updated_at": now,
+    }
 
 
-def prepare_dispatch(*, session: Session, transfer: TransferRow, plan: Plan, now: datetime,
-                     timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
+def prepare_dispatch(
+    *, session: Session, transfer: TransferRow, plan: Plan, now: datetime, timeout_s: float
+) -> list[tuple[str, dict[str, Any]]]:
     """Start the transfer's next attempt: ``[(worker_id, command)]`` to push, one per rank.
 
     Raises ``503 workers_unavailable`` (nothing changed) when a rank has no live worker.
     """
     attempt = transfer.attempt + 1
-    commands = dispatch_commands(session=session, transfer=transfer, attempt=attempt, now=now,
-                                 timeout_s=timeout_s)
-    for key, value in attempt_values(attempt=attempt, commands=commands, now=now,
-                                     timeout_s=timeout_s).items():
+    commands = dispatch_commands(
+        session=session, transfer=transfer, attempt=attempt, now=now, timeout_s=timeout_s
+    )
+    for key, value in attempt_values(
+        attempt=attempt, commands=commands, now=now, timeout_s=timeout_s
+    ).items():
         setattr(transfer, key, value)
     session.flush()
     return commands
 
 
-def _command(transfer: TransferRow, attempt: int, context_epoch: str, generation_epoch: str,
-             deadline: datetime, now: datetime) -> dict[str, Any]:
+def _command(
+    transfer: TransferRow,
+    attempt: int,
+    context_epoch: str,
+    generation_epoch: str,
+    deadline: datetime,
+    now: datetime,
+) -> dict[str, Any]:
     """What every rank of one attempt is told (``side`` and ``rank`` added per rank).
 
     ``deadline_at`` is the attempt's deadline (Unix seconds); ``timeout_s`` what is left of it
@@ -151,8 +175,13 @@ MIN_RESEND_S = 0.5  # a command with less time left than this would only fail at
 RESEND_BATCH = 1000  # running transfers one stream (re)connection looks at, at most
 
 
-def commands_owed(*, session: Session, now: datetime, transfers: Sequence[TransferRow],
-                  worker: WorkerRow | None = None) -> list[tuple[str, dict[str, Any]]]:
+def commands_owed(
+    *,
+    session: Session,
+    now: datetime,
+    transfers: Sequence[TransferRow],
+    worker: WorkerRow | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
     """The commands of running ``transfers`` that may never have reached their workers:
     ``[(worker_id, command)]`` for every rank taking part that has recorded no part of the
     current attempt, sent to the rank's live worker if it attached before the attempt started
@@ -164,14 +193,25 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
     command whose ``xid`` and side they have seen. ``timeout_s`` is what is left of the
     attempt's deadline, so both sides still give up together.
     """
-    running = [t for t in transfers if t.status in ACTIVE and t.execute and t.attempt > 0
-               and t.deadline_at is not None and t.started_at is not None
-               and (t.deadline_at - now).total_seconds() > MIN_RESEND_S]
+    running = [
+        t
+        for t in transfers
+        if t.status in ACTIVE
+        and t.execute
+        and t.attempt > 0
+        and t.deadline_at is not None
+        and t.started_at is not None
+        and (t.deadline_at - now).total_seconds() > MIN_RESEND_S
+    ]
     if not running:
         return []
-    reported = set(session.execute(
-        select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank)
-        .where(JobRow.transfer_id.in_([t.id for t in running]))).all())
+    reported = set(
+        session.execute(
+            select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank).where(
+                JobRow.transfer_id.in_([t.id for t in running])
+            )
+        ).all()
+    )
     instances: dict[str, tuple[InstanceRow, dict[int, WorkerRow]]] = {}
 
     def ranks_of(name: str) -> tuple[InstanceRow, dict[int, WorkerRow]]:
@@ -189,70 +229,107 @@ def commands_owed(*, session: Session, now: datetime, transfers: Sequence[Transf
         except NotFound:
             continue  # an instance left: its transfers fail on their own
         if transfer.pairing_id is not None and transfer.id == engine_transfer_id(
-                transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id):
+            transfer.pairing_id, context.epoch, generation.epoch, transfer.request_id
+        ):
             continue  # an engine-path transfer: the engines started it, nobody dispatched it
-        command = _command(transfer, transfer.attempt, context.epoch, generation.epoch,
-                           transfer.deadline_at, now)
+        command = _command(
+            transfer, transfer.attempt, context.epoch, generation.epoch, transfer.deadline_at, now
+        )
         senders, receivers = participants(transfer.summary)
-        for side, ranks, live in (("send", senders, senders_live),
-                                  ("receive", receivers, receivers_live)):
+        for side, ranks, live in (
+            ("send", senders, senders_live),
+            ("receive", receivers, receivers_live),
+        ):
             for rank in sorted(ranks):
                 target = live.get(rank)
-                if (target is None or (transfer.id, transfer.attempt, side, rank) in reported
-                        or target.registered_at > transfer.started_at
-                        or (worker is not None and target.id != worker.id)):
+                if (
+                    target is None
+                    or (transfer.id, transfer.attempt, side, rank) in reported
+                    or target.registered_at > transfer.started_at
+                    or (worker is not None and target.id != worker.id)
+                ):
                     continue
                 owed.append((target.id, {**command, "side": side, "rank": rank}))
     return owed
 
 
-def commands_for_refs(*, session: Session, refs: Sequence[tuple[str, str, int, str, int]],
-                      now: datetime) -> list[tuple[str, dict[str, Any]]]:
+def commands_for_refs(
+    *, session: Session, refs: Sequence[tuple[str, str, int, str, int]], now: datetime
+) -> list[tuple[str, dict[str, Any]]]:
     """The commands that relayed references name (``(worker_id, transfer_id, attempt, side,
     rank)``), built from the database as :func:`commands_owed` builds them: only for a transfer
     still running that attempt with time left (others are news too old to act on)."""
     ids = sorted({ref[1] for ref in refs})
-    transfers = {row.id: row for row in session.scalars(
-        select(TransferRow).where(TransferRow.id.in_(ids)))}
-    epochs = dict(session.execute(select(InstanceRow.name, InstanceRow.epoch).where(
-        InstanceRow.name.in_({name for t in transfers.values()
-                              for name in (t.context_name, t.generation_name)}))).all())
+    transfers = {
+        row.id: row for row in session.scalars(select(TransferRow).where(TransferRow.id.in_(ids)))
+    }
+    epochs = dict(
+        session.execute(
+            select(InstanceRow.name, InstanceRow.epoch).where(
+                InstanceRow.name.in_(
+                    {
+                        name
+                        for t in transfers.values()
+                        for name in (t.context_name, t.generation_name)
+                    }
+                )
+            )
+        ).all()
+    )
     commands: list[tuple[str, dict[str, Any]]] = []
     for worker_id, transfer_id, attempt, side, rank in refs:
         transfer = transfers.get(transfer_id)
-        if (transfer is None or transfer.status not in ACTIVE or transfer.attempt != attempt
-                or transfer.deadline_at is None
-                or (transfer.deadline_at - now).total_seconds() <= MIN_RESEND_S
-                or transfer.context_name not in epochs
-                or transfer.generation_name not in epochs):
+        if (
+            transfer is None
+            or transfer.status not in ACTIVE
+            or transfer.attempt != attempt
+            or transfer.deadline_at is None
+            or (transfer.deadline_at - now).total_seconds() <= MIN_RESEND_S
+            or transfer.context_name not in epochs
+            or transfer.generation_name not in epochs
+        ):
             continue
-        command = _command(transfer, attempt, epochs[transfer.context_name],
-                           epochs[transfer.generation_name], transfer.deadline_at, now)
+        command = _command(
+            transfer,
+            attempt,
+            epochs[transfer.context_name],
+            epochs[transfer.generation_name],
+            transfer.deadline_at,
+            now,
+        )
         commands.append((worker_id, {**command, "side": side, "rank": rank}))
     return commands
 
 
-def commands_owed_to(*, session: Session, worker_id: str,
-                     now: datetime) -> list[tuple[str, dict[str, Any]]]:
+def commands_owed_to(
+    *, session: Session, worker_id: str, now: datetime
+) -> list[tuple[str, dict[str, Any]]]:
     """What a worker whose command stream just opened may have missed (see
     :func:`commands_owed`): running transfers of its instance in which its rank takes part."""
     worker = current_worker(session=session, worker_id=worker_id)
     instance = worker.instance
-    column = (TransferRow.context_name if instance.role == "context"
-              else TransferRow.generation_name)
-    transfers = list(session.scalars(
-        select(TransferRow).where(TransferRow.status.in_(ACTIVE), column == instance.name,
-                                  TransferRow.execute.is_(True),
-                                  TransferRow.deadline_at > now)
-        .order_by(TransferRow.started_at).limit(RESEND_BATCH)))
+    column = TransferRow.context_name if instance.role == "context" else TransferRow.generation_name
+    transfers = list(
+        session.scalars(
+            select(TransferRow)
+            .where(
+                TransferRow.status.in_(ACTIVE),
+                column == instance.name,
+                TransferRow.execute.is_(True),
+                TransferRow.deadline_at > now,
+            )
+            .order_by(TransferRow.started_at)
+            .limit(RESEND_BATCH)
+        )
+    )
     return commands_owed(session=session, now=now, transfers=transfers, worker=worker)
 
 
-def retry_transfer(*, session: Session, transfer_id: str, now: datetime,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[TransferRow, list[Any]]:
+def retry_transfer(
+    *, session: Session, transfer_id: str, now: datetime, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[TransferRow, list[Any]]:
     """Operator action: run a failed transfer again (next attempt, same plan and blocks)."""
-    transfer = session.get(TransferRow, transfer_id, with_for_update=True,
-                           populate_existing=True)
+    transfer = session.get(TransferRow, transfer_id, with_for_update=True, populate_existing=True)
     if transfer is None:
         raise NotFound(f"transfer {transfer_id!r} does not exist", code="transfer_not_found")
     if transfer.status != "failed" or not transfer.execute:
@@ -267,8 +344,9 @@ def retry_transfer(*, session: Session, transfer_id: str, now: datetime,
             "since it was planned: POST /v1/transfers again",
             code="plan_gone",
         )
-    return transfer, prepare_dispatch(session=session, transfer=transfer, plan=plan, now=now,
-                                      timeout_s=timeout_s)
+    return transfer, prepare_dispatch(
+        session=session, transfer=transfer, plan=plan, now=now, timeout_s=timeout_s
+    )
 
 
 def current_plan(session: Session, transfer: TransferRow) -> Plan | None:
@@ -283,7 +361,8 @@ def current_plan(session: Session, transfer: TransferRow) -> Plan | None:
         for name in (transfer.context_name, transfer.generation_name)
     }
     if (epochs[transfer.context_name], epochs[transfer.generation_name]) != (
-        row.context_epoch, row.generation_epoch
+        row.context_epoch,
+        row.generation_epoch,
     ):
         return None
     return Plan.from_dict(row.body)
@@ -296,8 +375,13 @@ def _unix(value: float) -> datetime:
     return datetime.fromtimestamp(value, tz=UTC)
 
 
-def record_parts(*, session: Session, body: wire.TransferRecords, now: datetime,
-                 stored: list[wire.TransferRecord] | None = None) -> tuple[int, list[str]]:
+def record_parts(
+    *,
+    session: Session,
+    body: wire.TransferRecords,
+    now: datetime,
+    stored: list[wire.TransferRecord] | None = None,
+) -> tuple[int, list[str]]:
     """Store a worker's batch of finished parts; returns ``(accepted, settled transfer ids)``
     and appends to ``stored`` the records that were new (what the metrics count).
 
@@ -341,8 +425,13 @@ def record_parts(*, session: Session, body: wire.TransferRecords, now: datetime,
     described: dict[str, TransferRow] = {}
     for tid, record in records:
         row = transfers.get(tid)
-        if (record.transfer_id is None and row is not None and row.pairing_id is None
-                and record.blocks and tid not in described):
+        if (
+            record.transfer_id is None
+            and row is not None
+            and row.pairing_id is None
+            and record.blocks
+            and tid not in described
+        ):
             # The first record(s) may lack block lists: one that has them describes it.
             orm = session.get(TransferRow, tid, populate_existing=True)
             assert orm is not None
@@ -359,11 +448,14 @@ def record_parts(*, session: Session, body: wire.TransferRecords, now: datetime,
             continue  # an older attempt's news (or an unknown REST id): nothing to change
         summary = described[tid].summary if tid in described else transfer.summary
         if not _takes_part(session, tid, record, summary, plans):
-            log.info("transfer %s: %s rank %d takes no part in it; its record is ignored",
-                     tid, record.side, record.rank)
+            log.info(
+                "transfer %s: %s rank %d takes no part in it; its record is ignored",
+                tid,
+                record.side,
+                record.rank,
+            )
             continue
-        if (transfer.context_name, transfer.generation_name) != (record.context,
-                                                                 record.generation):
+        if (transfer.context_name, transfer.generation_name) != (record.context, record.generation):
             # A worker records parts of its own instance's transfers only: a record naming
             # its own instance must not settle a transfer between two others.
             raise Forbidden(
@@ -388,8 +480,9 @@ def record_parts(*, session: Session, body: wire.TransferRecords, now: datetime,
         return len(rows), []
     # Their status and summary as they are now (locked above): plain rows, or the ORM row of
     # one described here.
-    current = [described.get(row.id, row)
-               for row in conn.execute(_DECIDE, {"ids": sorted(deciding)})]
+    current = [
+        described.get(row.id, row) for row in conn.execute(_DECIDE, {"ids": sorted(deciding)})
+    ]
     return len(rows), settle_many(session=session, transfers=current, now=now)
 
 
@@ -402,28 +495,60 @@ def _ids() -> Any:
 
 
 # What record_parts reads of the batch's transfers (their JSON columns only where it settles)
-_LOCK = (select(TransferRow.id, TransferRow.attempt, TransferRow.context_name,
-                TransferRow.generation_name, TransferRow.verify, TransferRow.pairing_id,
-                TransferRow.summary)
-         .where(TransferRow.id.in_(_ids())).order_by(TransferRow.id).with_for_update())
+_LOCK = (
+    select(
+        TransferRow.id,
+        TransferRow.attempt,
+        TransferRow.context_name,
+        TransferRow.generation_name,
+        TransferRow.verify,
+        TransferRow.pairing_id,
+        TransferRow.summary,
+    )
+    .where(TransferRow.id.in_(_ids()))
+    .order_by(TransferRow.id)
+    .with_for_update()
+)
 _RECORDED = select(JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank).where(
-    JobRow.transfer_id.in_(_ids()))
+    JobRow.transfer_id.in_(_ids())
+)
 _INSERT_PARTS = insert(cast(Table, JobRow.__table__))
 # What deciding a transfer reads of it (settle_many, _outcome, finish)
-_DECIDE = (select(TransferRow.id, TransferRow.attempt, TransferRow.status, TransferRow.verify,
-                  TransferRow.summary).where(TransferRow.id.in_(_ids())).order_by(TransferRow.id))
+_DECIDE = (
+    select(
+        TransferRow.id,
+        TransferRow.attempt,
+        TransferRow.status,
+        TransferRow.verify,
+        TransferRow.summary,
+    )
+    .where(TransferRow.id.in_(_ids()))
+    .order_by(TransferRow.id)
+)
 _EXISTING = select(TransferRow.id).where(TransferRow.id.in_(_ids()))
-_PART_COLUMNS = (JobRow.transfer_id, JobRow.attempt, JobRow.kind, JobRow.rank, JobRow.state,
-                 JobRow.error, JobRow.finished_at)
+_PART_COLUMNS = (
+    JobRow.transfer_id,
+    JobRow.attempt,
+    JobRow.kind,
+    JobRow.rank,
+    JobRow.state,
+    JobRow.error,
+    JobRow.finished_at,
+)
 _PARTS = select(*_PART_COLUMNS).where(JobRow.transfer_id.in_(_ids()))
 _PARTS_RESULTS = select(*_PART_COLUMNS, JobRow.result).where(JobRow.transfer_id.in_(_ids()))
-_SETTLE_DONE = (update(TransferRow)
-                .where(TransferRow.id.in_(_ids()), TransferRow.status.in_(ACTIVE))
-                .values(status="done", error=None,
-                        finished_at=bindparam("now", type_=TransferRow.finished_at.type),
-                        updated_at=bindparam("now", type_=TransferRow.updated_at.type))
-                .returning(TransferRow.id)
-                .execution_options(synchronize_session=False))
+_SETTLE_DONE = (
+    update(TransferRow)
+    .where(TransferRow.id.in_(_ids()), TransferRow.status.in_(ACTIVE))
+    .values(
+        status="done",
+        error=None,
+        finished_at=bindparam("now", type_=TransferRow.finished_at.type),
+        updated_at=bindparam("now", type_=TransferRow.updated_at.type),
+    )
+    .returning(TransferRow.id)
+    .execution_options(synchronize_session=False)
+)
 
 
 RECORD_MAX_AGE_S = 86_400.0  # records queued through an outage longer than this are refused
@@ -438,26 +563,37 @@ def _check_times(records: Sequence[wire.TransferRecord], now: datetime) -> None:
     errors: list[dict[str, Any]] = []
     for index, record in enumerate(records):
         if record.started_at < now_s - RECORD_MAX_AGE_S:
-            errors.append({"loc": ["body", "records", index, "started_at"],
-                           "msg": f"more than {RECORD_MAX_AGE_S:.0f} s before the control "
-                           "plane's clock"})
+            errors.append(
+                {
+                    "loc": ["body", "records", index, "started_at"],
+                    "msg": f"more than {RECORD_MAX_AGE_S:.0f} s before the control plane's clock",
+                }
+            )
         if record.finished_at > now_s + RECORD_CLOCK_SKEW_S:
-            errors.append({"loc": ["body", "records", index, "finished_at"],
-                           "msg": f"more than {RECORD_CLOCK_SKEW_S:.0f} s after the control "
-                           "plane's clock"})
+            errors.append(
+                {
+                    "loc": ["body", "records", index, "finished_at"],
+                    "msg": f"more than {RECORD_CLOCK_SKEW_S:.0f} s after the control plane's clock",
+                }
+            )
         if record.finished_at < record.started_at:
-            errors.append({"loc": ["body", "records", index, "finished_at"],
-                           "msg": "before started_at"})
+            errors.append(
+                {"loc": ["body", "records", index, "finished_at"], "msg": "before started_at"}
+            )
     if errors:
         raise BadRequest(
             f"{len(errors)} record time(s) outside the window of the control plane's clock "
             f"({now.isoformat()}): a worker's clock must be synchronized",
-            code="record_time_out_of_range", errors=errors[:20])
+            code="record_time_out_of_range",
+            errors=errors[:20],
+        )
 
 
-_PAIRING_NAMES = (select(PairingRow.id, InstanceRow.name, PairingRow.generation_id)
-                  .join(InstanceRow, InstanceRow.id == PairingRow.context_id)
-                  .where(PairingRow.id.in_(_ids())))
+_PAIRING_NAMES = (
+    select(PairingRow.id, InstanceRow.name, PairingRow.generation_id)
+    .join(InstanceRow, InstanceRow.id == PairingRow.context_id)
+    .where(PairingRow.id.in_(_ids()))
+)
 _NAMES = select(InstanceRow.id, InstanceRow.name).where(InstanceRow.id.in_(_ids()))
 
 
@@ -474,24 +610,35 @@ def _check_pairings(session: Session, records: Sequence[wire.TransferRecord]) ->
     pairs = {pid: (context, names.get(gen_id)) for pid, context, gen_id in rows}
     for record in records:
         if record.transfer_id is None and pairs.get(record.pairing_id) != (
-                record.context, record.generation):
+            record.context,
+            record.generation,
+        ):
             raise Forbidden(
                 f"pairing {record.pairing_id!r} is not a pairing of {record.context} with "
                 f"{record.generation}: a record names its own instances' pairing",
-                code="pairing_mismatch")
+                code="pairing_mismatch",
+            )
 
 
-def _takes_part(session: Session, tid: str, record: wire.TransferRecord,
-                summary: dict[str, Any] | None,
-                plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None,
-                                                   Plan | None]]) -> bool:
+def _takes_part(
+    session: Session,
+    tid: str,
+    record: wire.TransferRecord,
+    summary: dict[str, Any] | None,
+    plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]],
+) -> bool:
     """Whether the record's rank moves bytes in the transfer: by its summary's routes, or for
     an engine-path transfer not described yet, by its plan's (no plan known: its own word)."""
     if summary and summary.get("routes"):
         senders, receivers = participants(summary)
     elif record.transfer_id is None:
-        key = (record.pairing_id, record.context_epoch, record.generation_epoch,
-               record.context_dp_rank, record.generation_dp_rank)
+        key = (
+            record.pairing_id,
+            record.context_epoch,
+            record.generation_epoch,
+            record.context_dp_rank,
+            record.generation_dp_rank,
+        )
         if key not in plans:
             plans[key] = _plan_of(session, tid, record)
         plan = plans[key][2]
@@ -507,13 +654,16 @@ def _takes_part(session: Session, tid: str, record: wire.TransferRecord,
 def _record_transfer_id(record: wire.TransferRecord) -> str:
     if record.transfer_id is not None:
         return record.transfer_id
-    return engine_transfer_id(record.pairing_id, record.context_epoch, record.generation_epoch,
-                              record.request_id)
+    return engine_transfer_id(
+        record.pairing_id, record.context_epoch, record.generation_epoch, record.request_id
+    )
 
 
 def _insert_engine_rows(
-        session: Session, records: Sequence[tuple[str, wire.TransferRecord]], now: datetime,
-        plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]],
+    session: Session,
+    records: Sequence[tuple[str, wire.TransferRecord]],
+    now: datetime,
+    plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]],
 ) -> None:
     """Create the rows of the batch's engine-path transfers that do not exist yet, before any
     row lock is taken, in id order, each ``ON CONFLICT DO NOTHING``.
@@ -529,8 +679,9 @@ def _insert_engine_rows(
         return
     # Most of a batch's transfers exist already (another rank's record came first): building
     # and sending their rows only for the conflict to drop them cost more than this read.
-    engine_ids -= set(session.connection().execute(
-        _EXISTING, {"ids": sorted(engine_ids)}).scalars())
+    engine_ids -= set(
+        session.connection().execute(_EXISTING, {"ids": sorted(engine_ids)}).scalars()
+    )
     rows: dict[str, dict[str, Any]] = {}
     for tid, record in records:
         if tid in engine_ids and tid not in rows:
@@ -543,8 +694,7 @@ def _insert_engine_rows(
 
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     # On the table, not the ORM entity: the ORM's bulk path costs more than the insert.
-    statement = dialect.insert(TransferRow.__table__).on_conflict_do_nothing(
-        index_elements=["id"])
+    statement = dialect.insert(TransferRow.__table__).on_conflict_do_nothing(index_elements=["id"])
     session.connection().execute(statement, [rows[tid] for tid in sorted(rows)])
 
 
@@ -552,24 +702,48 @@ def _engine_row(tid: str, record: wire.TransferRecord, now: datetime) -> dict[st
     """The row an engine-path transfer gets from its first record (no plan yet)."""
     started = _unix(record.started_at)
     return {
-        "id": tid, "pairing_id": None, "plan_id": None,
-        "context_name": record.context, "generation_name": record.generation,
-        "request_id": record.request_id, "context_dp_rank": record.context_dp_rank,
-        "generation_dp_rank": record.generation_dp_rank, "status": "running", "execute": True,
-        "blocks": {}, "summary": {"routes": [], "bytes": 0, "fragments": 0}, "bytes": 0,
-        "fragments": 0, "idempotency_key": None, "request_hash": "",
-        "created_at": started, "updated_at": now, "mode": record.mode, "verify": record.verify,
-        "attempt": 1, "max_attempts": 1, "started_at": started,
+        "id": tid,
+        "pairing_id": None,
+        "plan_id": None,
+        "context_name": record.context,
+        "generation_name": record.generation,
+        "request_id": record.request_id,
+        "context_dp_rank": record.context_dp_rank,
+        "generation_dp_rank": record.generation_dp_rank,
+        "status": "running",
+        "execute": True,
+        "blocks": {},
+        "summary": {"routes": [], "bytes": 0, "fragments": 0},
+        "bytes": 0,
+        "fragments": 0,
+        "idempotency_key": None,
+        "request_hash": "",
+        "created_at": started,
+        "updated_at": now,
+        "mode": record.mode,
+        "verify": record.verify,
+        "attempt": 1,
+        "max_attempts": 1,
+        "started_at": started,
         # The other ranks' records may arrive a batch (or an outage) later than this one.
-        "deadline_at": max(started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
-                           now + timedelta(seconds=ENGINE_RECORD_GRACE_S)),
+        "deadline_at": max(
+            started + timedelta(seconds=record.timeout_s or DEFAULT_TIMEOUT_S),
+            now + timedelta(seconds=ENGINE_RECORD_GRACE_S),
+        ),
     }
 
 
-_RECORDER = (select(WorkerRow.id, WorkerRow.instance_id, WorkerRow.rank, WorkerRow.epoch,
-                    InstanceRow.name.label("instance_name"))
-             .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
-             .where(WorkerRow.id == bindparam("worker_id")))
+_RECORDER = (
+    select(
+        WorkerRow.id,
+        WorkerRow.instance_id,
+        WorkerRow.rank,
+        WorkerRow.epoch,
+        InstanceRow.name.label("instance_name"),
+    )
+    .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
+    .where(WorkerRow.id == bindparam("worker_id"))
+)
 
 
 def recording_worker(session: Session, worker_id: str) -> Any:
@@ -578,20 +752,27 @@ def recording_worker(session: Session, worker_id: str) -> Any:
     truth about what happened then: only an unknown worker is refused. (One plain read: the
     ORM row carries the worker's NIXL metadata, and a REST transfer's records come one per
     batch.)"""
-    row = session.connection().execute(
-        _RECORDER, {"worker_id": worker_id}).one_or_none()
+    row = session.connection().execute(_RECORDER, {"worker_id": worker_id}).one_or_none()
     if row is None:
         raise NotFound(f"worker {worker_id!r} is not registered", code="worker_not_found")
     return row
 
 
-def _description(session: Session, tid: str, record: wire.TransferRecord,
-                 plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None,
-                                                   Plan | None]]) -> dict[str, Any]:
+def _description(
+    session: Session,
+    tid: str,
+    record: wire.TransferRecord,
+    plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]],
+) -> dict[str, Any]:
     """An engine-path transfer's pairing, plan, blocks and summary from a record, as column
     values (``plans``: the batch's pairings and plans, looked up and parsed once)."""
-    key = (record.pairing_id, record.context_epoch, record.generation_epoch,
-           record.context_dp_rank, record.generation_dp_rank)
+    key = (
+        record.pairing_id,
+        record.context_epoch,
+        record.generation_epoch,
+        record.context_dp_rank,
+        record.generation_dp_rank,
+    )
     if key not in plans:
         plans[key] = _plan_of(session, tid, record)
     pairing, plan_row, plan = plans[key]
@@ -599,10 +780,14 @@ def _description(session: Session, tid: str, record: wire.TransferRecord,
     summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
     if plan is not None:
         try:
-            summary = expand(plan, {
-                int(g): (v.get("context", []), v.get("generation", []))
-                for g, v in blocks.items()
-            }, record.num_tokens).to_summary()
+            summary = expand(
+                plan,
+                {
+                    int(g): (v.get("context", []), v.get("generation", []))
+                    for g, v in blocks.items()
+                },
+                record.num_tokens,
+            ).to_summary()
         except Exception as error:  # stored, it would settle the transfer with 0 bytes
             raise BadRequest(
                 f"engine transfer {tid}: its blocks do not fit the pairing's plan: {error}",
@@ -610,10 +795,14 @@ def _description(session: Session, tid: str, record: wire.TransferRecord,
                 errors=[{"loc": ["body", "records", "blocks"], "msg": str(error)[:500]}],
             ) from None
     summary["num_tokens"] = record.num_tokens
-    return {"pairing_id": None if pairing is None else pairing.id,
-            "plan_id": None if plan_row is None else plan_row.id,
-            "blocks": blocks, "summary": summary, "bytes": int(summary["bytes"]),
-            "fragments": int(summary["fragments"])}
+    return {
+        "pairing_id": None if pairing is None else pairing.id,
+        "plan_id": None if plan_row is None else plan_row.id,
+        "blocks": blocks,
+        "summary": summary,
+        "bytes": int(summary["bytes"]),
+        "fragments": int(summary["fragments"]),
+    }
 
 
 def _set_columns(row: TransferRow, values: dict[str, Any]) -> None:
@@ -621,26 +810,39 @@ def _set_columns(row: TransferRow, values: dict[str, Any]) -> None:
         setattr(row, name, value)
 
 
-def _plan_of(session: Session, tid: str, record: wire.TransferRecord
-             ) -> tuple[PairingRow | None, PlanRow | None, Plan | None]:
+def _plan_of(
+    session: Session, tid: str, record: wire.TransferRecord
+) -> tuple[PairingRow | None, PlanRow | None, Plan | None]:
     """The pairing and plan an engine-path record names (compiled if it is not cached yet)."""
     pairing = session.get(PairingRow, record.pairing_id)
-    plan_row = None if pairing is None else session.scalars(select(PlanRow).where(
-        PlanRow.pairing_id == pairing.id,
-        PlanRow.context_epoch == record.context_epoch,
-        PlanRow.generation_epoch == record.generation_epoch,
-        PlanRow.context_dp_rank == (NO_DP_RANK if record.context_dp_rank is None
-                                    else record.context_dp_rank),
-        PlanRow.generation_dp_rank == (NO_DP_RANK if record.generation_dp_rank is None
-                                       else record.generation_dp_rank),
-    )).first()
-    if plan_row is None and pairing is not None and (
-            pairing.context_epoch, pairing.generation_epoch) == (record.context_epoch,
-                                                                 record.generation_epoch):
+    plan_row = (
+        None
+        if pairing is None
+        else session.scalars(
+            select(PlanRow).where(
+                PlanRow.pairing_id == pairing.id,
+                PlanRow.context_epoch == record.context_epoch,
+                PlanRow.generation_epoch == record.generation_epoch,
+                PlanRow.context_dp_rank
+                == (NO_DP_RANK if record.context_dp_rank is None else record.context_dp_rank),
+                PlanRow.generation_dp_rank
+                == (NO_DP_RANK if record.generation_dp_rank is None else record.generation_dp_rank),
+            )
+        ).first()
+    )
+    if (
+        plan_row is None
+        and pairing is not None
+        and (pairing.context_epoch, pairing.generation_epoch)
+        == (record.context_epoch, record.generation_epoch)
+    ):
         try:
-            plan_id, _ = plan_for_pairing(session=session, pairing=pairing,
-                                          context_dp_rank=record.context_dp_rank,
-                                          generation_dp_rank=record.generation_dp_rank)
+            plan_id, _ = plan_for_pairing(
+                session=session,
+                pairing=pairing,
+                context_dp_rank=record.context_dp_rank,
+                generation_dp_rank=record.generation_dp_rank,
+            )
             plan_row = session.get(PlanRow, plan_id)
         except (Conflict, KvplaneError) as error:
             log.warning("engine transfer %s: no plan: %s", tid, error)
@@ -653,28 +855,41 @@ def _plan_of(session: Session, tid: str, record: wire.TransferRecord
         return pairing, plan_row, None
 
 
-def _part_row(transfer: Any, worker: Any, record: wire.TransferRecord,
-              now: datetime) -> dict[str, Any]:
+def _part_row(
+    transfer: Any, worker: Any, record: wire.TransferRecord, now: datetime
+) -> dict[str, Any]:
     """The ``jobs`` row of one recorded part, as INSERT parameters."""
     return {
-        "id": uuid.uuid4().hex, "transfer_id": transfer.id, "kind": record.side,
-        "instance_id": worker.instance_id, "rank": record.rank, "epoch": worker.epoch,
-        "state": record.status, "attempt": transfer.attempt, "claims": 0,
-        "worker_id": worker.id, "not_before": _unix(record.started_at), "staging_offset": 0,
-        "staging_bytes": 0, "payload": {},
-        "result": {"bytes": record.bytes,
-                   "duration_s": max(0.0, record.finished_at - record.started_at),
-                   "routes": [r.model_dump() for r in record.routes],
-                   "verified_bytes": record.verified_bytes},
-        "error": record.error, "created_at": _unix(record.started_at), "updated_at": now,
+        "id": uuid.uuid4().hex,
+        "transfer_id": transfer.id,
+        "kind": record.side,
+        "instance_id": worker.instance_id,
+        "rank": record.rank,
+        "epoch": worker.epoch,
+        "state": record.status,
+        "attempt": transfer.attempt,
+        "claims": 0,
+        "worker_id": worker.id,
+        "not_before": _unix(record.started_at),
+        "staging_offset": 0,
+        "staging_bytes": 0,
+        "payload": {},
+        "result": {
+            "bytes": record.bytes,
+            "duration_s": max(0.0, record.finished_at - record.started_at),
+            "routes": [r.model_dump() for r in record.routes],
+            "verified_bytes": record.verified_bytes,
+        },
+        "error": record.error,
+        "created_at": _unix(record.started_at),
+        "updated_at": now,
         "finished_at": _unix(record.finished_at),
     }
 
 
 def settle(*, session: Session, transfer_id: str, attempt: int, now: datetime) -> bool:
     """Finish the transfer if its parts decide it; True when this call finished it."""
-    transfer = session.get(TransferRow, transfer_id, with_for_update=True,
-                           populate_existing=True)
+    transfer = session.get(TransferRow, transfer_id, with_for_update=True, populate_existing=True)
     if transfer is None or transfer.attempt != attempt:
         return False
     return bool(settle_many(session=session, transfers=[transfer], now=now))
@@ -712,13 +927,11 @@ def settle_many(*, session: Session, transfers: Sequence[Any], now: datetime) ->
     return sorted(finished)
 
 
-def _outcome(transfer: Any, parts: Sequence[Any],
-             now: datetime) -> tuple[str, str | None] | None:
+def _outcome(transfer: Any, parts: Sequence[Any], now: datetime) -> tuple[str, str | None] | None:
     """``(status, error)`` when the recorded parts decide the transfer, else None."""
     senders, receivers = participants(transfer.summary)
     if transfer.summary.get("routes"):  # a rank that moves no bytes decides nothing
-        parts = [p for p in parts
-                 if p.rank in (senders if p.kind == "send" else receivers)]
+        parts = [p for p in parts if p.rank in (senders if p.kind == "send" else receivers)]
     failed = [p for p in parts if p.state == "failed"]
     if failed:
         first = min(failed, key=lambda p: (p.finished_at or now, p.kind, p.rank))
@@ -749,20 +962,26 @@ def _checksum_mismatch(parts: Sequence[Any]) -> str | None:
             target[(route["sender_rank"], route["receiver_rank"])] = route.get("checksum")
     for key, checksum in sent.items():
         if key in received and received[key] != checksum:
-            return (f"route {key[0]}->{key[1]}: sender crc32 {checksum}, receiver crc32 "
-                    f"{received[key]}")
+            return (
+                f"route {key[0]}->{key[1]}: sender crc32 {checksum}, receiver crc32 {received[key]}"
+            )
     return None
 
 
-def finish(session: Session, transfer: Any, status: str, now: datetime,
-           error: str | None = None) -> bool:
+def finish(
+    session: Session, transfer: Any, status: str, now: datetime, error: str | None = None
+) -> bool:
     """One guarded UPDATE: exactly one caller finishes a transfer (an ORM row, refreshed, or a
     plain row with its id)."""
     changed = session.execute(
         update(TransferRow)
         .where(TransferRow.id == transfer.id, TransferRow.status.in_(ACTIVE))
-        .values(status=status, error=None if error is None else error[:2000],
-                finished_at=now, updated_at=now)
+        .values(
+            status=status,
+            error=None if error is None else error[:2000],
+            finished_at=now,
+            updated_at=now,
+        )
         .returning(TransferRow.id)
         .execution_options(synchronize_session=False)
     ).scalar_one_or_none()
@@ -778,19 +997,31 @@ def finish(session: Session, transfer: Any, status: str, now: datetime,
 
 def settled_among(*, session: Session, transfer_ids: Sequence[str]) -> list[str]:
     """Those of ``transfer_ids`` that are no longer active (one read)."""
-    return list(session.scalars(select(TransferRow.id).where(
-        TransferRow.id.in_(list(transfer_ids)), TransferRow.status.not_in(ACTIVE))))
+    return list(
+        session.scalars(
+            select(TransferRow.id).where(
+                TransferRow.id.in_(list(transfer_ids)), TransferRow.status.not_in(ACTIVE)
+            )
+        )
+    )
 
 
-def overdue_transfer_ids(*, session: Session, now: datetime,
-                         limit: int = REAP_BATCH) -> list[str]:
+def overdue_transfer_ids(*, session: Session, now: datetime, limit: int = REAP_BATCH) -> list[str]:
     """Dispatched transfers past their deadline (plus the record's grace), oldest first, at most
     ``limit`` (a request never takes on an unbounded amount of work)."""
     cutoff = now - timedelta(seconds=RECORD_GRACE_S)
-    return list(session.scalars(select(TransferRow.id).where(
-        TransferRow.status.in_(ACTIVE), TransferRow.deadline_at.is_not(None),
-        TransferRow.deadline_at < cutoff).order_by(TransferRow.deadline_at, TransferRow.id)
-        .limit(limit)))
+    return list(
+        session.scalars(
+            select(TransferRow.id)
+            .where(
+                TransferRow.status.in_(ACTIVE),
+                TransferRow.deadline_at.is_not(None),
+                TransferRow.deadline_at < cutoff,
+            )
+            .order_by(TransferRow.deadline_at, TransferRow.id)
+            .limit(limit)
+        )
+    )
 
 
 def reap_overdue(*, session: Session, now: datetime, limit: int = REAP_BATCH) -> list[str]:
@@ -798,18 +1029,30 @@ def reap_overdue(*, session: Session, now: datetime, limit: int = REAP_BATCH) ->
     for the locks), naming the ranks that never reported; the next call takes the next ones."""
     reaped = []
     for transfer_id in sorted(overdue_transfer_ids(session=session, now=now, limit=limit)):
-        transfer = session.get(TransferRow, transfer_id, with_for_update=True,
-                               populate_existing=True)
+        transfer = session.get(
+            TransferRow, transfer_id, with_for_update=True, populate_existing=True
+        )
         if transfer is None or transfer.status not in ACTIVE:
             continue
-        reported = {(kind, rank) for kind, rank in session.execute(
-            select(JobRow.kind, JobRow.rank).where(JobRow.transfer_id == transfer.id,
-                                                   JobRow.attempt == transfer.attempt))}
+        reported = {
+            (kind, rank)
+            for kind, rank in session.execute(
+                select(JobRow.kind, JobRow.rank).where(
+                    JobRow.transfer_id == transfer.id, JobRow.attempt == transfer.attempt
+                )
+            )
+        }
         senders, receivers = participants(transfer.summary)
-        silent = [("context", transfer.context_name, r) for r in sorted(senders)
-                  if ("send", r) not in reported]
-        silent += [("generation", transfer.generation_name, r) for r in sorted(receivers)
-                   if ("receive", r) not in reported]
+        silent = [
+            ("context", transfer.context_name, r)
+            for r in sorted(senders)
+            if ("send", r) not in reported
+        ]
+        silent += [
+            ("generation", transfer.generation_name, r)
+            for r in sorted(receivers)
+            if ("receive", r) not in reported
+        ]
         if finish(session, transfer, "failed", now, _silence(session, silent, now)):
             reaped.append(transfer.id)
     return reaped
@@ -820,8 +1063,10 @@ def _silence(session: Session, silent: Sequence[tuple[str, str, int]], now: date
     of time, e.g. a peer unreachable across a network cut) apart from those whose worker is
     gone (or never was)."""
     if not silent:
-        return ("deadline: no report within the transfer's deadline (the control plane "
-                "restarted, or its records were lost)")
+        return (
+            "deadline: no report within the transfer's deadline (the control plane "
+            "restarted, or its records were lost)"
+        )
     try:
         _, live = live_worker_ids(session, sorted({name for _, name, _ in silent}), now)
     except NotFound:
@@ -830,40 +1075,52 @@ def _silence(session: Session, silent: Sequence[tuple[str, str, int]], now: date
     gone = [f"{side} rank {r}" for side, name, r in silent if r not in live.get(name, {})]
     reasons = []
     if alive:
-        reasons.append(f"no report from {', '.join(alive)} within the transfer's deadline "
-                       "(workers alive)")
+        reasons.append(
+            f"no report from {', '.join(alive)} within the transfer's deadline (workers alive)"
+        )
     if gone:
-        reasons.append(f"no report from {', '.join(gone)}: worker gone (or the control plane "
-                       "restarted)")
+        reasons.append(
+            f"no report from {', '.join(gone)}: worker gone (or the control plane restarted)"
+        )
     return "deadline: " + "; ".join(reasons)
 
 
-def fail_transfers(*, session: Session, transfer_ids: Sequence[str], now: datetime,
-                   reason: str) -> list[str]:
+def fail_transfers(
+    *, session: Session, transfer_ids: Sequence[str], now: datetime, reason: str
+) -> list[str]:
     """Fail these transfers if they are still active (in id order); the ids it failed."""
     failed = []
     for transfer_id in sorted(transfer_ids):
-        transfer = session.get(TransferRow, transfer_id, with_for_update=True,
-                               populate_existing=True)
+        transfer = session.get(
+            TransferRow, transfer_id, with_for_update=True, populate_existing=True
+        )
         if transfer is not None and finish(session, transfer, "failed", now, reason):
             failed.append(transfer_id)
     return failed
 
 
-def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datetime,
-                               reason: str) -> int:
+def fail_transfers_of_instance(
+    *, session: Session, instance_id: int, now: datetime, reason: str
+) -> int:
     """An instance re-registered or left: fail every running transfer that involves it."""
     instance = session.get(InstanceRow, instance_id)
     if instance is None:
         return 0
-    transfers = list(session.scalars(
-        select(TransferRow).where(
-            TransferRow.status.in_(ACTIVE),
-            or_(TransferRow.context_name == instance.name,
-                TransferRow.generation_name == instance.name),
-        ).order_by(TransferRow.id).with_for_update()
-        .execution_options(populate_existing=True)
-    ))
+    transfers = list(
+        session.scalars(
+            select(TransferRow)
+            .where(
+                TransferRow.status.in_(ACTIVE),
+                or_(
+                    TransferRow.context_name == instance.name,
+                    TransferRow.generation_name == instance.name,
+                ),
+            )
+            .order_by(TransferRow.id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+    )
     for transfer in transfers:
         finish(session, transfer, "failed", now, reason)
     return len(transfers)
@@ -872,8 +1129,14 @@ def fail_transfers_of_instance(*, session: Session, instance_id: int, now: datet
 # --- reads -----------------------------------------------------------------------------------
 
 
-def list_parts(*, session: Session, transfer_id: str | None = None, state: str | None = None,
-               limit: int = 200, offset: int = 0) -> list[JobRow]:
+def list_parts(
+    *,
+    session: Session,
+    transfer_id: str | None = None,
+    state: str | None = None,
+    limit: int = 200,
+    offset: int = 0,
+) -> list[JobRow]:
     query = select(JobRow).order_by(JobRow.created_at.desc(), JobRow.kind, JobRow.rank)
     if transfer_id is not None:
         query = query.where(JobRow.transfer_id == transfer_id)
@@ -890,9 +1153,16 @@ def count_parts_by_state(*, session: Session) -> dict[str, int]:
 def part_read(session: Session, row: JobRow) -> wire.PartRead:
     instance = session.get(InstanceRow, row.instance_id)
     return wire.PartRead(
-        id=row.id, transfer_id=row.transfer_id, kind=row.kind,  # type: ignore[arg-type]
-        instance=instance.name if instance else "?", rank=row.rank,
+        id=row.id,
+        transfer_id=row.transfer_id,
+        kind=row.kind,  # type: ignore[arg-type]
+        instance=instance.name if instance else "?",
+        rank=row.rank,
         state=row.state,  # type: ignore[arg-type]
-        attempt=row.attempt, worker_id=row.worker_id, result=row.result, error=row.error,
-        created_at=row.created_at, finished_at=row.finished_at,
+        attempt=row.attempt,
+        worker_id=row.worker_id,
+        result=row.result,
+        error=row.error,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
     )

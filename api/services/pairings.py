@@ -24,7 +24,7 @@ from api.errors import BadRequest, Conflict, Incompatible, NotFound
 from api.geometry import GeometryError, Instance, Plan, compile_plan, parse_instance
 from api.geometry import validate_pairing as validate_geometry
 from api.models import NO_DP_RANK, InstanceRow, PairingRow, PlanRow
-from api.services.instances import geometry_problem
+from api.services.instances import geometry_problem, load_geometry
 
 PLAN_MEMO_SIZE = 256
 
@@ -94,15 +94,20 @@ def bump_directories(session: Session, instance_ids: set[int] | list[int]) -> No
     heartbeat answer carries it; each worker refetches its directory when it changes)."""
     if instance_ids:
         session.execute(
-            update(InstanceRow).where(InstanceRow.id.in_(sorted(instance_ids)))
+            update(InstanceRow)
+            .where(InstanceRow.id.in_(sorted(instance_ids)))
             .values(directory_revision=InstanceRow.directory_revision + 1)
-            .execution_options(synchronize_session=False))
+            .execution_options(synchronize_session=False)
+        )
 
 
 def peer_instance_ids(session: Session, instance_id: int) -> set[int]:
     """The instances paired with ``instance_id``, whatever the pairings' status."""
-    rows = session.execute(select(PairingRow.context_id, PairingRow.generation_id).where(
-        or_(PairingRow.context_id == instance_id, PairingRow.generation_id == instance_id)))
+    rows = session.execute(
+        select(PairingRow.context_id, PairingRow.generation_id).where(
+            or_(PairingRow.context_id == instance_id, PairingRow.generation_id == instance_id)
+        )
+    )
     return {gen if ctx == instance_id else ctx for ctx, gen in rows}
 
 
@@ -145,10 +150,6 @@ def _instance_by_name(session: Session, name: str, *, lock: bool = False) -> Ins
     return row
 
 
-def _geometry(row: InstanceRow) -> Instance:
-    return parse_instance({**row.header, "ranks": [rank.body for rank in row.ranks]}, row.name)
-
-
 def _check_roles(context: InstanceRow, generation: InstanceRow) -> None:
     wrong = [
         f"{side} {row.name!r} has role {row.role!r}"
@@ -160,7 +161,7 @@ def _check_roles(context: InstanceRow, generation: InstanceRow) -> None:
 
 
 def _apply_validation(row: PairingRow, context: InstanceRow, generation: InstanceRow) -> None:
-    report = validate_geometry(_geometry(context), _geometry(generation)).to_dict()
+    report = validate_geometry(load_geometry(context), load_geometry(generation)).to_dict()
     row.context_epoch = context.epoch
     row.generation_epoch = generation.epoch
     row.compatible = bool(report["compatible"])
@@ -329,8 +330,8 @@ def plan_for_pairing(
         return value
     try:
         plan = compile_plan(
-            _geometry(pairing.context),
-            _geometry(pairing.generation),
+            load_geometry(pairing.context),
+            load_geometry(pairing.generation),
             context_dp_rank,
             generation_dp_rank,
         )

@@ -226,10 +226,16 @@ def create_transfer(
     if body.execute:
         # The commands first (503 before anything is stored when a rank has no worker), then
         # the row as its first attempt starts: one INSERT, no read back and no UPDATE.
-        started = dispatch_commands(session=session, transfer=TransferRow(**values), attempt=1,
-                                    now=now, timeout_s=body.timeout_s)
-        values.update(attempt_values(attempt=1, commands=started, now=now,
-                                     timeout_s=body.timeout_s))
+        started = dispatch_commands(
+            session=session,
+            transfer=TransferRow(**values),
+            attempt=1,
+            now=now,
+            timeout_s=body.timeout_s,
+        )
+        values.update(
+            attempt_values(attempt=1, commands=started, now=now, timeout_s=body.timeout_s)
+        )
     statement = insert(TransferRow)
     if stored_key is None:
         session.connection().execute(statement, values)
@@ -321,8 +327,10 @@ def transfer_fragments(
         expansion = expand(plan, _blocks(row.blocks), num_tokens_of(row))
     except (GeometryError, KeyError, TypeError, ValueError) as error:
         # A row stored before records' blocks were checked: say so, it is not a server bug.
-        raise Conflict(f"the blocks of transfer {row.id} do not fit its plan: {error}",
-                       code="blocks_unexpandable") from None
+        raise Conflict(
+            f"the blocks of transfer {row.id} do not fit its plan: {error}",
+            code="blocks_unexpandable",
+        ) from None
     return expansion.fragment_page(offset, max_per_page if limit is None else limit)
 
 

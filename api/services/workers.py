@@ -46,8 +46,9 @@ def instance_by_name(session: Session, name: str) -> InstanceRow:
 WORKER_GC_S = 3600.0  # a worker row silent this long (stopped, superseded, stale, gone) goes
 
 
-def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime,
-                    superseded: list[str] | None = None) -> WorkerRow:
+def register_worker(
+    *, session: Session, body: wire.WorkerCreate, now: datetime, superseded: list[str] | None = None
+) -> WorkerRow:
     """Attach a worker to a rank; its pools must be exactly the rank's registered pools.
     The ids of the workers it superseded are appended to ``superseded``.
 
@@ -73,8 +74,10 @@ def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime,
     _check_pools(rank_row.body.get("pools", []), body.peer.pools)
     cutoff = now - timedelta(seconds=WORKER_GONE_S)
     taken = session.execute(
-        select(WorkerRow.id, WorkerRow.instance_id, WorkerRow.rank)
-        .where(WorkerRow.agent == body.peer.agent, *_live(cutoff))).first()
+        select(WorkerRow.id, WorkerRow.instance_id, WorkerRow.rank).where(
+            WorkerRow.agent == body.peer.agent, *_live(cutoff)
+        )
+    ).first()
     if taken is not None and (taken.instance_id, taken.rank) != (instance.id, body.rank):
         raise Conflict(
             f"agent name {body.peer.agent!r} belongs to live worker {taken.id} of another rank; "
@@ -82,15 +85,22 @@ def register_worker(*, session: Session, body: wire.WorkerCreate, now: datetime,
             code="agent_name_taken",
         )
     row_id = uuid.uuid4().hex
-    replaced = list(session.scalars(
-        update(WorkerRow)
-        .where(WorkerRow.instance_id == instance.id, WorkerRow.rank == body.rank,
-               WorkerRow.stopped.is_(False))
-        .values(stopped=True, superseded_by=row_id)
-        .returning(WorkerRow.id)
-        .execution_options(synchronize_session=False)))
-    session.execute(delete(WorkerRow).where(
-        WorkerRow.heartbeat_at < now - timedelta(seconds=WORKER_GC_S)))
+    replaced = list(
+        session.scalars(
+            update(WorkerRow)
+            .where(
+                WorkerRow.instance_id == instance.id,
+                WorkerRow.rank == body.rank,
+                WorkerRow.stopped.is_(False),
+            )
+            .values(stopped=True, superseded_by=row_id)
+            .returning(WorkerRow.id)
+            .execution_options(synchronize_session=False)
+        )
+    )
+    session.execute(
+        delete(WorkerRow).where(WorkerRow.heartbeat_at < now - timedelta(seconds=WORKER_GC_S))
+    )
     row = WorkerRow(
         id=row_id,
         instance_id=instance.id,
@@ -148,7 +158,8 @@ def current_worker(*, session: Session, worker_id: str) -> WorkerRow:
         raise Conflict(
             f"worker {row.superseded_by} attached to {row.instance.name} rank {row.rank} after "
             "this one and took the rank over: stop (do not attach again)",
-            code="worker_superseded")
+            code="worker_superseded",
+        )
     if row.stopped:
         raise Conflict("this worker was stopped; attach again", code="worker_retired")
     if row.epoch != row.instance.epoch:
@@ -159,8 +170,9 @@ def current_worker(*, session: Session, worker_id: str) -> WorkerRow:
     return row
 
 
-def heartbeat(*, session: Session, worker_id: str, now: datetime,
-              ucx_in_use: wire.UcxInUse | None = None) -> WorkerRow:
+def heartbeat(
+    *, session: Session, worker_id: str, now: datetime, ucx_in_use: wire.UcxInUse | None = None
+) -> WorkerRow:
     """Record a heartbeat and what UCX uses, when the worker says (409 when it must attach
     again)."""
     row = current_worker(session=session, worker_id=worker_id)
@@ -195,11 +207,23 @@ def worker_status(row: Any, instance_epoch: str, now: datetime) -> str:
 
 # What a listing shows of a worker: every column but its endpoint (``peer`` holds the NIXL
 # metadata, up to the metadata cap per worker), of which only the UCX settings are read, in SQL.
-_LISTED = (WorkerRow.id, WorkerRow.rank, WorkerRow.epoch, WorkerRow.device, WorkerRow.transport,
-           WorkerRow.agent, WorkerRow.host, WorkerRow.pid, WorkerRow.stopped,
-           WorkerRow.registered_at, WorkerRow.heartbeat_at, WorkerRow.ucx_in_use,
-           InstanceRow.name.label("instance_name"), InstanceRow.epoch.label("instance_epoch"),
-           WorkerRow.peer["ucx"].label("ucx"))
+_LISTED = (
+    WorkerRow.id,
+    WorkerRow.rank,
+    WorkerRow.epoch,
+    WorkerRow.device,
+    WorkerRow.transport,
+    WorkerRow.agent,
+    WorkerRow.host,
+    WorkerRow.pid,
+    WorkerRow.stopped,
+    WorkerRow.registered_at,
+    WorkerRow.heartbeat_at,
+    WorkerRow.ucx_in_use,
+    InstanceRow.name.label("instance_name"),
+    InstanceRow.epoch.label("instance_epoch"),
+    WorkerRow.peer["ucx"].label("ucx"),
+)
 
 
 def list_workers(
@@ -216,8 +240,9 @@ def list_workers(
     return list(session.execute(query.limit(limit).offset(offset)))
 
 
-def worker_read(row: Any, now: datetime, *, connected: bool = False,
-                revision: str | None = None) -> wire.WorkerRead:
+def worker_read(
+    row: Any, now: datetime, *, connected: bool = False, revision: str | None = None
+) -> wire.WorkerRead:
     """The wire view of a worker: an ORM row, or a plain row of :func:`list_workers`."""
     if isinstance(row, WorkerRow):
         name, instance_epoch = row.instance.name, row.instance.epoch
@@ -241,8 +266,7 @@ def worker_read(row: Any, now: datetime, *, connected: bool = False,
         connected=connected,
         directory_revision=revision,
         ucx=ucx,
-        ucx_in_use=None if row.ucx_in_use is None else wire.UcxInUse.model_validate(
-            row.ucx_in_use),
+        ucx_in_use=None if row.ucx_in_use is None else wire.UcxInUse.model_validate(row.ucx_in_use),
     )
 
 
@@ -252,8 +276,9 @@ def _live(cutoff: Any) -> tuple[Any, ...]:
     return (WorkerRow.stopped.is_(False), WorkerRow.heartbeat_at >= cutoff)
 
 
-def live_workers(session: Session, instance: InstanceRow, now: datetime, *,
-                 ids_only: bool = False) -> dict[int, WorkerRow]:
+def live_workers(
+    session: Session, instance: InstanceRow, now: datetime, *, ids_only: bool = False
+) -> dict[int, WorkerRow]:
     """The newest live worker of each rank of ``instance`` (current epoch, heartbeating).
 
     ``ids_only``: load only each row's id, rank and registration time, not its endpoint (the
@@ -264,10 +289,9 @@ def live_workers(session: Session, instance: InstanceRow, now: datetime, *,
     if ids_only:
         query = query.options(load_only(WorkerRow.id, WorkerRow.rank, WorkerRow.registered_at))
     rows = session.scalars(
-        query
-        .where(WorkerRow.instance_id == instance.id, WorkerRow.epoch == instance.epoch,
-               *_live(cutoff))
-        .order_by(WorkerRow.rank, WorkerRow.registered_at.desc())
+        query.where(
+            WorkerRow.instance_id == instance.id, WorkerRow.epoch == instance.epoch, *_live(cutoff)
+        ).order_by(WorkerRow.rank, WorkerRow.registered_at.desc())
     )
     found: dict[int, WorkerRow] = {}
     for row in rows:
@@ -277,16 +301,23 @@ def live_workers(session: Session, instance: InstanceRow, now: datetime, *,
 
 # Built once: composing these statements cost more than running them.
 _EPOCHS = select(InstanceRow.name, InstanceRow.epoch).where(
-    InstanceRow.name.in_(bindparam("names", expanding=True)))
-_LIVE_IDS = (select(InstanceRow.name, WorkerRow.rank, WorkerRow.id)
-             .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
-             .where(InstanceRow.name.in_(bindparam("names", expanding=True)),
-                    WorkerRow.epoch == InstanceRow.epoch, *_live(bindparam("cutoff")))
-             .order_by(WorkerRow.rank, WorkerRow.registered_at.desc()))
+    InstanceRow.name.in_(bindparam("names", expanding=True))
+)
+_LIVE_IDS = (
+    select(InstanceRow.name, WorkerRow.rank, WorkerRow.id)
+    .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
+    .where(
+        InstanceRow.name.in_(bindparam("names", expanding=True)),
+        WorkerRow.epoch == InstanceRow.epoch,
+        *_live(bindparam("cutoff")),
+    )
+    .order_by(WorkerRow.rank, WorkerRow.registered_at.desc())
+)
 
 
-def live_worker_ids(session: Session, names: Sequence[str], now: datetime
-                    ) -> tuple[dict[str, str], dict[str, dict[int, str]]]:
+def live_worker_ids(
+    session: Session, names: Sequence[str], now: datetime
+) -> tuple[dict[str, str], dict[str, dict[int, str]]]:
     """``({name: epoch}, {name: {rank: worker id}})`` of these instances: the id of each rank's
     newest live worker (as :func:`live_workers`), in two plain reads. Every REST transfer
     dispatches: the four ORM queries this replaced were a tenth of its control-plane CPU.
@@ -318,9 +349,9 @@ def _pairings_of(session: Session, instance: InstanceRow) -> list[PairingRow]:
         .order_by(PairingRow.id)
     )
     return [
-        row for row in rows
-        if row.context.epoch == row.context_epoch
-        and row.generation.epoch == row.generation_epoch
+        row
+        for row in rows
+        if row.context.epoch == row.context_epoch and row.generation.epoch == row.generation_epoch
     ]
 
 
@@ -332,10 +363,15 @@ def _paired_instances(session: Session, instance: InstanceRow) -> list[InstanceR
     """Every instance paired with ``instance``, whatever the pairing's status: a peer that
     re-registered (its pairing now stale) must still reach the directory with its new epoch, so
     that in-flight handles planned with the old one fail at once."""
-    rows = session.scalars(select(PairingRow).where(
-        or_(PairingRow.context_id == instance.id, PairingRow.generation_id == instance.id)))
-    return sorted({_peer_instance(row, instance).id: _peer_instance(row, instance)
-                   for row in rows}.values(), key=lambda row: row.name)
+    rows = session.scalars(
+        select(PairingRow).where(
+            or_(PairingRow.context_id == instance.id, PairingRow.generation_id == instance.id)
+        )
+    )
+    return sorted(
+        {_peer_instance(row, instance).id: _peer_instance(row, instance) for row in rows}.values(),
+        key=lambda row: row.name,
+    )
 
 
 def revision_of(epoch: str, counter: int, rank: int) -> str:
@@ -356,10 +392,17 @@ def fell_silent(*, session: Session, since: datetime, now: datetime) -> list[int
     """Instances with a worker whose last heartbeat turned "gone" between ``since`` and
     ``now`` (it left its peers' directories; nothing wrote to say so)."""
     gone = timedelta(seconds=WORKER_GONE_S)
-    return list(session.execute(
-        select(WorkerRow.instance_id).distinct()
-        .where(WorkerRow.stopped.is_(False), WorkerRow.heartbeat_at >= since - gone,
-               WorkerRow.heartbeat_at < now - gone)).scalars())
+    return list(
+        session.execute(
+            select(WorkerRow.instance_id)
+            .distinct()
+            .where(
+                WorkerRow.stopped.is_(False),
+                WorkerRow.heartbeat_at >= since - gone,
+                WorkerRow.heartbeat_at < now - gone,
+            )
+        ).scalars()
+    )
 
 
 def bump_gone(*, session: Session, instance_ids: Sequence[int]) -> None:
@@ -377,20 +420,23 @@ class PlanNotCached(Exception):
     """A directory needs a plan that is not compiled and stored yet (a write)."""
 
 
-def worker_directory(*, session: Session, worker_id: str, now: datetime,
-                     read_only: bool = False) -> wire.WorkerDirectory:
+def worker_directory(
+    *, session: Session, worker_id: str, now: datetime, read_only: bool = False
+) -> wire.WorkerDirectory:
     """The worker's directory (see :func:`worker_directory_json`)."""
     return _directory(session, worker_id, now, read_only)[0]
 
 
-def worker_directory_json(*, session: Session, worker_id: str, now: datetime,
-                          read_only: bool = False) -> bytes:
+def worker_directory_json(
+    *, session: Session, worker_id: str, now: datetime, read_only: bool = False
+) -> bytes:
     """The worker's directory as the JSON the route answers (encoded once per revision)."""
     return _directory(session, worker_id, now, read_only)[1]
 
 
-def _directory(session: Session, worker_id: str, now: datetime,
-               read_only: bool) -> tuple[wire.WorkerDirectory, bytes]:
+def _directory(
+    session: Session, worker_id: str, now: datetime, read_only: bool
+) -> tuple[wire.WorkerDirectory, bytes]:
     """The worker's directory: its pairings' plans (its routes only) and its peers.
 
     Built once per revision (the kept counter changes with everything it shows) and kept in
@@ -414,8 +460,9 @@ def _directory(session: Session, worker_id: str, now: datetime,
     return built
 
 
-def _build_directory(session: Session, worker: WorkerRow, revision: str, now: datetime,
-                     read_only: bool) -> wire.WorkerDirectory:
+def _build_directory(
+    session: Session, worker: WorkerRow, revision: str, now: datetime, read_only: bool
+) -> wire.WorkerDirectory:
     instance = worker.instance
     role = instance.role
     pairings: list[wire.DirectoryPairing] = []
@@ -425,33 +472,39 @@ def _build_directory(session: Session, worker: WorkerRow, revision: str, now: da
         plans = []
         for cdp in _dp_choices(load_geometry(pairing.context)):
             for gdp in _dp_choices(load_geometry(pairing.generation)):
-                hit = cached_plan(pairing.id, pairing.context_epoch, pairing.generation_epoch,
-                                  cdp, gdp)
+                hit = cached_plan(
+                    pairing.id, pairing.context_epoch, pairing.generation_epoch, cdp, gdp
+                )
                 if hit is None and read_only:
                     raise PlanNotCached(pairing.id)
-                _, plan = hit or plan_for_pairing(session=session, pairing=pairing,
-                                                  context_dp_rank=cdp, generation_dp_rank=gdp)
+                _, plan = hit or plan_for_pairing(
+                    session=session, pairing=pairing, context_dp_rank=cdp, generation_dp_rank=gdp
+                )
                 side = "sender_rank" if role == "context" else "receiver_rank"
                 routes = [
                     {k: v for k, v in route.to_dict().items() if k != "slices"}
                     for route in plan.routes
                     if getattr(route, side) == worker.rank
                 ]
-                plans.append(wire.DirectoryPlan(
-                    context_dp_rank=cdp,
-                    generation_dp_rank=gdp,
-                    senders=sorted({r.sender_rank for r in plan.routes}),
-                    receivers=sorted({r.receiver_rank for r in plan.routes}),
-                    routes=routes,
-                ))
-        pairings.append(wire.DirectoryPairing(
-            id=pairing.id,
-            context=pairing.context.name,
-            generation=pairing.generation.name,
-            context_epoch=pairing.context_epoch,
-            generation_epoch=pairing.generation_epoch,
-            plans=plans,
-        ))
+                plans.append(
+                    wire.DirectoryPlan(
+                        context_dp_rank=cdp,
+                        generation_dp_rank=gdp,
+                        senders=sorted({r.sender_rank for r in plan.routes}),
+                        receivers=sorted({r.receiver_rank for r in plan.routes}),
+                        routes=routes,
+                    )
+                )
+        pairings.append(
+            wire.DirectoryPairing(
+                id=pairing.id,
+                context=pairing.context.name,
+                generation=pairing.generation.name,
+                context_epoch=pairing.context_epoch,
+                generation_epoch=pairing.generation_epoch,
+                plans=plans,
+            )
+        )
         peers[peer.name] = wire.DirectoryPeer(
             epoch=peer.epoch,
             ranks={

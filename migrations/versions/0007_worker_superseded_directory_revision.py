@@ -26,8 +26,9 @@ def upgrade() -> None:
     with op.batch_alter_table("workers") as batch:
         batch.add_column(sa.Column("superseded_by", sa.String(32), nullable=True))
     with op.batch_alter_table("instances") as batch:
-        batch.add_column(sa.Column("directory_revision", sa.Integer(), nullable=False,
-                                   server_default="0"))
+        batch.add_column(
+            sa.Column("directory_revision", sa.Integer(), nullable=False, server_default="0")
+        )
 
 
 def downgrade() -> None:

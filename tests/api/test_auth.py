@@ -253,8 +253,11 @@ def test_engines_plan_and_poll_their_own_transfers(
     problem(api.get(path, headers=bearer(other)), 403, "forbidden")
     # nor do worker tokens, and an unknown transfer stays a plain 404 for an engine
     problem(api.get(path, headers=bearer(tokens["gen-worker"])), 403, "forbidden")
-    problem(api.get("/v1/transfers/" + "0" * 32, headers=bearer(tokens["gen"])), 404,
-            "transfer_not_found")
+    problem(
+        api.get("/v1/transfers/" + "0" * 32, headers=bearer(tokens["gen"])),
+        404,
+        "transfer_not_found",
+    )
 
 
 def test_worker_token_acts_only_for_its_instance(api: TestClient, tokens: dict[str, str]) -> None:
@@ -300,29 +303,53 @@ def test_worker_token_acts_only_for_its_instance(api: TestClient, tokens: dict[s
     directory = api.get(f"/v1/workers/{ctx_workers[0]}/directory", headers=ctx_w)
     assert directory.status_code == 200, directory.text
     (pairing,) = directory.json()["pairings"]
-    executed = api.post("/v1/transfers", json={**TRANSFER, "request_id": "r-exec",
-                                               "execute": True},
-                        headers=bearer(tokens["operator"]))
+    executed = api.post(
+        "/v1/transfers",
+        json={**TRANSFER, "request_id": "r-exec", "execute": True},
+        headers=bearer(tokens["operator"]),
+    )
     assert executed.status_code == 201, executed.text
     record = {
-        "transfer_id": executed.json()["id"], "request_id": "r-exec",
-        "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
-        "context_epoch": pairing["context_epoch"], "generation_epoch": pairing["generation_epoch"],
-        "side": "send", "rank": 0, "status": "failed", "error": "test", "bytes": 0,
-        "started_at": time.time(), "finished_at": time.time(),
+        "transfer_id": executed.json()["id"],
+        "request_id": "r-exec",
+        "pairing_id": pairing["id"],
+        "context": "ctx",
+        "generation": "gen",
+        "context_epoch": pairing["context_epoch"],
+        "generation_epoch": pairing["generation_epoch"],
+        "side": "send",
+        "rank": 0,
+        "status": "failed",
+        "error": "test",
+        "bytes": 0,
+        "started_at": time.time(),
+        "finished_at": time.time(),
     }
     # The generation's worker token cannot record through a context worker ...
-    problem(api.post("/v1/transfers/records",
-                     json={"worker_id": ctx_workers[0], "records": [record]}, headers=gen_w),
-            403, "forbidden")
+    problem(
+        api.post(
+            "/v1/transfers/records",
+            json={"worker_id": ctx_workers[0], "records": [record]},
+            headers=gen_w,
+        ),
+        403,
+        "forbidden",
+    )
     # ... nor make its own worker record the context's side.
-    problem(api.post("/v1/transfers/records",
-                     json={"worker_id": gen_id, "records": [record]}, headers=gen_w),
-            403, "forbidden")
+    problem(
+        api.post(
+            "/v1/transfers/records", json={"worker_id": gen_id, "records": [record]}, headers=gen_w
+        ),
+        403,
+        "forbidden",
+    )
     problem(api.delete(f"/v1/workers/{ctx_workers[1]}", headers=gen_w), 403, "forbidden")
     # Its own part: accepted.
-    accepted = api.post("/v1/transfers/records",
-                        json={"worker_id": ctx_workers[0], "records": [record]}, headers=ctx_w)
+    accepted = api.post(
+        "/v1/transfers/records",
+        json={"worker_id": ctx_workers[0], "records": [record]},
+        headers=ctx_w,
+    )
     assert accepted.status_code == 200, accepted.text
     assert accepted.json()["settled"] == [executed.json()["id"]]
     # Unknown ids are the route's business: 404, not 403.
@@ -332,8 +359,7 @@ def test_worker_token_acts_only_for_its_instance(api: TestClient, tokens: dict[s
         api.post("/v1/workers/nope/heartbeat", headers=bearer(tokens["admin"])).json()["code"],
     )
     # A malformed record body cannot name a worker: refused, never let through.
-    assert api.post("/v1/transfers/records", content=b"{", headers=ctx_w).status_code in (403,
-                                                                                        400)
+    assert api.post("/v1/transfers/records", content=b"{", headers=ctx_w).status_code in (403, 400)
 
 
 def test_auth_off_by_default(client: TestClient) -> None:
@@ -446,9 +472,7 @@ def test_session_from_another_process_key_is_refused(
         assert random_key.get("/ui/workers", follow_redirects=False).status_code == 303
 
 
-def test_idempotency_keys_are_scoped_to_the_caller(
-    api: TestClient, tokens: dict[str, str]
-) -> None:
+def test_idempotency_keys_are_scoped_to_the_caller(api: TestClient, tokens: dict[str, str]) -> None:
     """Issue 13 item 8: another principal's key neither collides nor reveals a transfer id."""
     register_fleet(api, tokens)
     key = {"Idempotency-Key": "req-1"}
@@ -533,17 +557,26 @@ def test_a_rank_bound_worker_token_acts_only_for_its_rank(
         "/v1/workers", json=peer_body(bodies["gen"], "gen", 0), headers=bearer(tokens["gen-worker"])
     )
     assert gen_worker.status_code == 201, gen_worker.text
-    executed = api.post("/v1/transfers", json={**TRANSFER, "execute": True},
-                        headers=bearer(tokens["operator"]))
+    executed = api.post(
+        "/v1/transfers", json={**TRANSFER, "execute": True}, headers=bearer(tokens["operator"])
+    )
     assert executed.status_code == 201, executed.text
-    (pairing,) = api.get(f"/v1/workers/{workers[1]}/directory",
-                         headers=rank1).json()["pairings"]
+    (pairing,) = api.get(f"/v1/workers/{workers[1]}/directory", headers=rank1).json()["pairings"]
     record = {
-        "transfer_id": executed.json()["id"], "request_id": TRANSFER["request_id"],
-        "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
-        "context_epoch": pairing["context_epoch"], "generation_epoch": pairing["generation_epoch"],
-        "side": "send", "rank": 1, "status": "failed", "error": "test", "bytes": 0,
-        "started_at": time.time(), "finished_at": time.time(),
+        "transfer_id": executed.json()["id"],
+        "request_id": TRANSFER["request_id"],
+        "pairing_id": pairing["id"],
+        "context": "ctx",
+        "generation": "gen",
+        "context_epoch": pairing["context_epoch"],
+        "generation_epoch": pairing["generation_epoch"],
+        "side": "send",
+        "rank": 1,
+        "status": "failed",
+        "error": "test",
+        "bytes": 0,
+        "started_at": time.time(),
+        "finished_at": time.time(),
     }
     batch = {"worker_id": workers[1], "records": [record]}
     problem(api.post("/v1/transfers/records", json=batch, headers=rank0), 403, "forbidden")

@@ -15,8 +15,14 @@ from web.charts import bar_chart, line_chart, nice_binary_ceiling, nice_ceiling,
 from web.queries import failure_reason, transfer_series
 
 
-def _row(created: datetime, status: str, *, after_s: float | None = None,
-         size: int = 1 << 20, error: str | None = None) -> dict[str, Any]:
+def _row(
+    created: datetime,
+    status: str,
+    *,
+    after_s: float | None = None,
+    size: int = 1 << 20,
+    error: str | None = None,
+) -> dict[str, Any]:
     return {
         "id": uuid.uuid4().hex,
         "context_name": "ctx",
@@ -88,8 +94,12 @@ def test_chart_geometry() -> None:
     assert nice_binary_ceiling(3 << 30) == 5 << 30 and nice_binary_ceiling(700) == 1000
     start = datetime(2026, 1, 1, 12, 0)
     chart = line_chart(
-        "c", "Latency", start=start, step_s=60,
-        series={"p50": [None, 0.1, 0.2, None], "p99": [None, 0.1, 0.4, None]}, fmt=seconds,
+        "c",
+        "Latency",
+        start=start,
+        step_s=60,
+        series={"p50": [None, 0.1, 0.2, None], "p99": [None, 0.1, 0.4, None]},
+        fmt=seconds,
     )
     # y from 0 to 0.5 s; None breaks the line, zero-free points carry their value.
     assert chart.y_ticks[-1][1] == "500 ms" and chart.x_ticks[-1][1] == "now"

@@ -143,18 +143,35 @@ def _submit(api: TestClient, request_id: str) -> str:
     return str(answer.json()["id"])
 
 
-def _record(api: TestClient, worker_id: str, transfer_id: str, side: str, rank: int,
-            nbytes: int = 1) -> None:
+def _record(
+    api: TestClient, worker_id: str, transfer_id: str, side: str, rank: int, nbytes: int = 1
+) -> None:
     """What a worker posts when its part of the transfer finished."""
     directory = api.get(f"/v1/workers/{worker_id}/directory").json()
     (pairing,) = directory["pairings"]
-    answer = api.post("/v1/transfers/records", json={"worker_id": worker_id, "records": [{
-        "transfer_id": transfer_id, "request_id": "r", "pairing_id": pairing["id"],
-        "context": "ctx", "generation": "gen", "context_epoch": pairing["context_epoch"],
-        "generation_epoch": pairing["generation_epoch"], "side": side, "rank": rank,
-        "status": "done", "bytes": nbytes, "started_at": time.time(),
-        "finished_at": time.time() + 0.01,
-    }]})
+    answer = api.post(
+        "/v1/transfers/records",
+        json={
+            "worker_id": worker_id,
+            "records": [
+                {
+                    "transfer_id": transfer_id,
+                    "request_id": "r",
+                    "pairing_id": pairing["id"],
+                    "context": "ctx",
+                    "generation": "gen",
+                    "context_epoch": pairing["context_epoch"],
+                    "generation_epoch": pairing["generation_epoch"],
+                    "side": side,
+                    "rank": rank,
+                    "status": "done",
+                    "bytes": nbytes,
+                    "started_at": time.time(),
+                    "finished_at": time.time() + 0.01,
+                }
+            ],
+        },
+    )
     assert answer.status_code == 200, answer.text
 
 
@@ -314,8 +331,10 @@ def test_docs_routes_have_their_own_metric_labels(client: TestClient) -> None:
         assert client.get(path).status_code == 200, path
     assert client.get("/no/such/route").status_code == 404
     text = client.get("/metrics").text
-    routes = {dict(labels)["route"] for labels in samples(
-        text, "kvplane_http_request_duration_seconds_count")}
+    routes = {
+        dict(labels)["route"]
+        for labels in samples(text, "kvplane_http_request_duration_seconds_count")
+    }
     assert {"/docs", "/redoc", "/openapi.json", "/docs-assets/{path}"} <= routes
     counted = samples(text, "kvplane_http_request_duration_seconds_count")
     unmatched = [dict(labels) for labels in counted if dict(labels)["route"] == "unmatched"]

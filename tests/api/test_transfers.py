@@ -147,9 +147,12 @@ def test_a_first_transfer_that_fails_leaves_no_dangling_plan_in_the_cache(
     assert executed.status_code == 503
     client.put("/v1/instances/gen-c", json=instance_body(role="generation", tp=1))
     other = client.post("/v1/pairings", json={"context": "ctx-a", "generation": "gen-c"}).json()
-    assert client.post(
-        "/v1/transfers", json={**_transfer(request_id="r-other"), "generation": "gen-c"}
-    ).status_code == 201
+    assert (
+        client.post(
+            "/v1/transfers", json={**_transfer(request_id="r-other"), "generation": "gen-c"}
+        ).status_code
+        == 201
+    )
     response = client.post("/v1/transfers", json=_transfer(blocks=4))
     assert response.status_code == 201, response.json()
     transfer = response.json()
@@ -157,8 +160,9 @@ def test_a_first_transfer_that_fails_leaves_no_dangling_plan_in_the_cache(
     fragments = client.get(f"/v1/transfers/{transfer['id']}/fragments").json()
     receivers = {route["receiver_rank"] for route in fragments["routes"]}
     assert receivers == {route["receiver_rank"] for route in transfer["routes"]} == {0, 1}
-    assert sum(row[4] for route in fragments["routes"] for row in route["fragments"]) == (
-        transfer["bytes"]
+    assert (
+        sum(row[4] for route in fragments["routes"] for row in route["fragments"])
+        == (transfer["bytes"])
     )
 
 

@@ -79,7 +79,11 @@ def test_a_heartbeat_reports_what_ucx_uses(client: TestClient) -> None:
 
 def test_a_ucx_report_is_validated(client: TestClient) -> None:
     worker_id = _attach(client)
-    for bad in ({**UCX_IN_USE, "transports": ["tcp lo"]}, {**UCX_IN_USE, "extra": 1},
-                {**UCX_IN_USE, "transports": ["x"] * 1000}, {"transports": []}):
+    for bad in (
+        {**UCX_IN_USE, "transports": ["tcp lo"]},
+        {**UCX_IN_USE, "extra": 1},
+        {**UCX_IN_USE, "transports": ["x"] * 1000},
+        {"transports": []},
+    ):
         beat = client.post(f"/v1/workers/{worker_id}/heartbeat", json={"ucx_in_use": bad})
         assert beat.status_code == 422, bad

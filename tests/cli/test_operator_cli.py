@@ -94,17 +94,31 @@ def server(sqlite_url: str) -> Iterator[str]:
             )
             transfer.raise_for_status()
             # The context workers record their parts (as real workers do); the receiver has not.
-            (pairing,) = api.get(
-                f"/v1/workers/{workers[('ctx', 0)]}/directory").json()["pairings"]
+            (pairing,) = api.get(f"/v1/workers/{workers[('ctx', 0)]}/directory").json()["pairings"]
             for rank in (0, 1):
-                api.post("/v1/transfers/records", json={
-                    "worker_id": workers[("ctx", rank)], "records": [{
-                        "transfer_id": transfer.json()["id"], "request_id": "req-7",
-                        "pairing_id": pairing["id"], "context": "ctx", "generation": "gen",
-                        "context_epoch": pairing["context_epoch"],
-                        "generation_epoch": pairing["generation_epoch"], "side": "send",
-                        "rank": rank, "status": "done", "bytes": 64, "started_at": time.time(),
-                        "finished_at": time.time() + 0.001}]}).raise_for_status()
+                api.post(
+                    "/v1/transfers/records",
+                    json={
+                        "worker_id": workers[("ctx", rank)],
+                        "records": [
+                            {
+                                "transfer_id": transfer.json()["id"],
+                                "request_id": "req-7",
+                                "pairing_id": pairing["id"],
+                                "context": "ctx",
+                                "generation": "gen",
+                                "context_epoch": pairing["context_epoch"],
+                                "generation_epoch": pairing["generation_epoch"],
+                                "side": "send",
+                                "rank": rank,
+                                "status": "done",
+                                "bytes": 64,
+                                "started_at": time.time(),
+                                "finished_at": time.time() + 0.001,
+                            }
+                        ],
+                    },
+                ).raise_for_status()
         yield url
     finally:
         uv.should_exit = True
@@ -269,8 +283,9 @@ def test_out_of_range_ranks_are_errors_naming_the_range(server: str) -> None:
         "error: --rank 5 is out of range: ctx has ranks 0-1 (tp=2 pp=1 cp=1)"
     )
     # A dp rank out of range is refused by the server, with its code.
-    dp = kvplane(server, "plan", "show", "ctx", "gen", "--receiver-rank", "0",
-                 "--context-dp-rank", "3")
+    dp = kvplane(
+        server, "plan", "show", "ctx", "gen", "--receiver-rank", "0", "--context-dp-rank", "3"
+    )
     assert dp.exit_code == 2 and "dp_rank_out_of_range" in dp.stderr
     # A misspelt instance filter is an error, not an empty list.
     nobody = kvplane(server, "workers", "list", "--instance", "nope")

@@ -157,14 +157,23 @@ def test_serve_insecure_warns_at_every_start(
 def test_a_worker_token_bound_to_a_rank(db_url: str) -> None:
     """Issue 13 item 11: ``--rank`` binds a worker token to one rank of its instance."""
     created = invoke(
-        db_url, "tokens", "create", "--scope", "worker", "--instance", "ctx", "--rank", "1",
+        db_url,
+        "tokens",
+        "create",
+        "--scope",
+        "worker",
+        "--instance",
+        "ctx",
+        "--rank",
+        "1",
         "--json",
     )
     assert created.exit_code == 0, created.output
     token = json.loads(created.stdout)
     assert token["rank"] == 1 and token["instance"] == "ctx"
-    plain = invoke(db_url, "tokens", "create", "--scope", "worker", "--instance", "ctx", "--rank",
-                   "1")
+    plain = invoke(
+        db_url, "tokens", "create", "--scope", "worker", "--instance", "ctx", "--rank", "1"
+    )
     assert plain.exit_code == 0 and "rank 1 of instance ctx" in plain.stdout
     rows = [
         json.loads(line) for line in invoke(db_url, "tokens", "list", "--json").stdout.splitlines()

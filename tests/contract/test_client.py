@@ -251,14 +251,20 @@ def test_record_batches_are_encoded_in_slices_and_arrive_whole(_no_sleep: list[f
     """``Client.record_transfers`` encodes record by record, pausing (a GIL release that lets
     the rank's progress thread run) after every ENCODE_SLICE records, and the control plane
     gets the same JSON value that one ``json.dumps`` of the batch would have given."""
-    records = [{"request_id": f"r-{i}", "rank": i % 4, "bytes": 1 << 20, "error": None,
-                "note": 'quote " and ünïcode', "routes": [{"sender_rank": 0, "bytes": 7}]}
-               for i in range(2 * client_module.ENCODE_SLICE + 5)]
-    handler, seen = _sequence(httpx.Response(200, json={"accepted": len(records),
-                                                        "settled": []}))
+    records = [
+        {
+            "request_id": f"r-{i}",
+            "rank": i % 4,
+            "bytes": 1 << 20,
+            "error": None,
+            "note": 'quote " and ünïcode',
+            "routes": [{"sender_rank": 0, "bytes": 7}],
+        }
+        for i in range(2 * client_module.ENCODE_SLICE + 5)
+    ]
+    handler, seen = _sequence(httpx.Response(200, json={"accepted": len(records), "settled": []}))
     client = Client("http://cp", transport=httpx.MockTransport(handler))
-    assert client.record_transfers('w-"1', records) == {"accepted": len(records),
-                                                         "settled": []}
+    assert client.record_transfers('w-"1', records) == {"accepted": len(records), "settled": []}
     (request,) = seen
     assert request.url.path == "/v1/transfers/records"
     assert request.headers["content-type"] == "application/json"

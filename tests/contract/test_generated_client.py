@@ -95,8 +95,18 @@ def test_generated_python_client_runs_the_flow_typed(live_url: str, tmp_path: Pa
     packages = tmp_path / "packages"
     packages.mkdir()
     _run(
-        [str(generator), "generate", "--path", str(spec), "--meta", "none",
-         "--output-path", str(packages / "kvplane_client"), "--config", str(config)],
+        [
+            str(generator),
+            "generate",
+            "--path",
+            str(spec),
+            "--meta",
+            "none",
+            "--output-path",
+            str(packages / "kvplane_client"),
+            "--config",
+            str(config),
+        ],
         cwd=tmp_path,
     )
     script = tmp_path / FLOW.name
@@ -112,8 +122,16 @@ def test_generated_python_client_runs_the_flow_typed(live_url: str, tmp_path: Pa
     ]
     assert not untyped, f"the flow must not need untyped access: {untyped}"
     _run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental",
-         "--cache-dir", str(tmp_path / ".mypy_cache"), script.name],
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--cache-dir",
+            str(tmp_path / ".mypy_cache"),
+            script.name,
+        ],
         cwd=tmp_path,
         env=env,
     )
@@ -132,8 +150,11 @@ def test_generated_python_client_runs_the_flow_typed(live_url: str, tmp_path: Pa
     assert summary["warnings"] == []
     # the last min(4, 3) = 3 blocks move, on each route
     assert summary["transfer_blocks"] == [3, 3]
-    assert summary["transfer_bytes"] == summary["fragment_bytes"] == 3 * summary[
-        "plan_bytes_per_block"]
+    assert (
+        summary["transfer_bytes"]
+        == summary["fragment_bytes"]
+        == 3 * summary["plan_bytes_per_block"]
+    )
     assert summary["transfer_runs"] == summary["plan_runs"]
     assert summary["missing_code"] == "instance_not_found"
     assert summary["missing_title"] == STATUS_TITLES[404]

@@ -92,10 +92,18 @@ def test_request_fields_with_defaults_are_optional_and_responses_list_every_fiel
             assert "default" not in field, f"{name}.{prop}: request defaults go to descriptions"
     transfer = schemas["TransferCreate"]
     assert {"mode", "verify", "execute"}.isdisjoint(transfer["required"])
-    assert "Default: `\"auto\"`" in transfer["properties"]["mode"]["description"]
+    assert 'Default: `"auto"`' in transfer["properties"]["mode"]["description"]
     # responses: every field is sent, so every field is required
-    for name in ("TransferRead", "PlanRead", "Route", "Receiver", "RouteSummary", "InstanceRead",
-                 "WorkerRead", "PairingRead"):
+    for name in (
+        "TransferRead",
+        "PlanRead",
+        "Route",
+        "Receiver",
+        "RouteSummary",
+        "InstanceRead",
+        "WorkerRead",
+        "PairingRead",
+    ):
         schema = schemas[name]
         assert sorted(schema["required"]) == sorted(schema["properties"]), name
         assert "additionalProperties" not in schema, name
@@ -112,8 +120,12 @@ def test_blocks_is_a_typed_map_with_a_documented_key_pattern(tmp_path: Path) -> 
 @pytest.mark.parametrize("key", ["01", "x", "-1", "12345678", ""])
 def test_the_blocks_key_pattern_is_still_enforced(tmp_path: Path, key: str) -> None:
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'keys.db'}"))
-    body = {"context": "a", "generation": "b", "request_id": "r",
-            "blocks": {key: {"context": [1], "generation": [1]}}}
+    body = {
+        "context": "a",
+        "generation": "b",
+        "request_id": "r",
+        "blocks": {key: {"context": [1], "generation": [1]}},
+    }
     with TestClient(app) as client:
         answer = client.post("/v1/transfers", json=body)
     assert answer.status_code == 422, answer.text

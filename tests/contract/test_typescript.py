@@ -85,15 +85,19 @@ def examples() -> list[tuple[str, str]]:
 def test_documented_examples_are_accepted_by_the_server(tmp_path: Path) -> None:
     names = {name for name, _ in examples()}
     assert {"InstanceCreate", "PairingCreate", "TransferCreate"} <= names
-    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'docs.db'}",
-                              migrate_on_startup=True))
+    app = create_app(
+        Settings(database_url=f"sqlite:///{tmp_path / 'docs.db'}", migrate_on_startup=True)
+    )
     with TestClient(app) as client:
         for number, (name, body) in enumerate(examples()):
             model = getattr(schemas, name)
             model.model_validate_json(body)  # strict, unknown fields refused
             if name == "InstanceCreate":  # and the page-table rules hold
-                response = client.put(f"/v1/instances/docs-example-{number}", content=body,
-                                      headers={"Content-Type": "application/json"})
+                response = client.put(
+                    f"/v1/instances/docs-example-{number}",
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                )
                 assert response.status_code == 201, response.text
 
 
@@ -111,7 +115,10 @@ def _node_tools() -> tuple[Path, Path]:
         assert npm is not None
         done = subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund", "--prefix", str(NODE_DIR)],
-            capture_output=True, text=True, timeout=300, check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         if done.returncode != 0 or not generator.exists():
             unavailable(f"npm ci in {NODE_DIR} failed: {done.stderr.strip()[-500:]}")
@@ -120,9 +127,24 @@ def _node_tools() -> tuple[Path, Path]:
 
 def _tsc(tsc: Path, cwd: Path, files: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(tsc), "--strict", "--noEmit", "--target", "es2022", "--module", "es2022",
-         "--moduleResolution", "bundler", "--skipLibCheck", *files],
-        cwd=cwd, capture_output=True, text=True, timeout=240, check=False,
+        [
+            str(tsc),
+            "--strict",
+            "--noEmit",
+            "--target",
+            "es2022",
+            "--module",
+            "es2022",
+            "--moduleResolution",
+            "bundler",
+            "--skipLibCheck",
+            *files,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
 
 
@@ -132,7 +154,10 @@ def test_documented_bodies_type_check_with_generated_typescript(tmp_path: Path) 
     spec.write_text(json.dumps(create_app(Settings(database_url="sqlite://")).openapi()))
     done = subprocess.run(
         [str(generator), str(spec), "--output", str(tmp_path / "kvplane.ts")],
-        capture_output=True, text=True, timeout=240, check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -195,8 +195,9 @@ class Walk:
         if response.content and content_type in JSON_TYPES:
             body = response.json()
         self.exchanges.append(
-            Exchange(method.lower(), template, url, response.status_code, content_type, body,
-                     json_body)
+            Exchange(
+                method.lower(), template, url, response.status_code, content_type, body, json_body
+            )
         )
         if expect is not None:
             assert response.status_code == expect, (
@@ -216,8 +217,7 @@ class Walk:
 
     def succeeded(self, path: str, method: str) -> bool:
         return any(
-            x.path == path and x.method == method and 200 <= x.status < 300
-            for x in self.exchanges
+            x.path == path and x.method == method and 200 <= x.status < 300 for x in self.exchanges
         )
 
     def ids(self, param: str) -> list[str]:
@@ -353,10 +353,18 @@ def _flow(walk: Walk) -> None:
     call("GET", f"/v1/instances/{CTX}", expect=200)
     # Helix (generation CP 2): routes with a CP side.
     view = [builders.ViewSpec("target", 2, 8, 64)]
-    call("PUT", f"/v1/instances/{HELIX_CTX}",
-         json_body=builders.instance_body(role="context", views=view), expect=201)
-    call("PUT", f"/v1/instances/{HELIX_GEN}",
-         json_body=builders.instance_body(role="generation", views=view, cp=2), expect=201)
+    call(
+        "PUT",
+        f"/v1/instances/{HELIX_CTX}",
+        json_body=builders.instance_body(role="context", views=view),
+        expect=201,
+    )
+    call(
+        "PUT",
+        f"/v1/instances/{HELIX_GEN}",
+        json_body=builders.instance_body(role="generation", views=view, cp=2),
+        expect=201,
+    )
 
     # Pairings and plans.
     pair = {"context": CTX, "generation": GEN}
@@ -368,17 +376,27 @@ def _flow(walk: Walk) -> None:
     call("POST", f"/v1/pairings/{pairing['id']}/validate", expect=200)
     plan = get("GET", f"/v1/pairings/{pairing['id']}/plan", expect=200)
     assert plan["warnings"], "the flow wants a plan with warnings (draft without a peer)"
-    helix = get("POST", "/v1/pairings",
-                json_body={"context": HELIX_CTX, "generation": HELIX_GEN}, expect=201)
+    helix = get(
+        "POST",
+        "/v1/pairings",
+        json_body={"context": HELIX_CTX, "generation": HELIX_GEN},
+        expect=201,
+    )
     helix_plan = get("GET", f"/v1/pairings/{helix['id']}/plan", expect=200)
     assert {route["cp_side"] for route in helix_plan["routes"]} == {"generation"}
-    inline = {"context": {**context, "name": CTX},
-              "generation": {**generation, "ranks": [gen_rank], "name": GEN}}
+    inline = {
+        "context": {**context, "name": CTX},
+        "generation": {**generation, "ranks": [gen_rank], "name": GEN},
+    }
     call("POST", "/v1/compatibility", json_body=inline, expect=200)
 
     # A planned transfer, replayed, read, expanded.
-    transfer_body = {"context": CTX, "generation": GEN, "request_id": "walk-1",
-                     "blocks": {"0": {"context": [1, 2, 3], "generation": [4, 5, 6]}}}
+    transfer_body = {
+        "context": CTX,
+        "generation": GEN,
+        "request_id": "walk-1",
+        "blocks": {"0": {"context": [1, 2, 3], "generation": [4, 5, 6]}},
+    }
     key = {"Idempotency-Key": "walk-1"}
     planned = get("POST", "/v1/transfers", json_body=transfer_body, headers=key, expect=201)
     call("POST", "/v1/transfers", json_body=transfer_body, headers=key, expect=200)
@@ -390,32 +408,55 @@ def _flow(walk: Walk) -> None:
     ranks = {CTX: context["ranks"], GEN: [gen_rank]}
     workers = {
         (name, body["rank"]): get(
-            "POST", "/v1/workers", expect=201,
-            json_body={"instance": name, "rank": body["rank"],
-                       "peer": fake_peer(body, f"walk-{name}-{body['rank']}")},
+            "POST",
+            "/v1/workers",
+            expect=201,
+            json_body={
+                "instance": name,
+                "rank": body["rank"],
+                "peer": fake_peer(body, f"walk-{name}-{body['rank']}"),
+            },
         )["id"]
-        for name, bodies in ranks.items() for body in bodies
+        for name, bodies in ranks.items()
+        for body in bodies
     }
     call("GET", "/v1/workers", expect=200)
     directories = {}
     for key_, worker_id in workers.items():
         call("POST", f"/v1/workers/{worker_id}/heartbeat", expect=200)
         directories[key_] = get("GET", f"/v1/workers/{worker_id}/directory", expect=200)
-    executed = get("POST", "/v1/transfers", expect=201,
-                   json_body={**transfer_body, "request_id": "walk-2", "execute": True})
+    executed = get(
+        "POST",
+        "/v1/transfers",
+        expect=201,
+        json_body={**transfer_body, "request_id": "walk-2", "execute": True},
+    )
     generation = directories[(GEN, gen_rank["rank"])]
     (pairing,) = [p for p in generation["pairings"] if p["context"] == CTX]
     sender = next(key_ for key_ in workers if key_[0] == CTX)
     record = {
-        "transfer_id": executed["id"], "attempt": 1, "request_id": "walk-2",
-        "pairing_id": pairing["id"], "context": CTX, "generation": GEN,
+        "transfer_id": executed["id"],
+        "attempt": 1,
+        "request_id": "walk-2",
+        "pairing_id": pairing["id"],
+        "context": CTX,
+        "generation": GEN,
         "context_epoch": pairing["context_epoch"],
         "generation_epoch": pairing["generation_epoch"],
-        "side": "send", "rank": sender[1], "status": "failed", "error": "walk",
-        "bytes": 0, "started_at": time.time() - 1, "finished_at": time.time(),
+        "side": "send",
+        "rank": sender[1],
+        "status": "failed",
+        "error": "walk",
+        "bytes": 0,
+        "started_at": time.time() - 1,
+        "finished_at": time.time(),
     }
-    call("POST", "/v1/transfers/records", expect=200,
-         json_body={"worker_id": workers[sender], "records": [record]})
+    call(
+        "POST",
+        "/v1/transfers/records",
+        expect=200,
+        json_body={"worker_id": workers[sender], "records": [record]},
+    )
     call("GET", f"/v1/transfers/{executed['id']}/parts", expect=200)
     failed = get("GET", f"/v1/transfers/{executed['id']}", expect=200)
     assert failed["status"] == "failed", failed
@@ -425,18 +466,27 @@ def _flow(walk: Walk) -> None:
     call("GET", "/v1/instances/nobody", expect=404)
     call("PUT", f"/v1/instances/{CTX}", json_body={"role": "context"}, expect=422)
     call("PUT", f"/v1/instances/{CTX}", content=b"{not json", expect=400)
-    call("PUT", f"/v1/instances/{CTX}", json_body=context, headers={"If-Match": "999"},
-         expect=412)
-    call("POST", "/v1/transfers", json_body={**transfer_body, "request_id": "other"},
-         headers=key, expect=409)
+    call("PUT", f"/v1/instances/{CTX}", json_body=context, headers={"If-Match": "999"}, expect=412)
+    call(
+        "POST",
+        "/v1/transfers",
+        json_body={**transfer_body, "request_id": "other"},
+        headers=key,
+        expect=409,
+    )
     unknown_group = {"7": {"context": [1], "generation": [1]}}
-    call("POST", "/v1/transfers", expect=422,
-         json_body={**transfer_body, "request_id": "walk-3", "blocks": unknown_group})
+    call(
+        "POST",
+        "/v1/transfers",
+        expect=422,
+        json_body={**transfer_body, "request_id": "walk-3", "blocks": unknown_group},
+    )
     call("POST", f"/v1/transfers/{planned['id']}/retry", expect=409)
     bad_ctx = instance_body(role="context", tp=2, target_heads=4)  # 4 heads, the peer has 8
     call("PUT", "/v1/instances/walk-bad", json_body=bad_ctx, expect=201)
-    incompatible = get("POST", "/v1/pairings",
-                       json_body={"context": "walk-bad", "generation": GEN}, expect=201)
+    incompatible = get(
+        "POST", "/v1/pairings", json_body={"context": "walk-bad", "generation": GEN}, expect=201
+    )
     call("GET", f"/v1/pairings/{incompatible['id']}/plan", expect=409)
 
     # Everything else the spec has, then the deletions (they end the ids the sweep uses).
@@ -467,8 +517,13 @@ def test_the_sweep_reaches_reads_by_itself(tmp_path_factory: pytest.TempPathFact
         walk.call("PUT", f"/v1/instances/{GEN}", json_body=instance_body(role="generation", tp=1))
         walk.call("POST", "/v1/pairings", json_body={"context": CTX, "generation": GEN})
         walk.sweep()
-        for path in ("/v1/instances/{name}", "/v1/pairings/{pairing_id}",
-                     "/v1/pairings/{pairing_id}/plan", "/v1/workers", "/v1/transfers"):
+        for path in (
+            "/v1/instances/{name}",
+            "/v1/pairings/{pairing_id}",
+            "/v1/pairings/{pairing_id}/plan",
+            "/v1/workers",
+            "/v1/transfers",
+        ):
             assert walk.succeeded(path, "get"), path
         # a body built from the request schema, with ids from the server, plans a transfer
         assert walk.succeeded("/v1/pairings/{pairing_id}/validate", "post")
@@ -503,8 +558,9 @@ def test_every_answer_is_documented_and_declares_every_key(walked: Walk) -> None
             continue
         for error in _validator(walked.spec, schema).iter_errors(x.body):
             problems.append(f"{where}: {error.message[:300]}")
-        problems += [f"{where}: undeclared key {key}" for key in
-                     undeclared(walked.spec, schema, x.body)]
+        problems += [
+            f"{where}: undeclared key {key}" for key in undeclared(walked.spec, schema, x.body)
+        ]
     assert not problems, "\n".join(problems[:40])
 
 
@@ -525,13 +581,25 @@ def test_the_plan_and_transfer_fields_arrived_declared(walked: Walk) -> None:
     """The fields issue 16 found untyped are sent, and now declared (the walk above checks)."""
     plans = [x.body for x in walked.exchanges if x.path.endswith("/plan") and x.status == 200]
     plan = plans[0]
-    assert {"bytes_per_block", "context", "context_dp_rank", "generation",
-            "generation_dp_rank", "pools", "runs", "tokens_per_block", "warnings"} <= set(plan)
+    assert {
+        "bytes_per_block",
+        "context",
+        "context_dp_rank",
+        "generation",
+        "generation_dp_rank",
+        "pools",
+        "runs",
+        "tokens_per_block",
+        "warnings",
+    } <= set(plan)
     assert {"cp_modulus", "cp_remainder", "cp_side", "slices"} <= set(plan["routes"][0])
     assert "layer_group" in plan["routes"][0]["segments"][0]
     assert {"overlapping_ranks", "staging", "writer_ranks"} <= set(plan["receivers"][0])
-    transfers = [x.body for x in walked.exchanges
-                 if x.path == "/v1/transfers" and x.method == "post" and x.status == 201]
+    transfers = [
+        x.body
+        for x in walked.exchanges
+        if x.path == "/v1/transfers" and x.method == "post" and x.status == 201
+    ]
     assert {"blocks", "runs"} <= set(transfers[0]["routes"][0])
 
 
@@ -547,8 +615,10 @@ def test_one_problem_title_per_status(walked: Walk) -> None:
 def test_instance_read_is_a_registration_body(walked: Walk) -> None:
     """What a client reads it can put back: the read minus read-only fields is a valid body."""
     read = walked.json("GET", f"/v1/instances/{CTX}", expect=200)
-    body = {key: read[key] for key in walked.spec["components"]["schemas"]["InstanceCreate"][
-        "properties"]}
+    body = {
+        key: read[key]
+        for key in walked.spec["components"]["schemas"]["InstanceCreate"]["properties"]
+    }
     body["ranks"][0]["views"][0]["dtype"] = "float16"  # a change: new generation
     changed = walked.json("PUT", f"/v1/instances/{CTX}", json_body=body, expect=200)
     assert changed["generation"] == read["generation"] + 1

@@ -49,16 +49,17 @@ def test_api_docs_render_without_network(
     if path == "/docs":
         # Swagger UI lists every operation; the first tag's routes are expanded.
         # Swagger UI parses a 1.5 MB bundle and the spec first: slow on a loaded machine.
-        expect(page.locator(".swagger-ui .info .title")).to_contain_text(
-            "kvplane", timeout=60_000
-        )
+        expect(page.locator(".swagger-ui .info .title")).to_contain_text("kvplane", timeout=60_000)
         expect(page.locator(f"#operations-instances-{operation}")).to_be_visible()
         expect(page.locator(".opblock-tag", has_text="transfers")).to_be_visible()
     else:
         # ReDoc parses a 1 MB bundle and the whole spec first: slow on a loaded machine.
-        expect(page.get_by_role("heading", name="kvplane", exact=False).first).to_be_visible(
-            timeout=60_000
-        ), errors
+        (
+            expect(page.get_by_role("heading", name="kvplane", exact=False).first).to_be_visible(
+                timeout=60_000
+            ),
+            errors,
+        )
         # ReDoc renders one section per operation, with its id in the anchor.
         expect(page.locator(f'[id="operation/{operation}"]')).to_be_attached()
         expect(page.locator("body")).to_contain_text("Register or replace an instance")

@@ -20,10 +20,7 @@ CHARTS = ("chart-rate", "chart-bytes", "chart-latency", "chart-failures")
 
 
 def _titles(page: Any, chart: str, what: str) -> list[str]:
-    return [
-        str(text)
-        for text in page.locator(f"#{chart} svg {what} > title").all_text_contents()
-    ]
+    return [str(text) for text in page.locator(f"#{chart} svg {what} > title").all_text_contents()]
 
 
 def test_charts_show_the_last_hour(page: Any, live_server: LiveServer, sqlite_url: str) -> None:

@@ -100,7 +100,7 @@ class Attacker:
             "<!doctype html><body><script>addEventListener('message', (event) => "
             "event.source.postMessage('go', '*'));</script>"
             "<iframe sandbox='allow-forms allow-scripts' "
-            f"srcdoc=\"{html.escape(inner)}\"></iframe></body>"
+            f'srcdoc="{html.escape(inner)}"></iframe></body>'
         )
 
     def __enter__(self) -> Attacker:

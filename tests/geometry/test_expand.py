@@ -100,9 +100,7 @@ def test_context_parallel_filter_uses_logical_block_index_under_prefix_caching()
     assert sent == {0: [2], 1: [1, 3]}  # logical block j on cp_rank j % 2
 
 
-@pytest.mark.parametrize(
-    ("ctx_layout", "gen_layout"), [("HND", "HND"), ("NHD", "NHD")]
-)
+@pytest.mark.parametrize(("ctx_layout", "gen_layout"), [("HND", "HND"), ("NHD", "NHD")])
 @pytest.mark.parametrize("limit", [1, 5, 64, 10_000])
 def test_fragment_pages_concatenate_to_the_full_list(
     ctx_layout: str, gen_layout: str, limit: int

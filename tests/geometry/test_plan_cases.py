@@ -103,7 +103,14 @@ def test_tp8_with_four_heads_to_tp2_duplicate_pairs_split_the_layers(oracle) -> 
     # each head's 2 layers are split over its 2 replicas: layer 0 from the even rank, layer 1
     # from the odd one (no replica sends more than ⌈total / replicas⌉)
     assert sorted((r.sender_rank, r.receiver_rank) for r in plan.routes) == [
-        (0, 0), (1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1), (7, 1)
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (4, 1),
+        (5, 1),
+        (6, 1),
+        (7, 1),
     ]
     assert [route(plan, s, s // 4).slices[0]["layers"] for s in range(8)] == [[0], [1]] * 4
     assert receiver(plan, 0).writers == (0, 1, 2, 3)
@@ -242,7 +249,10 @@ def test_mla_replicated_k_only_views_copy_whole_regions_round_robin(oracle) -> N
     # every context rank holds the whole latent cache; the 6 (receiver, layer) units are cut
     # into one contiguous chunk per holder: 2, 1, 2, 1 layers
     assert sorted((r.sender_rank, r.receiver_rank) for r in plan.routes) == [
-        (0, 0), (1, 0), (2, 1), (3, 1)
+        (0, 0),
+        (1, 0),
+        (2, 1),
+        (3, 1),
     ]
     assert runs(route(plan, 0, 0)) == [[0, 0, 2 * region, 1, 0, 0]]  # 2 layers merged
     assert runs(route(plan, 1, 0)) == [[2 * region, 2 * region, region, 1, 0, 0]]

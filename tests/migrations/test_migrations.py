@@ -13,7 +13,14 @@ from api.db import Base
 from api.migrate import current_revisions, downgrade, head_revisions, upgrade
 
 TABLES = {
-    "instances", "instance_ranks", "pairings", "plans", "transfers", "workers", "jobs", "tokens",
+    "instances",
+    "instance_ranks",
+    "pairings",
+    "plans",
+    "transfers",
+    "workers",
+    "jobs",
+    "tokens",
     "dashboard_sessions",
 }
 

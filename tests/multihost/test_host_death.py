@@ -95,8 +95,9 @@ def test_context_host_dies_mid_transfer_and_comes_back(bed: Bed, make_fleet: Any
     assert {w["epoch"] for w in alive} == {new_epoch}
     assert not {w["id"] for w in alive} & old_workers
     # The new workers attached to the old ones' ranks: those are superseded (stopped), or gone.
-    assert all(w["status"] in ("gone", "stale", "stopped")
-               for w in workers if w["id"] in old_workers)
+    assert all(
+        w["status"] in ("gone", "stale", "stopped") for w in workers if w["id"] in old_workers
+    )
 
     again = fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=60)
     assert_clean(again)

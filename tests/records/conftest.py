@@ -22,13 +22,18 @@ VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
 
 def fleet_bodies(ctx_tp: int = 2, gen_tp: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     ctx = instance_body(role="context", views=VIEWS, tp=ctx_tp, tokens_per_block=4, num_slots=64)
-    gen = instance_body(role="generation", views=VIEWS, tp=gen_tp, tokens_per_block=4,
-                        num_slots=64)
+    gen = instance_body(role="generation", views=VIEWS, tp=gen_tp, tokens_per_block=4, num_slots=64)
     return ctx, gen
 
 
-def attach_worker(db: Database, instance: str, rank: int, agent: str,
-                  now: datetime | None = None, staging_bytes: int = 1 << 24) -> str:
+def attach_worker(
+    db: Database,
+    instance: str,
+    rank: int,
+    agent: str,
+    now: datetime | None = None,
+    staging_bytes: int = 1 << 24,
+) -> str:
     with db.write() as session:
         row = instances.get_instance(session=session, name=instance)
         body = next(r.body for r in row.ranks if r.rank == rank)
@@ -42,61 +47,107 @@ def attach_worker(db: Database, instance: str, rank: int, agent: str,
         return worker.id
 
 
-def setup_fleet(db: Database, *, ctx_tp: int = 2, gen_tp: int = 1,
-                now: datetime | None = None) -> dict[str, Any]:
+def setup_fleet(
+    db: Database, *, ctx_tp: int = 2, gen_tp: int = 1, now: datetime | None = None
+) -> dict[str, Any]:
     """ctx (TP ctx_tp) and gen (TP gen_tp), paired, one live worker per rank."""
     ctx, gen = fleet_bodies(ctx_tp, gen_tp)
     with db.write() as session:
-        registration.register_instance(session=session, name="ctx",
-                                       body=schemas.InstanceCreate.model_validate(ctx))
-        registration.register_instance(session=session, name="gen",
-                                       body=schemas.InstanceCreate.model_validate(gen))
+        registration.register_instance(
+            session=session, name="ctx", body=schemas.InstanceCreate.model_validate(ctx)
+        )
+        registration.register_instance(
+            session=session, name="gen", body=schemas.InstanceCreate.model_validate(gen)
+        )
         pairing, _ = pairings.create_pairing(session=session, context="ctx", generation="gen")
         assert pairing.compatible
-    workers = {
-        ("ctx", r): attach_worker(db, "ctx", r, f"ctx.r{r}", now) for r in range(ctx_tp)
-    } | {("gen", r): attach_worker(db, "gen", r, f"gen.r{r}", now) for r in range(gen_tp)}
+    workers = {("ctx", r): attach_worker(db, "ctx", r, f"ctx.r{r}", now) for r in range(ctx_tp)} | {
+        ("gen", r): attach_worker(db, "gen", r, f"gen.r{r}", now) for r in range(gen_tp)
+    }
     return {"workers": workers}
 
 
-def submit(db: Database, request_id: str, *, mode: str = "staged", verify: bool = False,
-           blocks: int = 4, timeout_s: float = 30.0,
-           commands: list[Any] | None = None) -> str:
+def submit(
+    db: Database,
+    request_id: str,
+    *,
+    mode: str = "staged",
+    verify: bool = False,
+    blocks: int = 4,
+    timeout_s: float = 30.0,
+    commands: list[Any] | None = None,
+) -> str:
     """An executed transfer ``ctx`` → ``gen``; its worker commands go to ``commands``."""
-    body = schemas.TransferCreate.model_validate({
-        "context": "ctx", "generation": "gen", "request_id": request_id,
-        "blocks": {"0": {"context": list(range(blocks)), "generation": list(range(blocks))}},
-        "execute": True, "mode": mode, "verify": verify, "timeout_s": timeout_s,
-    })
+    body = schemas.TransferCreate.model_validate(
+        {
+            "context": "ctx",
+            "generation": "gen",
+            "request_id": request_id,
+            "blocks": {"0": {"context": list(range(blocks)), "generation": list(range(blocks))}},
+            "execute": True,
+            "mode": mode,
+            "verify": verify,
+            "timeout_s": timeout_s,
+        }
+    )
     with db.write() as session:
         row, _ = transfers.create_transfer(session=session, body=body, commands=commands)
         return row.id
 
 
-def record(db: Database, worker_id: str, transfer_id: str | None, *, side: str, rank: int,
-           status: str = "done", attempt: int = 1, error: str | None = None,
-           checksum: int | None = None, routes: list[tuple[int, int]] = (),
-           request_id: str = "r", now: datetime | None = None,
-           **extra: Any) -> tuple[int, list[str]]:
+def record(
+    db: Database,
+    worker_id: str,
+    transfer_id: str | None,
+    *,
+    side: str,
+    rank: int,
+    status: str = "done",
+    attempt: int = 1,
+    error: str | None = None,
+    checksum: int | None = None,
+    routes: list[tuple[int, int]] = (),
+    request_id: str = "r",
+    now: datetime | None = None,
+    **extra: Any,
+) -> tuple[int, list[str]]:
     """Post one worker record through the service (as ``POST /v1/transfers/records``)."""
     with db.read() as session:
-        epochs = {name: epoch for name, epoch in session.execute(
-            select(InstanceRow.name, InstanceRow.epoch))}
+        epochs = {
+            name: epoch
+            for name, epoch in session.execute(select(InstanceRow.name, InstanceRow.epoch))
+        }
         pairing = session.scalar(select(PairingRow.id))
     when = (now or utcnow()).timestamp() - 0.01  # times within the control plane's window
-    body = schemas_exec.TransferRecords.model_validate({
-        "worker_id": worker_id,
-        "records": [{
-            "transfer_id": transfer_id, "attempt": attempt, "request_id": request_id,
-            "pairing_id": pairing, "context": "ctx", "generation": "gen",
-            "context_epoch": epochs["ctx"], "generation_epoch": epochs["gen"],
-            "side": side, "rank": rank, "status": status, "error": error, "bytes": 1,
-            "started_at": when, "finished_at": when + 0.001,
-            "routes": [{"sender_rank": s, "receiver_rank": r, "bytes": 1, "checksum": checksum}
-                       for s, r in routes],
-            **extra,
-        }],
-    })
+    body = schemas_exec.TransferRecords.model_validate(
+        {
+            "worker_id": worker_id,
+            "records": [
+                {
+                    "transfer_id": transfer_id,
+                    "attempt": attempt,
+                    "request_id": request_id,
+                    "pairing_id": pairing,
+                    "context": "ctx",
+                    "generation": "gen",
+                    "context_epoch": epochs["ctx"],
+                    "generation_epoch": epochs["gen"],
+                    "side": side,
+                    "rank": rank,
+                    "status": status,
+                    "error": error,
+                    "bytes": 1,
+                    "started_at": when,
+                    "finished_at": when + 0.001,
+                    "routes": [
+                        {"sender_rank": s, "receiver_rank": r, "bytes": 1, "checksum": checksum}
+                        for s, r in routes
+                    ],
+                    **extra,
+                }
+            ],
+        }
+    )
     with db.write() as session:
         return execution.record_parts(session=session, body=body, now=now or utcnow())
 
@@ -119,8 +170,7 @@ class Heartbeats:
         while not self._stop.wait(self.interval_s):
             for worker_id in self.worker_ids:
                 with self.db.write() as session:
-                    worker_service.heartbeat(session=session, worker_id=worker_id,
-                                             now=utcnow())
+                    worker_service.heartbeat(session=session, worker_id=worker_id, now=utcnow())
 
     def __enter__(self) -> Heartbeats:
         self._thread.start()

@@ -19,20 +19,32 @@ def _register(api: TestClient, name: str, body: dict[str, Any]) -> dict[int, str
     assert api.put(f"/v1/instances/{name}", json=body).status_code == 201
     workers = {}
     for rank_body in body["ranks"]:
-        answer = api.post("/v1/workers", json={
-            "instance": name, "rank": rank_body["rank"],
-            "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}")})
+        answer = api.post(
+            "/v1/workers",
+            json={
+                "instance": name,
+                "rank": rank_body["rank"],
+                "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
+            },
+        )
         assert answer.status_code == 201, answer.text
         workers[rank_body["rank"]] = answer.json()["id"]
     return workers
 
 
-def _fleet(api: TestClient, *, ctx_tp: int = 1, gen_tp: int = 1, views: Any = VIEWS,
-           gen_dp: bool = False) -> dict[str, Any]:
-    ctx = _register(api, "ctx", instance_body(role="context", views=views, tp=ctx_tp,
-                                              tokens_per_block=4))
-    gen = _register(api, "gen", instance_body(role="generation", views=views, tp=gen_tp,
-                                              attention_dp=gen_dp, tokens_per_block=4))
+def _fleet(
+    api: TestClient, *, ctx_tp: int = 1, gen_tp: int = 1, views: Any = VIEWS, gen_dp: bool = False
+) -> dict[str, Any]:
+    ctx = _register(
+        api, "ctx", instance_body(role="context", views=views, tp=ctx_tp, tokens_per_block=4)
+    )
+    gen = _register(
+        api,
+        "gen",
+        instance_body(
+            role="generation", views=views, tp=gen_tp, attention_dp=gen_dp, tokens_per_block=4
+        ),
+    )
     pairing = api.post("/v1/pairings", json={"context": "ctx", "generation": "gen"}).json()
     assert pairing["compatible"], pairing
     epochs = {name: api.get(f"/v1/instances/{name}").json()["epoch"] for name in ("ctx", "gen")}
@@ -42,31 +54,45 @@ def _fleet(api: TestClient, *, ctx_tp: int = 1, gen_tp: int = 1, views: Any = VI
 def _record(fleet: dict[str, Any], side: str, rank: int, **fields: Any) -> dict[str, Any]:
     now = time.time()
     return {
-        "request_id": "r1", "pairing_id": fleet["pairing"], "context": "ctx",
-        "generation": "gen", "context_epoch": fleet["epochs"]["ctx"],
-        "generation_epoch": fleet["epochs"]["gen"], "side": side, "rank": rank,
-        "status": "done", "bytes": 64, "started_at": now - 0.01, "finished_at": now,
-        "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}}, **fields,
+        "request_id": "r1",
+        "pairing_id": fleet["pairing"],
+        "context": "ctx",
+        "generation": "gen",
+        "context_epoch": fleet["epochs"]["ctx"],
+        "generation_epoch": fleet["epochs"]["gen"],
+        "side": side,
+        "rank": rank,
+        "status": "done",
+        "bytes": 64,
+        "started_at": now - 0.01,
+        "finished_at": now,
+        "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}},
+        **fields,
     }
 
 
 def _post(api: TestClient, worker_id: str, *records: dict[str, Any]) -> Any:
-    return api.post("/v1/transfers/records", json={"worker_id": worker_id,
-                                                    "records": list(records)})
+    return api.post(
+        "/v1/transfers/records", json={"worker_id": worker_id, "records": list(records)}
+    )
 
 
 def _transfers(api: TestClient) -> list[dict[str, Any]]:
     return list(api.get("/v1/transfers").json()["items"])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("started_at", 10 * 365.25 * 86400),  # added to now: ten years ahead
-    ("finished_at", 3600.0),  # an hour ahead
-    ("started_at", -3 * 86400),  # three days ago
-    ("finished_at", -1.0),  # before it started
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("started_at", 10 * 365.25 * 86400),  # added to now: ten years ahead
+        ("finished_at", 3600.0),  # an hour ahead
+        ("started_at", -3 * 86400),  # three days ago
+        ("finished_at", -1.0),  # before it started
+    ],
+)
 def test_record_times_outside_the_control_planes_window_are_refused(
-        client: TestClient, field: str, value: float) -> None:
+    client: TestClient, field: str, value: float
+) -> None:
     fleet = _fleet(client)
     record = _record(fleet, "receive", 0)
     record[field] = record["started_at"] + value
@@ -81,13 +107,15 @@ def test_record_times_outside_the_control_planes_window_are_refused(
 
 @pytest.mark.parametrize("raw", ["1e12", "253402300799", "Infinity", "NaN", "1e400"])
 def test_record_times_outside_the_datetime_range_are_422_not_500(
-        client: TestClient, raw: str) -> None:
+    client: TestClient, raw: str
+) -> None:
     fleet = _fleet(client)
     record = _record(fleet, "receive", 0)
     body = json.dumps({"worker_id": fleet["gen"][0], "records": [record]})
     body = body.replace(json.dumps(record["finished_at"]), raw)
-    answer = client.post("/v1/transfers/records", content=body,
-                         headers={"Content-Type": "application/json"})
+    answer = client.post(
+        "/v1/transfers/records", content=body, headers={"Content-Type": "application/json"}
+    )
     assert answer.status_code == 422, answer.text
     assert _transfers(client) == []
 
@@ -100,8 +128,16 @@ def test_an_engine_record_must_name_its_own_instances_pairing(client: TestClient
     # The context worker makes up a "ctx -> victim" transfer with its own pairing's id, or
     # with an id that names no pairing at all.
     for pairing_id in (fleet["pairing"], "no-such-pairing"):
-        forged = _record(fleet, "send", 0, generation="victim", generation_epoch=victim_epoch,
-                         pairing_id=pairing_id, status="failed", error="forged")
+        forged = _record(
+            fleet,
+            "send",
+            0,
+            generation="victim",
+            generation_epoch=victim_epoch,
+            pairing_id=pairing_id,
+            status="failed",
+            error="forged",
+        )
         answer = _post(client, fleet["ctx"][0], forged)
         assert answer.status_code == 403, answer.text
         assert answer.json()["code"] == "pairing_mismatch"
@@ -114,8 +150,7 @@ def test_an_engine_record_must_name_its_own_instances_pairing(client: TestClient
 def test_a_rank_that_takes_no_part_cannot_fail_an_engine_transfer(client: TestClient) -> None:
     # Attention-DP generation (TP2): a transfer to DP rank 0 lands on generation rank 0 only.
     fleet = _fleet(client, ctx_tp=1, gen_tp=2, gen_dp=True)
-    outsider = _record(fleet, "receive", 1, generation_dp_rank=0, status="failed",
-                       error="forged")
+    outsider = _record(fleet, "receive", 1, generation_dp_rank=0, status="failed", error="forged")
     answer = _post(client, fleet["gen"][1], outsider)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"accepted": 0, "settled": []}
@@ -129,29 +164,47 @@ def test_a_rank_that_takes_no_part_cannot_fail_an_engine_transfer(client: TestCl
 
 def test_a_rank_that_takes_no_part_cannot_fail_a_rest_transfer(client: TestClient) -> None:
     fleet = _fleet(client, ctx_tp=1, gen_tp=2, gen_dp=True)
-    answer = client.post("/v1/transfers", json={
-        "context": "ctx", "generation": "gen", "request_id": "r1", "execute": True,
-        "generation_dp_rank": 0, "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}}})
+    answer = client.post(
+        "/v1/transfers",
+        json={
+            "context": "ctx",
+            "generation": "gen",
+            "request_id": "r1",
+            "execute": True,
+            "generation_dp_rank": 0,
+            "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}},
+        },
+    )
     assert answer.status_code == 201, answer.text
     transfer = answer.json()
     assert {route["receiver_rank"] for route in transfer["routes"]} == {0}
-    forged = _record(fleet, "receive", 1, transfer_id=transfer["id"], generation_dp_rank=0,
-                     status="failed", error="forged")
+    forged = _record(
+        fleet,
+        "receive",
+        1,
+        transfer_id=transfer["id"],
+        generation_dp_rank=0,
+        status="failed",
+        error="forged",
+    )
     assert _post(client, fleet["gen"][1], forged).json() == {"accepted": 0, "settled": []}
     assert client.get(f"/v1/transfers/{transfer['id']}").json()["status"] == "running"
 
 
-@pytest.mark.parametrize("blocks", [
-    {"0": {"context": [0, 1], "generation": [10_000, 10_001]}},  # beyond the pool's slots
-    {"0": {"context": [0, 0], "generation": [2, 3]}},  # repeated
-    {"7": {"context": [0], "generation": [1]}},  # no such layer group
-    {"x": {"context": [0], "generation": [1]}},  # not a layer group at all
-])
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        {"0": {"context": [0, 1], "generation": [10_000, 10_001]}},  # beyond the pool's slots
+        {"0": {"context": [0, 0], "generation": [2, 3]}},  # repeated
+        {"7": {"context": [0], "generation": [1]}},  # no such layer group
+        {"x": {"context": [0], "generation": [1]}},  # not a layer group at all
+    ],
+)
 def test_an_engine_record_whose_blocks_cannot_be_expanded_is_refused(
-        client: TestClient, blocks: dict[str, Any]) -> None:
+    client: TestClient, blocks: dict[str, Any]
+) -> None:
     fleet = _fleet(client)
-    answer = _post(client, fleet["gen"][0], _record(fleet, "receive", 0, blocks=blocks,
-                                                    bytes=0))
+    answer = _post(client, fleet["gen"][0], _record(fleet, "receive", 0, blocks=blocks, bytes=0))
     assert answer.status_code == 422, answer.text
     assert answer.json()["code"] == "invalid_blocks"
     assert _transfers(client) == []  # not settled "done" with 0 bytes
@@ -170,8 +223,9 @@ def test_metrics_count_only_records_that_changed_state(client: TestClient) -> No
     record = _record(fleet, "receive", 0, bytes=1000)
     for _ in range(5):  # a batch retried five times
         assert _post(client, fleet["gen"][0], record).status_code == 200
-    bogus = [_record(fleet, "receive", 0, transfer_id=f"bogus{i}", bytes=1 << 50)
-             for i in range(20)]  # transfers that do not exist
+    bogus = [
+        _record(fleet, "receive", 0, transfer_id=f"bogus{i}", bytes=1 << 50) for i in range(20)
+    ]  # transfers that do not exist
     assert _post(client, fleet["gen"][0], *bogus).json() == {"accepted": 0, "settled": []}
     text = client.get("/metrics").text
     assert _metric(text, "kvplane_moved_bytes_total", kind="receive") == 1000

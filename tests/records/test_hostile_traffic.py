@@ -27,13 +27,21 @@ from api.services import workers as worker_service
 from .conftest import VIEWS, attach_worker, record, setup_fleet, status_of, submit
 
 
-def _command(xid: str = "t.1", side: str = "send", deadline_s: float | None = None,
-             blocks: int = 4) -> dict[str, Any]:
+def _command(
+    xid: str = "t.1", side: str = "send", deadline_s: float | None = None, blocks: int = 4
+) -> dict[str, Any]:
     deadline_s = time.time() + 30 if deadline_s is None else deadline_s
-    return {"type": "transfer", "transfer_id": xid.split(".")[0], "attempt": 1, "xid": xid,
-            "side": side, "rank": 0, "blocks": {"0": {"context": list(range(blocks)),
-                                                      "generation": list(range(blocks))}},
-            "deadline_at": deadline_s, "timeout_s": 30.0}
+    return {
+        "type": "transfer",
+        "transfer_id": xid.split(".")[0],
+        "attempt": 1,
+        "xid": xid,
+        "side": side,
+        "rank": 0,
+        "blocks": {"0": {"context": list(range(blocks)), "generation": list(range(blocks))}},
+        "deadline_at": deadline_s,
+        "timeout_s": 30.0,
+    }
 
 
 # --- deadlines -------------------------------------------------------------------------------
@@ -95,7 +103,8 @@ def test_a_reconnected_stream_may_carry_its_owed_commands_again() -> None:
 
 
 def test_a_queue_over_its_bytes_is_cut_and_shows_disconnected_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(dispatch, "STREAM_BYTES_MAX", 200_000)
 
     async def scenario() -> tuple[bool, bool, int, int]:
@@ -124,8 +133,9 @@ def test_a_stream_whose_write_stalls_is_cut() -> None:
             await asyncio.sleep(3600)  # a worker that does not read: the write never returns
 
     async def scenario() -> float:
-        response = CommandStreamResponse(lines(), on_stall=lambda: stalled.append(True),
-                                         write_timeout_s=0.2)
+        response = CommandStreamResponse(
+            lines(), on_stall=lambda: stalled.append(True), write_timeout_s=0.2
+        )
         started = time.monotonic()
         await response.stream_response(never_completes)
         return time.monotonic() - started
@@ -163,8 +173,10 @@ def _register(api: TestClient, name: str, role: str) -> dict[str, Any]:
 
 
 def _attach(api: TestClient, name: str, body: dict[str, Any], agent: str, **peer: Any) -> Any:
-    return api.post("/v1/workers", json={
-        "instance": name, "rank": 0, "peer": {**fake_peer(body["ranks"][0], agent), **peer}})
+    return api.post(
+        "/v1/workers",
+        json={"instance": name, "rank": 0, "peer": {**fake_peer(body["ranks"][0], agent), **peer}},
+    )
 
 
 def test_a_second_worker_on_a_rank_supersedes_the_first_visibly(client: TestClient) -> None:
@@ -190,8 +202,7 @@ def test_an_agent_name_of_a_live_worker_of_another_rank_is_refused(client: TestC
 
 
 @pytest.mark.parametrize("metadata", ["abc", "abcde===", "ab=c", "A" * ((64 << 10) + 4)])
-def test_metadata_must_be_decodable_base64_under_the_cap(client: TestClient,
-                                                         metadata: str) -> None:
+def test_metadata_must_be_decodable_base64_under_the_cap(client: TestClient, metadata: str) -> None:
     body = _register(client, "ctx", "context")
     answer = _attach(client, "ctx", body, "ctx.a", metadata_b64=metadata)
     assert answer.status_code == 422, answer.text
@@ -264,8 +275,9 @@ def test_a_heartbeat_costs_the_same_whatever_the_number_of_pairings(db: Database
     gen = instance_body(role="generation", views=VIEWS, tp=1, tokens_per_block=4)
     with db.write() as session:
         for i in range(8):
-            registration.register_instance(session=session, name=f"gen{i}",
-                                           body=schemas.InstanceCreate.model_validate(gen))
+            registration.register_instance(
+                session=session, name=f"gen{i}", body=schemas.InstanceCreate.model_validate(gen)
+            )
             pairings.create_pairing(session=session, context="ctx", generation=f"gen{i}")
     assert _heartbeat_statements(db, worker) == one
 
@@ -281,8 +293,9 @@ def test_the_kept_revision_follows_what_the_directory_shows(db: Database) -> Non
 
     def directory() -> Any:
         with db.read() as session:
-            return worker_service.worker_directory(session=session, worker_id=ctx,
-                                                   now=utcnow(), read_only=True)
+            return worker_service.worker_directory(
+                session=session, worker_id=ctx, now=utcnow(), read_only=True
+            )
 
     seen = [revision()]
     with db.write() as session:  # the plans, compiled once
@@ -309,8 +322,7 @@ def test_the_kept_revision_follows_what_the_directory_shows(db: Database) -> Non
 # --- reap reasons ----------------------------------------------------------------------------
 
 
-def test_a_reaped_transfer_says_whether_the_silent_ranks_workers_are_alive(
-        db: Database) -> None:
+def test_a_reaped_transfer_says_whether_the_silent_ranks_workers_are_alive(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
     transfer_id = submit(db, "r1", timeout_s=1.0)
     record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0)
@@ -335,8 +347,9 @@ def test_a_superseded_worker_is_told_on_its_heartbeat(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     attach_worker(db, "ctx", 0, "ctx.r0.b")
     with db.write() as session, pytest.raises(Conflict) as caught:
-        worker_service.heartbeat(session=session, worker_id=fleet["workers"][("ctx", 0)],
-                                 now=utcnow())
+        worker_service.heartbeat(
+            session=session, worker_id=fleet["workers"][("ctx", 0)], now=utcnow()
+        )
     assert caught.value.code == "worker_superseded"
 
 
@@ -360,12 +373,20 @@ def test_a_command_the_relay_cannot_publish_is_a_503_never_a_201(client: TestCli
         body = _register(client, name, role)
         assert _attach(client, name, body, f"{name}.r0").status_code == 201
     assert client.post("/v1/pairings", json={"context": "ctx", "generation": "gen"}).json()[
-        "compatible"]
+        "compatible"
+    ]
     client.app.state.hub.relay = _BrokenRelay()  # type: ignore[attr-defined]
     try:
-        answer = client.post("/v1/transfers", json={
-            "context": "ctx", "generation": "gen", "request_id": "r1", "execute": True,
-            "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}}})
+        answer = client.post(
+            "/v1/transfers",
+            json={
+                "context": "ctx",
+                "generation": "gen",
+                "request_id": "r1",
+                "execute": True,
+                "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}},
+            },
+        )
     finally:
         client.app.state.hub.relay = None  # type: ignore[attr-defined]
     assert answer.status_code == 503, answer.text
@@ -383,7 +404,8 @@ def test_relayed_references_are_built_from_the_database(db: Database) -> None:
         built = execution.commands_for_refs(session=session, refs=refs, now=utcnow())
     strip = ("timeout_s",)
     assert [(w, {k: v for k, v in c.items() if k not in strip}) for w, c in built] == [
-        (w, {k: v for k, v in c.items() if k not in strip}) for w, c in commands]
+        (w, {k: v for k, v in c.items() if k not in strip}) for w, c in commands
+    ]
     record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0)
     with db.read() as session:  # settled: nothing to relay any more
         assert execution.commands_for_refs(session=session, refs=refs, now=utcnow()) == []

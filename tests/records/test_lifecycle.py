@@ -45,8 +45,9 @@ def test_done_when_every_receiver_recorded_its_part(db: Database) -> None:
     transfer_id = submit(db, "r1")
     record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0)
     assert status_of(db, transfer_id)[0] == "running"
-    accepted, settled = record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive",
-                               rank=0)
+    accepted, settled = record(
+        db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0
+    )
     assert (accepted, settled) == (1, [transfer_id])
     assert status_of(db, transfer_id) == ("done", None)
     # A sender's part that arrives later is stored, and changes nothing.
@@ -69,8 +70,15 @@ def test_a_repeated_record_counts_once(db: Database) -> None:
 def test_one_failed_part_fails_the_transfer_with_its_reason(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
     transfer_id = submit(db, "r1")
-    record(db, fleet["workers"][("ctx", 1)], transfer_id, side="send", rank=1,
-           status="failed", error="deadline: 30 s passed; no grant from gen rank 0")
+    record(
+        db,
+        fleet["workers"][("ctx", 1)],
+        transfer_id,
+        side="send",
+        rank=1,
+        status="failed",
+        error="deadline: 30 s passed; no grant from gen rank 0",
+    )
     status, error = status_of(db, transfer_id)
     assert status == "failed"
     assert error == "context rank 1: deadline: 30 s passed; no grant from gen rank 0"
@@ -82,18 +90,18 @@ def test_one_failed_part_fails_the_transfer_with_its_reason(db: Database) -> Non
 def test_verify_waits_for_senders_and_compares_checksums(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     good = submit(db, "good", verify=True)
-    record(db, fleet["workers"][("gen", 0)], good, side="receive", rank=0, checksum=7,
-           routes=[(0, 0)])
+    record(
+        db, fleet["workers"][("gen", 0)], good, side="receive", rank=0, checksum=7, routes=[(0, 0)]
+    )
     assert status_of(db, good)[0] == "running"  # the sender's crc32 is still missing
-    record(db, fleet["workers"][("ctx", 0)], good, side="send", rank=0, checksum=7,
-           routes=[(0, 0)])
+    record(db, fleet["workers"][("ctx", 0)], good, side="send", rank=0, checksum=7, routes=[(0, 0)])
     assert status_of(db, good) == ("done", None)
 
     bad = submit(db, "bad", verify=True)
-    record(db, fleet["workers"][("ctx", 0)], bad, side="send", rank=0, checksum=7,
-           routes=[(0, 0)])
-    record(db, fleet["workers"][("gen", 0)], bad, side="receive", rank=0, checksum=8,
-           routes=[(0, 0)])
+    record(db, fleet["workers"][("ctx", 0)], bad, side="send", rank=0, checksum=7, routes=[(0, 0)])
+    record(
+        db, fleet["workers"][("gen", 0)], bad, side="receive", rank=0, checksum=8, routes=[(0, 0)]
+    )
     status, error = status_of(db, bad)
     assert status == "failed"
     assert error is not None and error.startswith("checksum_mismatch: route 0->0")
@@ -102,16 +110,25 @@ def test_verify_waits_for_senders_and_compares_checksums(db: Database) -> None:
 def test_records_of_an_older_attempt_change_nothing(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")
-    record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0, status="failed",
-           error="boom")
+    record(
+        db,
+        fleet["workers"][("ctx", 0)],
+        transfer_id,
+        side="send",
+        rank=0,
+        status="failed",
+        error="boom",
+    )
     with db.write() as session:
-        _, commands = execution.retry_transfer(session=session, transfer_id=transfer_id,
-                                               now=utcnow())
+        _, commands = execution.retry_transfer(
+            session=session, transfer_id=transfer_id, now=utcnow()
+        )
     assert {c["attempt"] for _, c in commands} == {2}
     assert status_of(db, transfer_id) == ("running", None)
     # attempt 1's receiver reports late: ignored
-    accepted, _ = record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0,
-                         attempt=1)
+    accepted, _ = record(
+        db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0, attempt=1
+    )
     assert accepted == 0
     record(db, fleet["workers"][("gen", 0)], transfer_id, side="receive", rank=0, attempt=2)
     assert status_of(db, transfer_id) == ("done", None)
@@ -153,11 +170,17 @@ def test_a_reregistration_fails_running_transfers(db: Database) -> None:
 
     setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")
-    changed = instance_body(role="generation", views=[ViewSpec("target", 2, 4, 8)], tp=1,
-                            tokens_per_block=4, num_slots=32)
+    changed = instance_body(
+        role="generation",
+        views=[ViewSpec("target", 2, 4, 8)],
+        tp=1,
+        tokens_per_block=4,
+        num_slots=32,
+    )
     with db.write() as session:
-        registration.register_instance(session=session, name="gen",
-                                       body=schemas.InstanceCreate.model_validate(changed))
+        registration.register_instance(
+            session=session, name="gen", body=schemas.InstanceCreate.model_validate(changed)
+        )
     status, error = status_of(db, transfer_id)
     assert status == "failed"
     assert error is not None and "peer_restarted" in error
@@ -167,10 +190,18 @@ def test_engine_records_create_one_transfer_per_request(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
     blocks = {"0": {"context": [0, 1], "generation": [5, 6]}}
     for rank in (0, 1):
-        record(db, fleet["workers"][("ctx", rank)], None, side="send", rank=rank,
-               request_id="req-7")
-    record(db, fleet["workers"][("gen", 0)], None, side="receive", rank=0, request_id="req-7",
-           blocks=blocks)
+        record(
+            db, fleet["workers"][("ctx", rank)], None, side="send", rank=rank, request_id="req-7"
+        )
+    record(
+        db,
+        fleet["workers"][("gen", 0)],
+        None,
+        side="receive",
+        rank=0,
+        request_id="req-7",
+        blocks=blocks,
+    )
     with db.read() as session:
         rows, total = transfer_service.list_transfers(session=session)
     assert total == 1
@@ -185,17 +216,38 @@ def test_an_engine_transfer_is_described_by_its_first_record_with_blocks(db: Dat
     describes it), a sender's part leaves it running, and the receiver's part settles it."""
     fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
     blocks = {"0": {"context": [3, 4, 5], "generation": [7, 8, 9]}}
-    record(db, fleet["workers"][("ctx", 1)], None, side="send", rank=1, request_id="req-9",
-           blocks=blocks)
+    record(
+        db,
+        fleet["workers"][("ctx", 1)],
+        None,
+        side="send",
+        rank=1,
+        request_id="req-9",
+        blocks=blocks,
+    )
     with db.read() as session:
         rows, _ = transfer_service.list_transfers(session=session)
     assert [(r.status, r.blocks) for r in rows] == [("running", blocks)]
     assert rows[0].pairing_id is not None and rows[0].plan_id is not None
     assert rows[0].bytes > 0 and len(rows[0].summary["routes"]) == 2
-    record(db, fleet["workers"][("ctx", 0)], None, side="send", rank=0, request_id="req-9",
-           blocks=blocks)
-    accepted, settled = record(db, fleet["workers"][("gen", 0)], None, side="receive", rank=0,
-                               request_id="req-9", blocks=blocks)
+    record(
+        db,
+        fleet["workers"][("ctx", 0)],
+        None,
+        side="send",
+        rank=0,
+        request_id="req-9",
+        blocks=blocks,
+    )
+    accepted, settled = record(
+        db,
+        fleet["workers"][("gen", 0)],
+        None,
+        side="receive",
+        rank=0,
+        request_id="req-9",
+        blocks=blocks,
+    )
     assert (accepted, settled) == (1, [rows[0].id])
     with db.read() as session:
         row = transfer_service.get_transfer(session=session, transfer_id=rows[0].id)
@@ -234,7 +286,7 @@ def test_a_stream_that_opens_is_owed_the_commands_its_rank_has_not_recorded(
     transfer_id = submit(db, "r1", commands=commands)
     sent = dict(commands)
     for worker_id in workers.values():  # what dispatch sent, less the time already gone
-        (owed_worker, owed), = _owed_to(db, worker_id)
+        ((owed_worker, owed),) = _owed_to(db, worker_id)
         assert owed_worker == worker_id
         assert {**owed, "timeout_s": 0} == {**sent[worker_id], "timeout_s": 0}
         assert 0 < owed["timeout_s"] <= sent[worker_id]["timeout_s"]
@@ -256,9 +308,17 @@ def test_nothing_is_owed_for_engine_path_transfers_or_to_a_newer_worker(db: Data
     workers = fleet["workers"]
     # An engine-path transfer is running until every rank's record is in; nobody dispatched it.
     later = utcnow().timestamp() + 5  # started after every worker attached
-    record(db, workers[("ctx", 0)], None, side="send", rank=0, request_id="engine-1",
-           blocks={"0": {"context": [0, 1], "generation": [2, 3]}}, started_at=later,
-           finished_at=later + 0.001)
+    record(
+        db,
+        workers[("ctx", 0)],
+        None,
+        side="send",
+        rank=0,
+        request_id="engine-1",
+        blocks={"0": {"context": [0, 1], "generation": [2, 3]}},
+        started_at=later,
+        finished_at=later + 0.001,
+    )
     assert [_owed_to(db, w) for w in workers.values()] == [[], [], []]
     # A worker that attached after the dispatch (a restarted worker process) is not the one
     # the command went to: it gets nothing.

@@ -23,8 +23,9 @@ from .conftest import fleet_bodies, record, setup_fleet, status_of, submit
 HOLD_S = 0.5  # how long the first transaction stays open after its change
 
 
-def _first_then_second(db: Database, first: Callable[[Any], Any],
-                       second: Callable[[Any], Any]) -> list[Any]:
+def _first_then_second(
+    db: Database, first: Callable[[Any], Any], second: Callable[[Any], Any]
+) -> list[Any]:
     """Run ``first`` in a transaction held open ``HOLD_S`` after it ran, and ``second`` in
     another transaction started meanwhile; returns both outcomes (a value or an exception)."""
     outcomes: list[Any] = [None, None]
@@ -58,21 +59,38 @@ def _body(fleet: dict[str, Any], transfer_id: str, rank: int) -> Any:
     from api import schemas_exec
     from api.models import InstanceRow, PairingRow
 
-    return lambda session: execution.record_parts(session=session, now=utcnow(), body=(
-        schemas_exec.TransferRecords.model_validate({
-            "worker_id": fleet["workers"][("gen", rank)],
-            "records": [{
-                "transfer_id": transfer_id, "request_id": "r",
-                "pairing_id": session.scalar(select(PairingRow.id)),
-                "context": "ctx", "generation": "gen",
-                "context_epoch": session.scalar(
-                    select(InstanceRow.epoch).where(InstanceRow.name == "ctx")),
-                "generation_epoch": session.scalar(
-                    select(InstanceRow.epoch).where(InstanceRow.name == "gen")),
-                "side": "receive", "rank": rank, "status": "done", "bytes": 1,
-                "started_at": time.time(), "finished_at": time.time(),
-            }],
-        })))
+    return lambda session: execution.record_parts(
+        session=session,
+        now=utcnow(),
+        body=(
+            schemas_exec.TransferRecords.model_validate(
+                {
+                    "worker_id": fleet["workers"][("gen", rank)],
+                    "records": [
+                        {
+                            "transfer_id": transfer_id,
+                            "request_id": "r",
+                            "pairing_id": session.scalar(select(PairingRow.id)),
+                            "context": "ctx",
+                            "generation": "gen",
+                            "context_epoch": session.scalar(
+                                select(InstanceRow.epoch).where(InstanceRow.name == "ctx")
+                            ),
+                            "generation_epoch": session.scalar(
+                                select(InstanceRow.epoch).where(InstanceRow.name == "gen")
+                            ),
+                            "side": "receive",
+                            "rank": rank,
+                            "status": "done",
+                            "bytes": 1,
+                            "started_at": time.time(),
+                            "finished_at": time.time(),
+                        }
+                    ],
+                }
+            )
+        ),
+    )
 
 
 def test_the_last_two_parts_recorded_at_once_settle_the_transfer_once(db: Database) -> None:
@@ -88,8 +106,15 @@ def test_the_last_two_parts_recorded_at_once_settle_the_transfer_once(db: Databa
 def test_two_retries_at_once_dispatch_one_attempt(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")
-    record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0, status="failed",
-           error="boom")
+    record(
+        db,
+        fleet["workers"][("ctx", 0)],
+        transfer_id,
+        side="send",
+        rank=0,
+        status="failed",
+        error="boom",
+    )
 
     def retry(session: Any) -> Any:
         return execution.retry_transfer(session=session, transfer_id=transfer_id, now=utcnow())
@@ -106,14 +131,22 @@ def test_a_retry_after_a_re_registration_is_refused(db: Database) -> None:
 
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")
-    record(db, fleet["workers"][("ctx", 0)], transfer_id, side="send", rank=0, status="failed",
-           error="boom")
+    record(
+        db,
+        fleet["workers"][("ctx", 0)],
+        transfer_id,
+        side="send",
+        rank=0,
+        status="failed",
+        error="boom",
+    )
     ctx, _ = fleet_bodies(1, 1)
     for rank in ctx["ranks"]:
         rank["pools"][0]["num_slots"] *= 2  # a new memory layout
     with db.write() as session:
-        registration.register_instance(session=session, name="ctx",
-                                       body=schemas.InstanceCreate.model_validate(ctx))
+        registration.register_instance(
+            session=session, name="ctx", body=schemas.InstanceCreate.model_validate(ctx)
+        )
     with pytest.raises(Conflict) as refused, db.write() as session:
         execution.retry_transfer(session=session, transfer_id=transfer_id, now=utcnow())
     assert refused.value.code == "plan_gone"
@@ -152,5 +185,7 @@ def test_a_pairing_validated_during_a_re_registration_is_never_left_current(db: 
         epoch = session.query(InstanceRow).filter(InstanceRow.name == "ctx").one().epoch
         assert epoch == outcomes[0]
         assert pairing.status == "stale" or pairing.context_epoch == epoch, (
-            pairing.status, pairing.context_epoch, epoch
+            pairing.status,
+            pairing.context_epoch,
+            epoch,
         )

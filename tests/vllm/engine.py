@@ -25,8 +25,11 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--role", choices=("prefill", "decode", "plain", "nixl-prefill",
-                                           "nixl-decode"), required=True)
+    parser.add_argument(
+        "--role",
+        choices=("prefill", "decode", "plain", "nixl-prefill", "nixl-decode"),
+        required=True,
+    )
     parser.add_argument("--instance", default=None)
     parser.add_argument("--control-plane", default=None)
     parser.add_argument("--tp", type=int, default=1)
@@ -40,20 +43,36 @@ def main() -> None:
 
     kv = None
     if args.role in ("prefill", "decode"):
-        extra = {"control_plane": args.control_plane, "instance": args.instance,
-                 **json.loads(args.extra)}
+        extra = {
+            "control_plane": args.control_plane,
+            "instance": args.instance,
+            **json.loads(args.extra),
+        }
         kv = KVTransferConfig(
-            kv_connector="KvplaneConnector", kv_connector_module_path="workers.connectors.vllm",
+            kv_connector="KvplaneConnector",
+            kv_connector_module_path="workers.connectors.vllm",
             kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
-            kv_connector_extra_config=extra, kv_load_failure_policy=args.failure_policy)
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=args.failure_policy,
+        )
     elif args.role.startswith("nixl-"):
         kv = KVTransferConfig(
-            kv_connector="NixlConnector", kv_buffer_device="cpu",
+            kv_connector="NixlConnector",
+            kv_buffer_device="cpu",
             kv_role="kv_producer" if args.role == "nixl-prefill" else "kv_consumer",
-            kv_load_failure_policy=args.failure_policy)
-    llm = LLM(model=args.model, skip_tokenizer_init=True, block_size=32, enforce_eager=True,
-              dtype=args.dtype, tensor_parallel_size=args.tp, enable_prefix_caching=False,
-              max_model_len=2048, kv_transfer_config=kv)
+            kv_load_failure_policy=args.failure_policy,
+        )
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        block_size=32,
+        enforce_eager=True,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tp,
+        enable_prefix_caching=False,
+        max_model_len=2048,
+        kv_transfer_config=kv,
+    )
     print("@@ " + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
@@ -63,19 +82,33 @@ def main() -> None:
         if op == "generate":
             prompts = command["prompts"]
             params = command.get("params") or [None] * len(prompts)
-            sampling = [SamplingParams(max_tokens=command.get("max_tokens", 24), temperature=0.0,
-                                       detokenize=False, ignore_eos=True,
-                                       extra_args=None if p is None else
-                                       {"kv_transfer_params": p}) for p in params]
+            sampling = [
+                SamplingParams(
+                    max_tokens=command.get("max_tokens", 24),
+                    temperature=0.0,
+                    detokenize=False,
+                    ignore_eos=True,
+                    extra_args=None if p is None else {"kv_transfer_params": p},
+                )
+                for p in params
+            ]
             started = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
-                                   use_tqdm=False)
+            outputs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
+            )
             seconds = time.perf_counter() - started
-            print("@@ " + json.dumps({
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "finish": [o.outputs[0].finish_reason for o in outputs],
-                "params": [o.kv_transfer_params for o in outputs],
-                "seconds": seconds}), flush=True)
+            print(
+                "@@ "
+                + json.dumps(
+                    {
+                        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                        "finish": [o.outputs[0].finish_reason for o in outputs],
+                        "params": [o.kv_transfer_params for o in outputs],
+                        "seconds": seconds,
+                    }
+                ),
+                flush=True,
+            )
         elif op == "idle":
             deadline = time.monotonic() + float(command.get("timeout_s", 30))
             idle = llm.reset_prefix_cache()

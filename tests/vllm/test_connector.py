@@ -37,11 +37,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     plane.start()
     engines: list[Engine] = []
     try:
-        prefill = Engine(workdir, model, "prefill", "0", instance="vllm-prefill",
-                         control_plane=plane.url)
+        prefill = Engine(
+            workdir, model, "prefill", "0", instance="vllm-prefill", control_plane=plane.url
+        )
         engines.append(prefill)
-        decode = Engine(workdir, model, "decode", "1", instance="vllm-decode",
-                        control_plane=plane.url)
+        decode = Engine(
+            workdir, model, "decode", "1", instance="vllm-decode", control_plane=plane.url
+        )
         engines.append(decode)
         assert prefill.read() == {"ready": True} and decode.read() == {"ready": True}
         yield {"plane": plane, "prefill": prefill, "decode": decode}
@@ -51,8 +53,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         plane.stop()
 
 
-def handover(fleet: dict[str, Any], prefilled: list[list[int]], decoded: list[list[int]],
-             max_tokens: int = 16, **extra: Any) -> list[list[int]]:
+def handover(
+    fleet: dict[str, Any],
+    prefilled: list[list[int]],
+    decoded: list[list[int]],
+    max_tokens: int = 16,
+    **extra: Any,
+) -> list[list[int]]:
     return _handover(fleet["prefill"], fleet["decode"], prefilled, decoded, max_tokens, **extra)
 
 

@@ -37,17 +37,31 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     engines: list[Engine] = []
 
     def prefill(hold_s: float, name: str) -> Engine:
-        engine = Engine(workdir, model, "prefill", "0", instance="vllm-prefill",
-                        control_plane=plane.url, env={"KVPLANE_WORKER_HOLD_S": str(hold_s)},
-                        log_name=name)
+        engine = Engine(
+            workdir,
+            model,
+            "prefill",
+            "0",
+            instance="vllm-prefill",
+            control_plane=plane.url,
+            env={"KVPLANE_WORKER_HOLD_S": str(hold_s)},
+            log_name=name,
+        )
         engines.append(engine)
         return engine
 
     try:
         stalling = prefill(60.0, "prefill-stalling")
-        decode = Engine(workdir, model, "decode", "1", instance="vllm-decode",
-                        control_plane=plane.url, failure_policy="recompute",
-                        extra={"timeout_s": LOAD_TIMEOUT_S})
+        decode = Engine(
+            workdir,
+            model,
+            "decode",
+            "1",
+            instance="vllm-decode",
+            control_plane=plane.url,
+            failure_policy="recompute",
+            extra={"timeout_s": LOAD_TIMEOUT_S},
+        )
         engines.append(decode)
         assert stalling.read() == {"ready": True} and decode.read() == {"ready": True}
         yield {"plane": plane, "prefill": stalling, "decode": decode, "restart": prefill}
@@ -65,8 +79,9 @@ def _transfers(url: str, status: str, count: int) -> list[dict[str, Any]]:
     """The control plane's transfers in ``status`` (the records follow about a second behind)."""
     deadline = time.monotonic() + 20
     while True:
-        listed = httpx.get(f"{url}/v1/transfers", params={"status": status, "limit": 100},
-                           timeout=10).json()["items"]
+        listed = httpx.get(
+            f"{url}/v1/transfers", params={"status": status, "limit": 100}, timeout=10
+        ).json()["items"]
         if len(listed) >= count or time.monotonic() > deadline:
             return listed
         time.sleep(0.5)

@@ -25,9 +25,13 @@ from .conftest import require_vllm
 # passes alone (57 s) but failed once of two in a run of the whole tier, the decode's loads timing
 # out while the ranks starved. It runs where KVPLANE_VLLM_TP=1 asks for it (and on a machine
 # with cores to spare), not in make test.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("KVPLANE_VLLM_TP") != "1",
-    reason="prefill TP 2 -> decode TP 1 needs KVPLANE_VLLM_TP=1 (three engine processes)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("KVPLANE_VLLM_TP") != "1",
+        reason="prefill TP 2 -> decode TP 1 needs KVPLANE_VLLM_TP=1 (three engine processes)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +43,27 @@ def tp_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     plane.start()
     engines: list[Engine] = []
     try:
-        prefill = Engine(workdir, model, "prefill", "0|1", instance="vllm-prefill",
-                         control_plane=plane.url, tp=2, dtype="float32")
+        prefill = Engine(
+            workdir,
+            model,
+            "prefill",
+            "0|1",
+            instance="vllm-prefill",
+            control_plane=plane.url,
+            tp=2,
+            dtype="float32",
+        )
         engines.append(prefill)
         assert prefill.read() == {"ready": True}
-        decode = Engine(workdir, model, "decode", "1", instance="vllm-decode",
-                        control_plane=plane.url, dtype="float32")
+        decode = Engine(
+            workdir,
+            model,
+            "decode",
+            "1",
+            instance="vllm-decode",
+            control_plane=plane.url,
+            dtype="float32",
+        )
         engines.append(decode)
         assert decode.read() == {"ready": True}
         yield {"plane": plane, "prefill": prefill, "decode": decode}
@@ -67,6 +86,8 @@ def test_prefill_tp2_to_decode_tp1_equals_one_engine(tp_bed: dict[str, Any]) -> 
     listed = httpx.get(f"{url}/v1/transfers", params={"limit": 100}, timeout=10).json()["items"]
     for transfer in listed:
         assert {(r["sender_rank"], r["receiver_rank"]) for r in transfer["routes"]} == {
-            (0, 0), (1, 0)}, transfer
+            (0, 0),
+            (1, 0),
+        }, transfer
     assert tp_bed["prefill"].call(op="idle", timeout_s=30) == {"idle": True}
     assert tp_bed["decode"].call(op="idle", timeout_s=10) == {"idle": True}

@@ -20,10 +20,18 @@ def write(path: str, seed: int = 0) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                         head_dim=32, max_position_embeddings=2048, initializer_range=0.15,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=2048,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 

@@ -19,12 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 KVPLANE = Path(sys.executable).with_name("kvplane")
 
 
-def test_the_demo_moves_and_checks_every_byte_and_records_every_transfer(
-        tmp_path: Path) -> None:
+def test_the_demo_moves_and_checks_every_byte_and_records_every_transfer(tmp_path: Path) -> None:
     database = tmp_path / "demo.db"
     run = subprocess.run(
         [str(KVPLANE), "demo", "--database", str(database), "--port", str(free_port())],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     out = run.stdout
     assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
 
@@ -33,13 +37,23 @@ def test_the_demo_moves_and_checks_every_byte_and_records_every_transfer(
     for mode, cells in big.items():
         status, nbytes, *_, verified = (c.strip() for c in cells.strip(" |").split("|"))
         assert status == "done" and nbytes == verified and int(nbytes.replace(",", "")) > 0, (
-            mode, cells)
+            mode,
+            cells,
+        )
 
-    burst = re.findall(r"^\| (raw NIXL|engine path|REST) +\| (none|every byte) +\| +(\d+) \| +"
-                       r"(\d+) \| +([\d.]+) \|", out, re.M)
+    burst = re.findall(
+        r"^\| (raw NIXL|engine path|REST) +\| (none|every byte) +\| +(\d+) \| +"
+        r"(\d+) \| +([\d.]+) \|",
+        out,
+        re.M,
+    )
     assert {(path, checks) for path, checks, *_ in burst} == {
-        ("raw NIXL", "none"), ("engine path", "none"), ("REST", "none"),
-        ("engine path", "every byte"), ("REST", "every byte")}, out
+        ("raw NIXL", "none"),
+        ("engine path", "none"),
+        ("REST", "none"),
+        ("engine path", "every byte"),
+        ("REST", "every byte"),
+    }, out
     for path, checks, done, failed, p50 in burst:
         assert (int(done), int(failed)) == (32, 0) and float(p50) > 0, (path, checks)
 
@@ -50,4 +64,7 @@ def test_the_demo_moves_and_checks_every_byte_and_records_every_transfer(
     logs = tmp_path / "demo-logs"  # the README names them
     assert database.is_file() and (logs / "server-1.log").is_file()
     assert sorted(p.name for p in logs.glob("demo-*.log")) == [
-        *(f"demo-ctx-tp4-{r}.log" for r in range(4)), "demo-gen-tp2-0.log", "demo-gen-tp2-1.log"]
+        *(f"demo-ctx-tp4-{r}.log" for r in range(4)),
+        "demo-gen-tp2-0.log",
+        "demo-gen-tp2-1.log",
+    ]

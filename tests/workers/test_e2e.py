@@ -57,19 +57,35 @@ class Fleet:
     def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         with (self.tmp_path / f"{name}.log").open("wb") as log:  # the child keeps its copy
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {})}, start_new_session=True,
+                [sys.executable, "-m", "api.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})},
+                start_new_session=True,
             )
 
     def start_server(self) -> None:
         self.spawn("server", "serve", "--port", str(self.port))
         self.wait(lambda: httpx.get(f"{self.url}/readyz").status_code == 200, "the server")
 
-    def start_worker(self, instance: str, rank: int, tag: str = "",
-                     env: dict[str, str] | None = None) -> str:
+    def start_worker(
+        self, instance: str, rank: int, tag: str = "", env: dict[str, str] | None = None
+    ) -> str:
         name = f"worker-{instance}-{rank}{tag}"
-        self.spawn(name, "worker", "--control-plane", self.url, "--instance", instance,
-                   "--rank", str(rank), "--fill-pattern", "--staging-mib", "16", env=env)
+        self.spawn(
+            name,
+            "worker",
+            "--control-plane",
+            self.url,
+            "--instance",
+            instance,
+            "--rank",
+            str(rank),
+            "--fill-pattern",
+            "--staging-mib",
+            "16",
+            env=env,
+        )
         return name
 
     def wait(self, predicate: Any, what: str, timeout_s: float = 90.0) -> None:
@@ -91,10 +107,12 @@ class Fleet:
         return sum(w["status"] == "alive" for w in self.client.list_workers()["items"])
 
     def register(self, ctx_tp: int = 2, gen_tp: int = 1) -> tuple[dict[str, Any], ...]:
-        ctx = instance_body(role="context", views=VIEWS, tp=ctx_tp, tokens_per_block=8,
-                            num_slots=32)
-        gen = instance_body(role="generation", views=VIEWS, tp=gen_tp, tokens_per_block=8,
-                            num_slots=32)
+        ctx = instance_body(
+            role="context", views=VIEWS, tp=ctx_tp, tokens_per_block=8, num_slots=32
+        )
+        gen = instance_body(
+            role="generation", views=VIEWS, tp=gen_tp, tokens_per_block=8, num_slots=32
+        )
         self.client.register_instance("ctx", ctx)
         self.client.register_instance("gen", gen)
         pairing = self.client.create_pairing("ctx", "gen")
@@ -138,8 +156,16 @@ def _expected_bytes(ctx: dict[str, Any], gen: dict[str, Any]) -> int:
 
 
 def _transfer(fleet: Fleet, request_id: str, **extra: Any) -> dict[str, Any]:
-    body = {"context": "ctx", "generation": "gen", "request_id": request_id, "blocks": BLOCKS,
-            "execute": True, "verify": True, "timeout_s": 30, **extra}
+    body = {
+        "context": "ctx",
+        "generation": "gen",
+        "request_id": request_id,
+        "blocks": BLOCKS,
+        "execute": True,
+        "verify": True,
+        "timeout_s": 30,
+        **extra,
+    }
     created: dict[str, Any] = fleet.client.create_transfer(body)
     return created
 
@@ -153,9 +179,16 @@ def _start_all(fleet: Fleet, ctx_tp: int, gen_tp: int, **env: str) -> None:
 
 def _serving(fleet: Fleet, workers: int) -> None:
     """Wait until ``workers`` workers are alive and hold their command streams."""
-    fleet.wait(lambda: sum(w["status"] == "alive" and w["connected"]
-                           for w in fleet.client.list_workers()["items"]) == workers,
-               f"{workers} workers serving")
+    fleet.wait(
+        lambda: (
+            sum(
+                w["status"] == "alive" and w["connected"]
+                for w in fleet.client.list_workers()["items"]
+            )
+            == workers
+        ),
+        f"{workers} workers serving",
+    )
 
 
 @pytest.mark.parametrize("mode", ["staged", "fragments"])
@@ -173,7 +206,10 @@ def test_transfer_moves_exactly_the_planned_bytes_and_every_byte_verifies(
     parts = fleet.client.list_parts(created["id"])["items"]
     assert {part["state"] for part in parts} == {"done"}
     assert sorted((p["kind"], p["rank"]) for p in parts) == [
-        ("receive", 0), ("send", 0), ("send", 1)]
+        ("receive", 0),
+        ("send", 0),
+        ("send", 1),
+    ]
     sent = sum(part["result"]["bytes"] for part in parts if part["kind"] == "send")
     assert sent == done["bytes"]
     (receive,) = [part for part in parts if part["kind"] == "receive"]
@@ -184,10 +220,15 @@ def test_transfer_moves_exactly_the_planned_bytes_and_every_byte_verifies(
     slots = len(BLOCKS["0"]["generation"])
     assert receive["result"]["verified_bytes"] == slots * pool["slot_bytes"]
     assert sum(route["bytes"] for route in receive["result"]["routes"]) == done["bytes"]
-    sent_sums = {(r["sender_rank"], r["receiver_rank"]): r["checksum"]
-                 for part in parts if part["kind"] == "send" for r in part["result"]["routes"]}
-    received = {(r["sender_rank"], r["receiver_rank"]): r["checksum"]
-                for r in receive["result"]["routes"]}
+    sent_sums = {
+        (r["sender_rank"], r["receiver_rank"]): r["checksum"]
+        for part in parts
+        if part["kind"] == "send"
+        for r in part["result"]["routes"]
+    }
+    received = {
+        (r["sender_rank"], r["receiver_rank"]): r["checksum"] for r in receive["result"]["routes"]
+    }
     assert received == sent_sums
     assert None not in received.values()
 
@@ -197,8 +238,12 @@ def test_a_later_verified_transfer_judges_only_its_own_bytes(fleet: Fleet) -> No
     alarm about the first one's bytes (they were legitimately written)."""
     fleet.register(ctx_tp=2, gen_tp=1)
     _start_all(fleet, 2, 1)
-    first = _transfer(fleet, "unverified", verify=False,
-                      blocks={"0": {"context": [0, 1, 2], "generation": [3, 4, 5]}})
+    first = _transfer(
+        fleet,
+        "unverified",
+        verify=False,
+        blocks={"0": {"context": [0, 1, 2], "generation": [3, 4, 5]}},
+    )
     assert fleet.client.get_transfer(first["id"], wait_s=60)["status"] == "done"
     second = _transfer(fleet, "verified")
     done = fleet.client.get_transfer(second["id"], wait_s=60)
@@ -217,8 +262,10 @@ def test_workers_report_the_transports_ucx_uses(tmp_path: Path, tls: str) -> Non
         _start_all(fleet, 1, 1, **({"UCX_TLS": tls} if tls else {}))
         done = fleet.client.get_transfer(_transfer(fleet, "ucx")["id"], wait_s=60)
         assert done["status"] == "done", done["error"]
-        fleet.wait(lambda: all(w["ucx_in_use"] for w in fleet.client.list_workers()["items"]),
-                   "both workers' UCX reports")
+        fleet.wait(
+            lambda: all(w["ucx_in_use"] for w in fleet.client.list_workers()["items"]),
+            "both workers' UCX reports",
+        )
         for worker in fleet.client.list_workers()["items"]:
             in_use = worker["ucx_in_use"]
             assert in_use["peers"] == ["intra-node"]
@@ -249,21 +296,22 @@ def test_a_sender_killed_mid_transfer_fails_it_on_both_sides_and_the_rank_recove
     doomed = fleet.start_worker("ctx", 0, "-doomed", env={"KVPLANE_WORKER_HOLD_S": "600"})
     _serving(fleet, 2)
     created = _transfer(fleet, "req-kill", timeout_s=4)
-    doomed_id = next(w["id"] for w in fleet.client.list_workers()["items"]
-                     if w["instance"] == "ctx")
+    doomed_id = next(
+        w["id"] for w in fleet.client.list_workers()["items"] if w["instance"] == "ctx"
+    )
     time.sleep(1.0)
     fleet.kill(doomed)
     done = fleet.client.get_transfer(created["id"], wait_s=30)
     assert done["status"] == "failed"
     assert any(why in done["error"] for why in ("did not write", "deadline", "peer_unreachable")), (
-        done["error"])
+        done["error"]
+    )
     # The receiver gave its staging back: a new sender on the same rank moves the next one.
     fleet.start_worker("ctx", 0, "-standby")
 
     def standby_serves() -> bool:
         ctx = [w for w in fleet.client.list_workers()["items"] if w["instance"] == "ctx"]
-        return any(w["id"] != doomed_id and w["status"] == "alive" and w["connected"]
-                   for w in ctx)
+        return any(w["id"] != doomed_id and w["status"] == "alive" and w["connected"] for w in ctx)
 
     fleet.wait(standby_serves, "the standby worker", timeout_s=60)
     time.sleep(1.5)  # one heartbeat: the receiver's directory names the standby now
@@ -283,11 +331,15 @@ def test_a_receiver_killed_mid_transfer_fails_the_sender_with_a_reason(fleet: Fl
     done = fleet.client.get_transfer(created["id"], wait_s=30)
     assert done["status"] == "failed"
     # The sender's part is recorded with its reason (it never got a grant).
-    fleet.wait(lambda: any(p["kind"] == "send" and p["state"] == "failed"
-                           for p in fleet.client.list_parts(created["id"])["items"]),
-               "the sender's failed part", timeout_s=15)
-    (send,) = [p for p in fleet.client.list_parts(created["id"])["items"]
-               if p["kind"] == "send"]
+    fleet.wait(
+        lambda: any(
+            p["kind"] == "send" and p["state"] == "failed"
+            for p in fleet.client.list_parts(created["id"])["items"]
+        ),
+        "the sender's failed part",
+        timeout_s=15,
+    )
+    (send,) = [p for p in fleet.client.list_parts(created["id"])["items"] if p["kind"] == "send"]
     assert "no grant" in send["error"], send["error"]
 
 
@@ -306,11 +358,12 @@ def test_peer_reregistering_mid_transfer_fails_it_with_peer_restarted(fleet: Fle
     # The held sender wakes up: its peer's epoch changed, so it must not write; still failed.
     time.sleep(4)
     assert fleet.client.get_transfer(created["id"])["status"] == "failed"
-    fleet.wait(lambda: any(p["kind"] == "send"
-                           for p in fleet.client.list_parts(created["id"])["items"]),
-               "the sender's part", timeout_s=15)
-    (send,) = [p for p in fleet.client.list_parts(created["id"])["items"]
-               if p["kind"] == "send"]
+    fleet.wait(
+        lambda: any(p["kind"] == "send" for p in fleet.client.list_parts(created["id"])["items"]),
+        "the sender's part",
+        timeout_s=15,
+    )
+    (send,) = [p for p in fleet.client.list_parts(created["id"])["items"] if p["kind"] == "send"]
     assert send["state"] == "failed" and "peer_restarted" in send["error"], send
 
 
@@ -322,12 +375,22 @@ def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, t
     partial) and the state still moves as one slot pair."""
     from api.geometry.state_builders import HybridSpec, hybrid_body
 
-    spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=16, ssm_heads=8,
-                      ssm_head_dim=8, d_state=4, conv_channels=(64, 16, 16), d_conv=4)
+    spec = HybridSpec(
+        num_layers=4,
+        attention_layers=(1,),
+        kv_heads=4,
+        head_dim=16,
+        ssm_heads=8,
+        ssm_head_dim=8,
+        d_state=4,
+        conv_channels=(64, 16, 16),
+        d_conv=4,
+    )
     bodies = {}
     for name, role, tp, t in (("ctx", "context", 2, tpb[0]), ("gen", "generation", 1, tpb[1])):
-        bodies[name] = hybrid_body(role=role, spec=spec, tp=tp, tokens_per_block=t, num_slots=32,
-                                   state_slots=4)
+        bodies[name] = hybrid_body(
+            role=role, spec=spec, tp=tp, tokens_per_block=t, num_slots=32, state_slots=4
+        )
         fleet.client.register_instance(name, bodies[name])
     assert fleet.client.create_pairing("ctx", "gen")["compatible"]
     _start_all(fleet, 2, 1)
@@ -344,8 +407,12 @@ def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, t
         assert done["status"] == "done", done["error"]
         assert done["bytes"] == want.bytes
     with pytest.raises(ApiError) as refused:
-        _transfer(fleet, "hybrid-bad", num_tokens=num_tokens,
-                  blocks={**blocks, "1": {"context": [0, 1], "generation": [1]}})
+        _transfer(
+            fleet,
+            "hybrid-bad",
+            num_tokens=num_tokens,
+            blocks={**blocks, "1": {"context": [0, 1], "generation": [1]}},
+        )
     assert refused.value.status == 422
 
 
@@ -354,16 +421,16 @@ def test_helix_per_cp_rank_block_tables_ride_rest_execute(fleet: Fleet) -> None:
     each CP rank's worker receives the logical blocks ``j % 2 == cp_rank`` and verifies them."""
     views = [ViewSpec("target", 2, 2, 16)]
     ctx = instance_body(role="context", views=views, tp=1, tokens_per_block=8, num_slots=32)
-    gen = instance_body(role="generation", views=views, tp=1, cp=2, tokens_per_block=8,
-                        num_slots=32)
+    gen = instance_body(
+        role="generation", views=views, tp=1, cp=2, tokens_per_block=8, num_slots=32
+    )
     fleet.client.register_instance("ctx", ctx)
     fleet.client.register_instance("gen", gen)
     assert fleet.client.create_pairing("ctx", "gen")["compatible"]
     _start_all(fleet, 1, 2)
     # 7 logical blocks; the generation reuses a prefix: CP rank 0 holds 0, 2, 4, 6 (its last 3
     # here), CP rank 1 holds 1, 3, 5 (its last 2).
-    blocks = {"0": {"context": [10, 11, 12, 13, 14, 15, 16],
-                    "generation": [[7, 8, 9], [5, 6]]}}
+    blocks = {"0": {"context": [10, 11, 12, 13, 14, 15, 16], "generation": [[7, 8, 9], [5, 6]]}}
     plan = compile_plan(parse_instance(ctx, "ctx"), parse_instance(gen, "gen"))
     want = expand(plan, {0: (blocks["0"]["context"], blocks["0"]["generation"])})
     assert want.bytes > 0
@@ -372,6 +439,9 @@ def test_helix_per_cp_rank_block_tables_ride_rest_execute(fleet: Fleet) -> None:
     assert done["status"] == "done", done["error"]
     assert done["bytes"] == want.bytes
     parts = fleet.client.list_parts(created["id"])["items"]
-    received = {p["rank"]: sum(r["bytes"] for r in p["result"]["routes"])
-                for p in parts if p["kind"] == "receive"}
+    received = {
+        p["rank"]: sum(r["bytes"] for r in p["result"]["routes"])
+        for p in parts
+        if p["kind"] == "receive"
+    }
     assert sorted(received) == [0, 1] and sum(received.values()) == want.bytes

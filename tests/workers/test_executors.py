@@ -232,9 +232,12 @@ def test_random_templates_match_oracle(seed):
 def _table_fragments(route, src, dst, bs, bd, limit=None):
     """(src offset, dst offset, length) of every fragment the prepared tables select, with the
     offsets relative to each pool's base as in expand_fragments, per (src pool, dst pool)."""
-    tables = fragment_tables(route, {k: p.spec for k, p in src.items()},
-                             {k: p.spec for k, p in dst.items()}, **({"limit": limit} if limit
-                                                                      else {}))
+    tables = fragment_tables(
+        route,
+        {k: p.spec for k, p in src.items()},
+        {k: p.spec for k, p in dst.items()},
+        **({"limit": limit} if limit else {}),
+    )
     if tables is None:
         return None
     li, ri = fragment_indices(route, tables, bs, bd)
@@ -246,14 +249,18 @@ def _table_fragments(route, src, dst, bs, bd, limit=None):
         rows.append((pools, offsets, lengths))
     (sp, so, sl), (dp, do, dl) = rows
     assert np.array_equal(sl[li], dl[ri])  # a local fragment and its remote one: same length
-    return Counter((int(sp[a]), int(dp[b]), int(so[a]), int(do[b]), int(sl[a]))
-                   for a, b in zip(li.tolist(), ri.tolist(), strict=True))
+    return Counter(
+        (int(sp[a]), int(dp[b]), int(so[a]), int(do[b]), int(sl[a]))
+        for a, b in zip(li.tolist(), ri.tolist(), strict=True)
+    )
 
 
 def _expanded(route, src, dst, bs, bd):
-    return Counter((sp, dp, int(a), int(b), int(n))
-                   for (sp, dp), (so, do, ln) in expand_fragments(route, src, dst, bs, bd).items()
-                   for a, b, n in zip(so, do, ln, strict=True))
+    return Counter(
+        (sp, dp, int(a), int(b), int(n))
+        for (sp, dp), (so, do, ln) in expand_fragments(route, src, dst, bs, bd).items()
+        for a, b, n in zip(so, do, ln, strict=True)
+    )
 
 
 @settings(max_examples=60, deadline=None)

@@ -218,8 +218,9 @@ def test_prepared_fragment_writes_land_and_follow_a_restarted_peer(pair):
             receivers[0] = make("pr", pools, size)
             sender.add_peer(receivers[0].peer_info().to_json())
         nbytes = staging_layout(route, bs).nbytes
-        pending = sender.post_fragments("pr", route, np.array(bs), np.array(bd), b"done",
-                                        "prepared")
+        pending = sender.post_fragments(
+            "pr", route, np.array(bs), np.array(bd), b"done", "prepared"
+        )
         assert pending is not None and pending.nbytes == nbytes
         assert sender._tables[("pr", route.fingerprint)] is not None  # the prepared path
         _wait_done(sender, pending)

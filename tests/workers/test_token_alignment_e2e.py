@@ -40,6 +40,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     finally:
         running.stop()
 
+
 CONTEXT, GENERATION, TOKENS = [5, 6], [10, 11, 12, 13, 14], 20
 # 20 tokens × 4 heads × 16 dims × 2 bytes × K/V × 2 layers
 PROMPT_BYTES = TOKENS * 4 * 16 * 2 * 2 * 2
@@ -78,8 +79,9 @@ def test_rest_execute_moves_the_20_token_16_to_4_case_exactly(fleet: Fleet) -> N
         moved = sum(f[4] for route in fragments["routes"] for f in route["fragments"])
         assert moved == PROMPT_BYTES
     with pytest.raises(ApiError) as refused:
-        fleet.client.create_transfer({"context": "ctx", "generation": "gen",
-                                      "request_id": "no-tokens", "blocks": blocks})
+        fleet.client.create_transfer(
+            {"context": "ctx", "generation": "gen", "request_id": "no-tokens", "blocks": blocks}
+        )
     assert (refused.value.status, refused.value.code) == (422, "ambiguous_alignment")
 
 
@@ -111,15 +113,15 @@ worker.stop()
 
 
 @pytest.mark.parametrize("mode", ["staged", "fragments"])
-def test_engine_api_moves_the_20_token_16_to_4_case_exactly(
-    fleet: Fleet, mode: str
-) -> None:
+def test_engine_api_moves_the_20_token_16_to_4_case_exactly(fleet: Fleet, mode: str) -> None:
     _register(fleet)
     blocks = json.dumps({"0": {"context": CONTEXT, "generation": GENERATION}})
     ranks = {
         role: subprocess.Popen(
             [sys.executable, "-c", RANK, fleet.url, instance, peer, role, mode, blocks],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=fleet.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=fleet.env,
         )  # fmt: skip
         for role, instance, peer in (("context", "ctx", "gen"), ("generation", "gen", "ctx"))
     }

@@ -44,8 +44,12 @@ def _report(text: str, agent: str) -> dict | None:
 def test_the_default_report_shows_shared_memory_beside_tcp() -> None:
     assert _report(DEFAULT_LOG, "a") == {
         "transports": ["tcp/lo", "cma/memory"],
-        "lanes": {"rma_am": ["tcp/lo"], "amo_am": ["tcp/lo"], "am": ["tcp/lo", "cma/memory"],
-                  "ka": ["tcp/lo"]},
+        "lanes": {
+            "rma_am": ["tcp/lo"],
+            "amo_am": ["tcp/lo"],
+            "am": ["tcp/lo", "cma/memory"],
+            "ka": ["tcp/lo"],
+        },
         "peers": ["intra-node"],
         "shared_memory": True,
     }
@@ -66,11 +70,19 @@ def test_only_this_agents_peer_configurations_count() -> None:
     assert _report(TCP_LOG, "a-very-long-instance-name-for-x.r1") is None
 
 
-@pytest.mark.parametrize("line", [
-    "", "garbage", "UCX  INFO  a intra-node", "UCX  INFO    a intra-node cfg#x am(tcp/lo)",
-    "UCX  INFO    a intra-node cfg#1 am(tcp/lo",  "UCX  WARN    a intra-node cfg#1 am(tcp/lo)",
-    "\x00\xff", "UCX  INFO    a intra-node cfg#1 nothing",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "garbage",
+        "UCX  INFO  a intra-node",
+        "UCX  INFO    a intra-node cfg#x am(tcp/lo)",
+        "UCX  INFO    a intra-node cfg#1 am(tcp/lo",
+        "UCX  WARN    a intra-node cfg#1 am(tcp/lo)",
+        "\x00\xff",
+        "UCX  INFO    a intra-node cfg#1 nothing",
+    ],
+)
 def test_unknown_lines_are_ignored(line: str) -> None:
     assert parse_line(line) is None
 
@@ -136,8 +148,14 @@ PROBE = textwrap.dedent("""
 def _probe(tls: str, env: dict[str, str] | None = None) -> dict:
     pytest.importorskip("nixl")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    done = subprocess.run([sys.executable, "-c", PROBE, tls], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**clean, **(env or {})})
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, tls],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **(env or {})},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict = json.loads(done.stdout.strip().splitlines()[-1])
     return result

@@ -25,8 +25,16 @@ from workers.records import Recorder
 ROOT = Path(__file__).resolve().parents[2]
 
 ENTRY = PlanEntry(
-    pairing_id="p1", context="ctx", generation="gen", context_epoch="ce", generation_epoch="ge",
-    context_dp_rank=None, generation_dp_rank=None, senders=(0, 1), receivers=(0,), routes=(),
+    pairing_id="p1",
+    context="ctx",
+    generation="gen",
+    context_epoch="ce",
+    generation_epoch="ge",
+    context_dp_rank=None,
+    generation_dp_rank=None,
+    senders=(0, 1),
+    receivers=(0,),
+    routes=(),
     route_dicts=(),
 )
 
@@ -52,8 +60,14 @@ class StubClient:
         return {"accepted": len(records), "settled": []}
 
 
-def resolved(side: str, state: str, nbytes: int = 100, seconds: float = 0.002,
-             reason: str | None = None, **context: Any) -> Handle:
+def resolved(
+    side: str,
+    state: str,
+    nbytes: int = 100,
+    seconds: float = 0.002,
+    reason: str | None = None,
+    **context: Any,
+) -> Handle:
     handle = Handle(f"r-{side}-{state}", side, "gen" if side == "send" else "ctx", ENTRY, 30.0)
     handle.context.update({"blocks": {"0": {"context": [1], "generation": [2]}}, **context})
     handle.bytes = nbytes
@@ -79,21 +93,24 @@ def test_handovers_are_counted_by_side_and_outcome(worker: Worker) -> None:
     metrics = WorkerMetrics.create(registry)
     instrument(worker, metrics)
     instrument(worker, metrics)  # idempotent: one listener, no double counts
-    for handle in (resolved("send", RELEASED), resolved("send", RELEASED, nbytes=50),
-                   resolved("send", FAILED, reason="deadline"),
-                   resolved("receive", ARRIVED, nbytes=7)):
+    for handle in (
+        resolved("send", RELEASED),
+        resolved("send", RELEASED, nbytes=50),
+        resolved("send", FAILED, reason="deadline"),
+        resolved("receive", ARRIVED, nbytes=7),
+    ):
         worker._on_finished(handle)
-    assert value(registry, "kvplane_worker_handovers_total", side="send",
-                 outcome=RELEASED) == 2
+    assert value(registry, "kvplane_worker_handovers_total", side="send", outcome=RELEASED) == 2
     assert value(registry, "kvplane_worker_handovers_total", side="send", outcome=FAILED) == 1
-    assert value(registry, "kvplane_worker_handovers_total", side="receive",
-                 outcome=ARRIVED) == 1
+    assert value(registry, "kvplane_worker_handovers_total", side="receive", outcome=ARRIVED) == 1
     assert value(registry, "kvplane_worker_bytes_moved_total", side="send") == 150  # not failed
     assert value(registry, "kvplane_worker_bytes_moved_total", side="receive") == 7
-    assert value(registry, "kvplane_worker_handover_seconds_count", side="send",
-                 outcome=RELEASED) == 2
-    assert value(registry, "kvplane_worker_handover_seconds_sum", side="send",
-                 outcome=RELEASED) == pytest.approx(0.004, abs=1e-5)
+    assert (
+        value(registry, "kvplane_worker_handover_seconds_count", side="send", outcome=RELEASED) == 2
+    )
+    assert value(
+        registry, "kvplane_worker_handover_seconds_sum", side="send", outcome=RELEASED
+    ) == pytest.approx(0.004, abs=1e-5)
     assert (worker.stats.sent, worker.stats.received, worker.stats.failed) == (2, 1, 1)
     assert worker.stats.errors == ["deadline"]
 
@@ -101,20 +118,37 @@ def test_handovers_are_counted_by_side_and_outcome(worker: Worker) -> None:
 def test_worker_info_names_the_rank(worker: Worker) -> None:
     registry = CollectorRegistry()
     describe_worker(worker, WorkerMetrics.create(registry))
-    assert value(registry, "kvplane_worker_info", kv_instance="ctx", rank="1", device="cpu",
-                 worker_id="w-1") == 1
+    assert (
+        value(
+            registry,
+            "kvplane_worker_info",
+            kv_instance="ctx",
+            rank="1",
+            device="cpu",
+            worker_id="w-1",
+        )
+        == 1
+    )
 
 
 def test_the_record_of_a_handle_names_its_transfer_and_epochs(worker: Worker) -> None:
     engine = worker._record(resolved("send", RELEASED), None)
     assert (engine["pairing_id"], engine["context_epoch"], engine["generation_epoch"]) == (
-        "p1", "ce", "ge")
+        "p1",
+        "ce",
+        "ge",
+    )
     assert engine["status"] == "done" and "transfer_id" not in engine
     assert engine["blocks"] == {"0": {"context": [1], "generation": [2]}}  # creates the row
-    rest = worker._record(resolved("receive", FAILED, reason="peer_restarted: x",
-                                   transfer_id="t1", attempt=2), None)
+    rest = worker._record(
+        resolved("receive", FAILED, reason="peer_restarted: x", transfer_id="t1", attempt=2), None
+    )
     assert (rest["transfer_id"], rest["attempt"], rest["status"], rest["error"]) == (
-        "t1", 2, "failed", "peer_restarted: x")
+        "t1",
+        2,
+        "failed",
+        "peer_restarted: x",
+    )
     assert "blocks" not in rest
 
 
@@ -144,8 +178,11 @@ def test_records_are_batched_by_count_or_interval() -> None:
 
 
 def test_records_ride_an_outage_and_none_is_lost() -> None:
-    down = [TransportError(0, "unreachable", "refused"), UnavailableError(503, "busy", "x"),
-            TransportError(0, "unreachable", "refused")]
+    down = [
+        TransportError(0, "unreachable", "refused"),
+        UnavailableError(503, "busy", "x"),
+        TransportError(0, "unreachable", "refused"),
+    ]
     client = StubClient(down)
     recorder = Recorder(client, lambda: "w-1", batch=1, interval_s=0.05)  # type: ignore[arg-type]
     try:
@@ -202,8 +239,13 @@ def test_a_record_refused_with_any_4xx_is_dropped_and_later_records_flow() -> No
 
 def test_the_backlog_is_bounded_and_counts_what_it_dropped() -> None:
     client = StubClient([TransportError(0, "unreachable", "refused")] * 1000)
-    recorder = Recorder(client, lambda: "w-1", batch=1000, interval_s=3600,  # type: ignore[arg-type]
-                        max_pending=10)
+    recorder = Recorder(
+        client,
+        lambda: "w-1",
+        batch=1000,
+        interval_s=3600,  # type: ignore[arg-type]
+        max_pending=10,
+    )
     try:
         for i in range(25):
             recorder.add({"n": i})
@@ -234,7 +276,8 @@ def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> No
 
 
 def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
-        worker: Worker) -> None:
+    worker: Worker,
+) -> None:
     """A real head-slice route (sender rank 1's 2 heads into heads 2-3 of receiver rank 0, HND,
     blocks 3 and 0 into slots 1 and 2): a correct copy passes and counts both slots; a wrong
     byte, a block copied from the wrong slot or a stray write beside the fragments fails it,
@@ -246,8 +289,18 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     from workers.pools import Pool, pattern_tensor
     from workers.testing.oracles import HeadSlice, reference_copy
 
-    hs = HeadSlice("HND", layers=3, tokens_per_block=4, head_dim=8, elem_bytes=2,
-                   sender_heads=2, receiver_heads=4, src_head=0, dst_head=2, heads=2)
+    hs = HeadSlice(
+        "HND",
+        layers=3,
+        tokens_per_block=4,
+        head_dim=8,
+        elem_bytes=2,
+        sender_heads=2,
+        receiver_heads=4,
+        src_head=0,
+        dst_head=2,
+        heads=2,
+    )
     route = dataclasses.replace(hs.route(), sender_rank=1, receiver_rank=0)
     send_spec, recv_spec = hs.sender_spec(4), hs.receiver_spec(4)
     sender = {0: Pool(send_spec, pattern_tensor(1, 0, send_spec.nbytes).clone())}
@@ -256,10 +309,12 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     worker._touched = {0: np.zeros(recv_spec.nbytes, dtype=bool)}
     pools_wire = [{"id": 0, "slot_bytes": send_spec.slot_bytes, "num_slots": 4}]
     worker.handover = SimpleNamespace(  # type: ignore[assignment]
-        peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire}))
+        peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire})
+    )
     handle = Handle("r-1", "receive", "ctx", dataclasses.replace(ENTRY, routes=(route,)), 30.0)
-    handle.context.update({"blocks": {"0": {"context": [3, 0], "generation": [1, 2]}},
-                           "verify": True})
+    handle.context.update(
+        {"blocks": {"0": {"context": [3, 0], "generation": [1, 2]}}, "verify": True}
+    )
 
     worker._mark_targeted(handle)
     target = worker.pools[0].tensor
@@ -273,21 +328,24 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
 
     written_at = int(np.flatnonzero(worker._touched[0])[5])
     target[written_at] ^= 0x01
-    with pytest.raises(VerificationError,
-                       match=f"1 wrong bytes among those written from rank 1 \\(first at "
-                             f"offset {written_at}\\)"):
+    with pytest.raises(
+        VerificationError,
+        match=f"1 wrong bytes among those written from rank 1 \\(first at offset {written_at}\\)",
+    ):
         worker.verify_transfer(handle)
     target.copy_(before)  # the receiver's slot 1 holds sender block 0 instead of block 3
     reference_copy(route, sender, worker.pools, {0: [0, 0]}, {0: [1, 2]})
     with pytest.raises(VerificationError, match="wrong bytes among those written from rank 1"):
         worker.verify_transfer(handle)
     reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
-    stray = recv_spec.slot_stride_bytes * 2 + int(np.flatnonzero(~worker._touched[0][
-        recv_spec.slot_stride_bytes * 2:])[0])
+    stray = recv_spec.slot_stride_bytes * 2 + int(
+        np.flatnonzero(~worker._touched[0][recv_spec.slot_stride_bytes * 2 :])[0]
+    )
     target[stray] ^= 0x80  # beside the fragments of slot 2: nobody targeted it
-    with pytest.raises(VerificationError,
-                       match=f"1 bytes that no transfer targeted but that changed \\(first at "
-                             f"offset {stray}\\)"):
+    with pytest.raises(
+        VerificationError,
+        match=f"1 bytes that no transfer targeted but that changed \\(first at offset {stray}\\)",
+    ):
         worker.verify_transfer(handle)
 
 

@@ -107,8 +107,11 @@ def _log_to_stderr(level: str) -> None:
     logger.setLevel(level.upper())
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s kvplane[{os.getpid()}] %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(
+                f"%(asctime)s kvplane[{os.getpid()}] %(levelname)s %(name)s: %(message)s"
+            )
+        )
         logger.addHandler(handler)
 
 
@@ -119,8 +122,10 @@ def _role(config: VllmConfig) -> str:
         return "context"
     if kv.kv_role == "kv_consumer":
         return "generation"
-    raise ValueError(f"KvplaneConnector: kv_role {kv.kv_role!r}: a kvplane instance is either a "
-                     "context (kv_producer) or a generation (kv_consumer) instance")
+    raise ValueError(
+        f"KvplaneConnector: kv_role {kv.kv_role!r}: a kvplane instance is either a "
+        "context (kv_producer) or a generation (kv_consumer) instance"
+    )
 
 
 @dataclass
@@ -148,8 +153,12 @@ class KvplaneConnectorMetadata(KVConnectorMetadata):
 class KvplaneConnector(KVConnectorBase_V1):
     """vLLM's KV connector over kvplane (see the module docstring)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         self.kind = _role(vllm_config)
         self.instance = instance_name(vllm_config)
@@ -181,8 +190,9 @@ class KvplaneConnector(KVConnectorBase_V1):
     # scheduler side
     # ---------------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and params.get("remote_block_ids"):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -190,8 +200,9 @@ class KvplaneConnector(KVConnectorBase_V1):
                 return count, True
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -203,31 +214,43 @@ class KvplaneConnector(KVConnectorBase_V1):
         remote = [int(b) for b in params["remote_block_ids"]]
         # The blocks that hold the tokens to load, aligned from the end of the prompt.
         needed = -(-len(request.prompt_token_ids or ()) // block_size) - (
-            request.num_computed_tokens // block_size)
+            request.num_computed_tokens // block_size
+        )
         count = min(len(local), len(remote), max(needed, 0))
-        local, remote = local[:count], remote[len(remote) - count:]
-        self._new_receives.append(Receive(
-            request_id=request.request_id, remote_request_id=str(params["remote_request_id"]),
-            context=str(params["kvplane_context"]), remote_block_ids=remote,
-            local_block_ids=local, num_tokens=len(request.prompt_token_ids or ()) or None,
-            skip_blocks=int(params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks))))
+        local, remote = local[:count], remote[len(remote) - count :]
+        self._new_receives.append(
+            Receive(
+                request_id=request.request_id,
+                remote_request_id=str(params["remote_request_id"]),
+                context=str(params["kvplane_context"]),
+                remote_block_ids=remote,
+                local_block_ids=local,
+                num_tokens=len(request.prompt_token_ids or ()) or None,
+                skip_blocks=int(params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks)),
+            )
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvplaneConnectorMetadata(
-            receive=self._new_receives, hold=self._new_holds,
-            idle=scheduler_output.total_num_scheduled_tokens == 0 and bool(self._holding))
+            receive=self._new_receives,
+            hold=self._new_holds,
+            idle=scheduler_output.total_num_scheduled_tokens == 0 and bool(self._holding),
+        )
         self._new_receives, self._new_holds = [], {}
         return meta
 
-    def request_finished(self, request: Request,
-                         block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or self.kind != "context":
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
-                                  RequestStatus.FINISHED_STOPPED):
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
             return False, None  # aborted: nothing to hand over
         nested = bool(block_ids) and isinstance(block_ids[0], (list, tuple))
         ids = [int(b) for b in (block_ids[0] if nested else block_ids)]
@@ -237,9 +260,12 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._holding[request.request_id] = until
         self._new_holds[request.request_id] = (ids, until)
         return True, {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": ids, "remote_request_id": request.request_id,
-            "remote_engine_id": self.instance, "kvplane_context": self.instance,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_request_id": request.request_id,
+            "remote_engine_id": self.instance,
+            "kvplane_context": self.instance,
             "remote_num_tokens": len(request.prompt_token_ids or ()),
         }
 
@@ -264,22 +290,34 @@ class KvplaneConnector(KVConnectorBase_V1):
         from workers.agent import Worker
 
         extra = _extra(self._vllm_config)
-        url = str(extra.get("control_plane") or os.environ.get("KVPLANE_URL")
-                  or "http://127.0.0.1:8000")
+        url = str(
+            extra.get("control_plane") or os.environ.get("KVPLANE_URL") or "http://127.0.0.1:8000"
+        )
         token = extra.get("token") or os.environ.get("KVPLANE_TOKEN")
         client = Client(url, token=token, retries=5)
-        rank, header, rank_body, tensors = registration(self._vllm_config, kv_caches,
-                                                        model=extra.get("model"))
+        rank, header, rank_body, tensors = registration(
+            self._vllm_config, kv_caches, model=extra.get("model")
+        )
         client.register_instance(self.instance, {**header, "ranks": [rank_body]})
         device = str(next(iter(tensors.values())).device)
-        worker = Worker(client, self.instance, rank, device=device,
-                        staging_bytes=int(extra.get("staging_mib", DEFAULT_STAGING_MIB)) << 20,
-                        on_ask=self._on_ask if self.kind == "context" else None)
+        worker = Worker(
+            client,
+            self.instance,
+            rank,
+            device=device,
+            staging_bytes=int(extra.get("staging_mib", DEFAULT_STAGING_MIB)) << 20,
+            on_ask=self._on_ask if self.kind == "context" else None,
+        )
         worker.attach(tensors=tensors)
         worker.start()
         self.worker = worker
-        log.info("kvplane: %s rank %d registered at %s (%d pools)", self.instance, rank, url,
-                 len(tensors))
+        log.info(
+            "kvplane: %s rank %d registered at %s (%d pools)",
+            self.instance,
+            rank,
+            url,
+            len(tensors),
+        )
         if self.kind == "context":
             self._revalidate_pairings(client)
         elif extra.get("peer"):
@@ -303,8 +341,9 @@ class KvplaneConnector(KVConnectorBase_V1):
             report = self.worker.client.create_pairing(context, self.instance)
         except Exception as error:
             if quiet:
-                log.info("kvplane: pairing %s -> %s not possible yet: %s", context,
-                         self.instance, error)
+                log.info(
+                    "kvplane: pairing %s -> %s not possible yet: %s", context, self.instance, error
+                )
                 return
             raise
         if not report.get("compatible"):
@@ -334,8 +373,12 @@ class KvplaneConnector(KVConnectorBase_V1):
         assert self.worker is not None
         skip = min(receive.skip_blocks, len(receive.local_block_ids))
         blocks = {0: (receive.remote_block_ids[skip:], receive.local_block_ids[skip:])}
-        options: dict[str, Any] = {"timeout_s": self.timeout_s, "verify": self.verify, "ask": True,
-                   "num_tokens": receive.num_tokens}
+        options: dict[str, Any] = {
+            "timeout_s": self.timeout_s,
+            "verify": self.verify,
+            "ask": True,
+            "num_tokens": receive.num_tokens,
+        }
         with self._lock:
             self._receiving[receive.remote_request_id] = receive
         try:
@@ -347,8 +390,9 @@ class KvplaneConnector(KVConnectorBase_V1):
                 self._pair(receive.context)  # a prefill engine this decode has not met yet
                 self.worker.expect(receive.remote_request_id, receive.context, blocks, **options)
         except Exception as error:
-            log.warning("kvplane: cannot load %s from %s: %s", receive.request_id,
-                        receive.context, error)
+            log.warning(
+                "kvplane: cannot load %s from %s: %s", receive.request_id, receive.context, error
+            )
             with self._lock:
                 self._receiving.pop(receive.remote_request_id, None)
                 self._done_receiving.add(receive.request_id)
@@ -379,8 +423,13 @@ class KvplaneConnector(KVConnectorBase_V1):
             held = ask.request_id in self._held
             if not held:
                 self._parked[ask.request_id] = (ask, time.monotonic())
-        log.debug("kvplane: %s asked for %s by %s (%s)", self.instance, ask.request_id, ask.peer,
-                  "held" if held else "parked")
+        log.debug(
+            "kvplane: %s asked for %s by %s (%s)",
+            self.instance,
+            ask.request_id,
+            ask.peer,
+            "held" if held else "parked",
+        )
         if held:
             self._serve(ask)
 
@@ -394,9 +443,11 @@ class KvplaneConnector(KVConnectorBase_V1):
             self._sending.add(ask.request_id)
         wanted = _context_ids(ask.blocks)
         if held[1] < time.time() or not set(wanted) <= set(held[0]):
-            reason = (f"{self.instance} no longer holds request {ask.request_id}"
-                      if held[1] < time.time() else
-                      f"{self.instance} holds other blocks for request {ask.request_id}")
+            reason = (
+                f"{self.instance} no longer holds request {ask.request_id}"
+                if held[1] < time.time()
+                else f"{self.instance} holds other blocks for request {ask.request_id}"
+            )
             handover.refuse(ask, reason)
             self._sent(ask.request_id)
             return
@@ -427,8 +478,11 @@ class KvplaneConnector(KVConnectorBase_V1):
                     continue
                 self._done_receiving.add(receive.request_id)
                 if request_id in finished.failed:
-                    log.warning("kvplane: loading %s failed: %s", receive.request_id,
-                                finished.failed[request_id])
+                    log.warning(
+                        "kvplane: loading %s failed: %s",
+                        receive.request_id,
+                        finished.failed[request_id],
+                    )
                     self._load_errors.update(receive.local_block_ids)
             for request_id, (_, until) in list(self._held.items()):
                 if until < now_wall and request_id not in self._sending:
@@ -444,15 +498,17 @@ class KvplaneConnector(KVConnectorBase_V1):
                 self._sending.discard(request_id)
         for ask in refuse:
             assert self.worker.handover is not None
-            self.worker.handover.refuse(ask, f"{self.instance} does not hold request "
-                                             f"{ask.request_id}")
+            self.worker.handover.refuse(
+                ask, f"{self.instance} does not hold request {ask.request_id}"
+            )
         return sending or None, receiving or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before the scheduler runs the request
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # the decode side pulls by asking; nothing to save per layer
 
     def wait_for_save(self) -> None:
@@ -470,9 +526,9 @@ def _context_ids(blocks: Any) -> list[int]:
     return [int(b) for b in ids]
 
 
-def registration(config: VllmConfig, kv_caches: dict[str, torch.Tensor], *,
-                 model: str | None = None
-                 ) -> tuple[int, dict[str, Any], dict[str, Any], dict[int, torch.Tensor]]:
+def registration(
+    config: VllmConfig, kv_caches: dict[str, torch.Tensor], *, model: str | None = None
+) -> tuple[int, dict[str, Any], dict[str, Any], dict[int, torch.Tensor]]:
     """``(rank, instance header, rank body, {pool id: tensor})`` for this rank's KV tensors."""
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -485,10 +541,15 @@ def registration(config: VllmConfig, kv_caches: dict[str, torch.Tensor], *,
     total = model_config.get_total_num_kv_heads()
     head_dim = model_config.get_head_size()
     header = {
-        "role": _role(config), "model": model or os.path.basename(
-            str(model_config.model).rstrip("/")),
-        "tp": tp, "pp": pp, "cp": 1, "attention_dp": False, "tokens_per_block": block_size,
-        "kv_heads_per_rank": heads, "total_kv_heads": total,
+        "role": _role(config),
+        "model": model or os.path.basename(str(model_config.model).rstrip("/")),
+        "tp": tp,
+        "pp": pp,
+        "cp": 1,
+        "attention_dp": False,
+        "tokens_per_block": block_size,
+        "kv_heads_per_rank": heads,
+        "total_kv_heads": total,
     }
     pools: list[dict[str, Any]] = []
     views: list[dict[str, Any]] = []
@@ -499,13 +560,29 @@ def registration(config: VllmConfig, kv_caches: dict[str, torch.Tensor], *,
         for roles, part, layout in _parts(tensor, heads, block_size, head_dim):
             pool_id = len(pools)
             slot = part[0].numel() * part.element_size()
-            pools.append({"id": pool_id, "layer_group": 0, "slot_bytes": slot,
-                          "slot_stride_bytes": part.stride(0) * part.element_size(),
-                          "num_slots": part.shape[0], "base_address": part.data_ptr()})
-            views.append({"pool": pool_id, "owner": "target", "roles": roles, "layout": layout,
-                          "num_kv_heads": heads, "total_kv_heads": total, "head_dim": head_dim,
-                          "dtype": str(tensor.dtype).removeprefix("torch."),
-                          "buffers": [{"layer": layer, "offset": 0, "size": slot}]})
+            pools.append(
+                {
+                    "id": pool_id,
+                    "layer_group": 0,
+                    "slot_bytes": slot,
+                    "slot_stride_bytes": part.stride(0) * part.element_size(),
+                    "num_slots": part.shape[0],
+                    "base_address": part.data_ptr(),
+                }
+            )
+            views.append(
+                {
+                    "pool": pool_id,
+                    "owner": "target",
+                    "roles": roles,
+                    "layout": layout,
+                    "num_kv_heads": heads,
+                    "total_kv_heads": total,
+                    "head_dim": head_dim,
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "buffers": [{"layer": layer, "offset": 0, "size": slot}],
+                }
+            )
             tensors[pool_id] = part
     return rank, header, {"rank": rank, "pools": pools, "views": views}, tensors
 
@@ -515,8 +592,9 @@ def _layer_order(item: tuple[str, Any]) -> tuple[int, str]:
     return (int(match.group(1)) if match else 1 << 30, item[0])
 
 
-def _parts(tensor: torch.Tensor, heads: int, block_size: int,
-           head_dim: int) -> list[tuple[list[str], torch.Tensor, str]]:
+def _parts(
+    tensor: torch.Tensor, heads: int, block_size: int, head_dim: int
+) -> list[tuple[list[str], torch.Tensor, str]]:
     """One layer's tensor as ``(roles, [blocks, ...] tensor, layout)`` pools."""
     shape = tuple(tensor.shape)
     if len(shape) == 4 and shape[1:] == (heads, block_size, 2 * head_dim):
@@ -524,11 +602,18 @@ def _parts(tensor: torch.Tensor, heads: int, block_size: int,
         return [(["key", "value"], tensor, "HND")]
     if len(shape) == 5 and shape[0] == 2:
         inner = shape[2:4]
-        layout = ("NHD" if inner == (block_size, heads) else
-                  "HND" if inner == (heads, block_size) else None)
+        layout = (
+            "NHD"
+            if inner == (block_size, heads)
+            else "HND"
+            if inner == (heads, block_size)
+            else None
+        )
         if layout is not None and tensor[0].is_contiguous() and tensor[1].is_contiguous():
             return [(["key"], tensor[0], layout), (["value"], tensor[1], layout)]
-    raise ValueError(f"KvplaneConnector: a KV cache tensor of shape {shape} (block size "
-                     f"{block_size}, {heads} KV heads, head_dim {head_dim}) is not a layout it "
-                     "knows: [blocks, heads, block_size, 2*head_dim] (CPU) or [2, blocks, "
-                     "block_size, heads, head_dim] / [2, blocks, heads, block_size, head_dim]")
+    raise ValueError(
+        f"KvplaneConnector: a KV cache tensor of shape {shape} (block size "
+        f"{block_size}, {heads} KV heads, head_dim {head_dim}) is not a layout it "
+        "knows: [blocks, heads, block_size, 2*head_dim] (CPU) or [2, blocks, "
+        "block_size, heads, head_dim] / [2, blocks, heads, block_size, head_dim]"
+    )

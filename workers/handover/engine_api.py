@@ -114,16 +114,27 @@ class Handover(GrantExchange):
         self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"kvplane-handover-{instance}-{rank}")
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"kvplane-handover-{instance}-{rank}"
+        )
         self._thread.start()
 
     # --- engine API --------------------------------------------------------------------------
 
-    def send(self, request_id: str, peer: str, blocks: BlockMap, *,
-             context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
-             timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-             context: Mapping[str, Any] | None = None, num_tokens: int | None = None) -> Handle:
+    def send(
+        self,
+        request_id: str,
+        peer: str,
+        blocks: BlockMap,
+        *,
+        context_dp_rank: int | None = None,
+        generation_dp_rank: int | None = None,
+        timeout_s: float | None = None,
+        mode: str = "auto",
+        verify: bool = False,
+        context: Mapping[str, Any] | None = None,
+        num_tokens: int | None = None,
+    ) -> Handle:
         """Start sending this rank's share of ``request_id`` to generation instance ``peer``.
 
         ``num_tokens``: the request's prompt tokens whose KV the context holds (vLLM's
@@ -138,28 +149,64 @@ class Handover(GrantExchange):
         (recorded); ``context``: the caller's extras, kept on ``handle.context``. Raises
         :class:`HandoverError` (a ``code`` says why) when it cannot start.
         """
-        return self._start("send", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens)
+        return self._start(
+            "send",
+            request_id,
+            peer,
+            blocks,
+            context_dp_rank,
+            generation_dp_rank,
+            timeout_s,
+            mode,
+            verify,
+            context,
+            num_tokens,
+        )
 
-    def expect(self, request_id: str, peer: str, blocks: BlockMap, *,
-               context_dp_rank: int | None = None, generation_dp_rank: int | None = None,
-               timeout_s: float | None = None, mode: str = "auto", verify: bool = False,
-               context: Mapping[str, Any] | None = None,
-               num_tokens: int | None = None, ask: bool = False) -> Handle:
+    def expect(
+        self,
+        request_id: str,
+        peer: str,
+        blocks: BlockMap,
+        *,
+        context_dp_rank: int | None = None,
+        generation_dp_rank: int | None = None,
+        timeout_s: float | None = None,
+        mode: str = "auto",
+        verify: bool = False,
+        context: Mapping[str, Any] | None = None,
+        num_tokens: int | None = None,
+        ask: bool = False,
+    ) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
         (same options as :meth:`send`; the handle becomes ``arrived``). ``ask``: the context
         side has not called ``send``; ask each writer to (see :class:`Ask`)."""
-        return self._start("receive", request_id, peer, blocks, context_dp_rank,
-                           generation_dp_rank, timeout_s, mode, verify, context, num_tokens,
-                           ask)
+        return self._start(
+            "receive",
+            request_id,
+            peer,
+            blocks,
+            context_dp_rank,
+            generation_dp_rank,
+            timeout_s,
+            mode,
+            verify,
+            context,
+            num_tokens,
+            ask,
+        )
 
     def refuse(self, ask: Ask, reason: str) -> None:
         """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
         ce, ge = ask.epochs
         self._asked[ask.request_id] = time.monotonic()
         try:
-            self.transport.send_notif(ask.agent, notice(
-                "X", ask.request_id, ce, ge, ask.route[0], ask.route[1], reason_field(reason)))
+            self.transport.send_notif(
+                ask.agent,
+                notice(
+                    "X", ask.request_id, ce, ge, ask.route[0], ask.route[1], reason_field(reason)
+                ),
+            )
         except Exception as error:  # the asking rank is gone: its deadline covers it
             log.debug("refusal to %s failed: %s", ask.agent, error)
 
@@ -207,49 +254,70 @@ class Handover(GrantExchange):
 
     # --- starting a handle (caller's thread: validation only) --------------------------------
 
-    def _start(self, side: str, request_id: str, peer: str, blocks: BlockMap,
-               context_dp_rank: int | None, generation_dp_rank: int | None,
-               timeout_s: float | None, mode: str, verify: bool,
-               context: Mapping[str, Any] | None, num_tokens: int | None = None,
-               ask: bool = False) -> Handle:
+    def _start(
+        self,
+        side: str,
+        request_id: str,
+        peer: str,
+        blocks: BlockMap,
+        context_dp_rank: int | None,
+        generation_dp_rank: int | None,
+        timeout_s: float | None,
+        mode: str,
+        verify: bool,
+        context: Mapping[str, Any] | None,
+        num_tokens: int | None = None,
+        ask: bool = False,
+    ) -> Handle:
         if self._closed:
             raise HandoverError("this worker's handover is closed", code="closed")
         if not isinstance(request_id, str) or not _ID.match(request_id):
             raise HandoverError(
                 f"request id {request_id!r}: 1-200 characters of letters, digits and ._:@/+=-",
-                code="invalid_request_id")
+                code="invalid_request_id",
+            )
         if mode not in MODES:
-            raise HandoverError(f"mode {mode!r}: auto, staged or fragments",
-                                code="invalid_mode")
+            raise HandoverError(f"mode {mode!r}: auto, staged or fragments", code="invalid_mode")
         directory = self.directory
         role = "context" if side == "send" else "generation"
         if directory.role and directory.role != role:
-            raise HandoverError(f"{self.instance} is a {directory.role} instance: it can only "
-                                f"{'send' if directory.role == 'context' else 'expect'}",
-                                code="wrong_role")
+            raise HandoverError(
+                f"{self.instance} is a {directory.role} instance: it can only "
+                f"{'send' if directory.role == 'context' else 'expect'}",
+                code="wrong_role",
+            )
         entry = directory.plan(peer, context_dp_rank, generation_dp_rank)
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         if not 0 < timeout <= 3600:
             raise HandoverError(f"timeout_s {timeout}: between 0 and 3600", code="invalid_timeout")
         if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 1):
-            raise HandoverError(f"num_tokens {num_tokens!r}: an integer ≥ 1",
-                                code="invalid_blocks")
+            raise HandoverError(f"num_tokens {num_tokens!r}: an integer ≥ 1", code="invalid_blocks")
         pairs = normalize_blocks(blocks)
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
         handle.context.update(blocks=blocks_of(pairs), verify=verify, num_tokens=num_tokens)
         now = time.monotonic()
-        op = Op(handle, request_id, side, peer, mode, verify, now + timeout,
-                 hold_until=now + self.hold_s, ask=ask and side == "receive",
-                 dp=(context_dp_rank, generation_dp_rank))
+        op = Op(
+            handle,
+            request_id,
+            side,
+            peer,
+            mode,
+            verify,
+            now + timeout,
+            hold_until=now + self.hold_s,
+            ask=ask and side == "receive",
+            dp=(context_dp_rank, generation_dp_rank),
+        )
         for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
             mine = route.sender_rank if side == "send" else route.receiver_rank
             if mine != self.rank:
                 continue
             missing = [g for g in route.layer_groups if g not in pairs]
             if missing:
-                raise HandoverError(f"no block lists for layer group(s) {missing}",
-                                    code="invalid_blocks")
+                raise HandoverError(
+                    f"no block lists for layer group(s) {missing}", code="invalid_blocks"
+                )
             route_mode = route_mode_of(route) if mode == "auto" else mode  # the plan's route
             try:  # a ratio: the route as this request runs it (see align_request)
                 route, src, dst = align_request(route, pairs, num_tokens)
@@ -260,11 +328,23 @@ class Handover(GrantExchange):
                 raise HandoverError(
                     f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "
                     f"staging bytes; this worker's buffer holds {self.areas.nbytes} (use a "
-                    "larger --staging-mib or mode=fragments)", code="staging_too_small")
-            op.routes.append(RouteState(
-                op, route, route_dict, route.sender_rank, route.receiver_rank, src, dst, layout,
-                peer_rank=route.receiver_rank if side == "send" else route.sender_rank,
-                mode=route_mode))
+                    "larger --staging-mib or mode=fragments)",
+                    code="staging_too_small",
+                )
+            op.routes.append(
+                RouteState(
+                    op,
+                    route,
+                    route_dict,
+                    route.sender_rank,
+                    route.receiver_rank,
+                    src,
+                    dst,
+                    layout,
+                    peer_rank=route.receiver_rank if side == "send" else route.sender_rank,
+                    mode=route_mode,
+                )
+            )
         modes = {state.mode for state in op.routes}
         handle.context["mode"] = modes.pop() if len(modes) == 1 else mode
         self._validate_ids(op)
@@ -289,8 +369,9 @@ class Handover(GrantExchange):
                 pool_id = seg.src_pool if op.side == "send" else seg.dst_pool
                 pool = pools.get(pool_id)
                 if pool is None:
-                    raise HandoverError(f"pool {pool_id} is not on rank {self.rank}",
-                                        code="invalid_blocks")
+                    raise HandoverError(
+                        f"pool {pool_id} is not on rank {self.rank}", code="invalid_blocks"
+                    )
                 arr = ids[seg.layer_group]
                 num_slots = pool.spec.num_slots
                 if (id(arr), num_slots) in checked:  # views of one layer group share their ids
@@ -300,10 +381,14 @@ class Handover(GrantExchange):
                 if values and (min(values) < 0 or max(values) >= num_slots):
                     raise HandoverError(
                         f"layer group {seg.layer_group}: block ids must be in [0, "
-                        f"{num_slots}) on rank {self.rank}", code="invalid_blocks")
+                        f"{num_slots}) on rank {self.rank}",
+                        code="invalid_blocks",
+                    )
                 if op.side == "receive" and len(set(values)) != len(values):
-                    raise HandoverError(f"layer group {seg.layer_group}: duplicate destination "
-                                        "block ids", code="invalid_blocks")
+                    raise HandoverError(
+                        f"layer group {seg.layer_group}: duplicate destination block ids",
+                        code="invalid_blocks",
+                    )
 
     # --- progress thread ---------------------------------------------------------------------
 
@@ -385,8 +470,9 @@ class Handover(GrantExchange):
             return
         index = self._send if op.side == "send" else self._recv
         if any(state.key in index for state in op.routes):
-            self._fail(op, f"request {op.xid!r} is already in flight on rank {self.rank}",
-                       notify=False)
+            self._fail(
+                op, f"request {op.xid!r} is already in flight on rank {self.rank}", notify=False
+            )
             return
         for state in op.routes:
             if not state.layout.nbytes and state.mode == "staged":
@@ -429,8 +515,9 @@ class Handover(GrantExchange):
             if peer is None or not self._load_peer(peer):
                 return True
             if peer.epoch != self._peer_epoch(op):
-                self._fail(op, f"peer_restarted: {op.peer} re-registered since the plan this "
-                               "request uses")
+                self._fail(
+                    op, f"peer_restarted: {op.peer} re-registered since the plan this request uses"
+                )
                 return False
             state.agent = peer.agent
         if time.monotonic() < op.hold_until:
@@ -441,8 +528,11 @@ class Handover(GrantExchange):
             return not self._grant(state)
         if op.side == "send" and state.grant is not None and not state.written:
             if state.grant[0] != state.agent:
-                self._fail(op, f"peer_restarted: the grant came from a worker of {op.peer} "
-                               f"rank {state.peer_rank} that is not the current one")
+                self._fail(
+                    op,
+                    f"peer_restarted: the grant came from a worker of {op.peer} "
+                    f"rank {state.peer_rank} that is not the current one",
+                )
                 return False
             return not self._write(state)
         return False
@@ -472,8 +562,11 @@ class Handover(GrantExchange):
         if kind == "A":
             self._on_ask(agent, fields)
             return
-        index = self._send if kind == "G" or (kind == "X" and
-                                              self.directory.role == "context") else self._recv
+        index = (
+            self._send
+            if kind == "G" or (kind == "X" and self.directory.role == "context")
+            else self._recv
+        )
         state = index.get(key)
         if state is None:
             if kind == "G" and self._written.get(key) == agent:
@@ -485,8 +578,9 @@ class Handover(GrantExchange):
             return
         self._on_message(agent, fields, state)
 
-    def _on_message(self, agent: str, fields: list[str], state: RouteState,
-                    received_at: float | None = None) -> None:
+    def _on_message(
+        self, agent: str, fields: list[str], state: RouteState, received_at: float | None = None
+    ) -> None:
         op = state.op
         if op.handle.done:
             return
@@ -498,15 +592,22 @@ class Handover(GrantExchange):
                 self._fail(op, f"peer_restarted: a message from {who}'s previous worker")
             return  # a stranger's message: drop it
         if (fields[2], fields[3]) != op.handle.entry.epochs():
-            self._fail(op, f"peer_restarted: {op.peer} planned with other epochs "
-                           f"({fields[2][:8]}/{fields[3][:8]})", notify=True)
+            self._fail(
+                op,
+                f"peer_restarted: {op.peer} planned with other epochs "
+                f"({fields[2][:8]}/{fields[3][:8]})",
+                notify=True,
+            )
             return
         try:
             if kind == "X":
                 told = "|".join(fields[6:])
                 cause = "peer_unreachable: " if told.startswith("peer_unreachable") else ""
-                self._fail(op, f"{cause}peer {op.peer} rank {state.peer_rank} aborted: {told}",
-                           notify=False)
+                self._fail(
+                    op,
+                    f"{cause}peer {op.peer} rank {state.peer_rank} aborted: {told}",
+                    notify=False,
+                )
             elif kind == "G" and op.side == "send" and state.grant is None:
                 self._on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
@@ -557,6 +658,9 @@ class Handover(GrantExchange):
                 continue
             for state in op.routes:
                 if state.agent is not None and state.agent in retired and not state.done:
-                    self._fail(op, f"peer_restarted: the worker of {op.peer} rank "
-                                   f"{state.peer_rank} was replaced")
+                    self._fail(
+                        op,
+                        f"peer_restarted: the worker of {op.peer} rank "
+                        f"{state.peer_rank} was replaced",
+                    )
                     break

@@ -76,42 +76,67 @@ class GrantExchange(HandleLifecycle):
             state.area = area
             offset = area
             state.chunk_blocks = self.chunk_blocks
-            state.chunks = dict(enumerate(c for c in state.layout.chunks(self.chunk_blocks)
-                                          if c.nbytes))
+            state.chunks = dict(
+                enumerate(c for c in state.layout.chunks(self.chunk_blocks) if c.nbytes)
+            )
         state.granted = True
         self._send_grant(state, offset, ttl_ms)
         return True
 
-    def _send_grant(self, state: RouteState, offset: int, ttl_ms: int,
-                    again: bool = False) -> None:
+    def _send_grant(self, state: RouteState, offset: int, ttl_ms: int, again: bool = False) -> None:
         op = state.op
         ce, ge = op.handle.entry.epochs()
         state.heard_at = time.monotonic()
         assert state.agent is not None
         try:
-            reconnected = self.transport.send_notif(state.agent, notice(
-                "G", op.xid, ce, ge, state.sender_rank, state.receiver_rank, offset,
-                state.layout.nbytes, state.chunk_blocks, ttl_ms))
+            reconnected = self.transport.send_notif(
+                state.agent,
+                notice(
+                    "G",
+                    op.xid,
+                    ce,
+                    ge,
+                    state.sender_rank,
+                    state.receiver_rank,
+                    offset,
+                    state.layout.nbytes,
+                    state.chunk_blocks,
+                    ttl_ms,
+                ),
+            )
         except TransportError as error:
-            self._fail(op, f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: "
-                           f"{error}", notify=False)
+            self._fail(
+                op,
+                f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: {error}",
+                notify=False,
+            )
             return
         if again and reconnected:  # the connection this route waited on had failed
-            self._on_unreachable(state.agent, PeerUnreachable(
-                "the connection failed while this rank waited for its bytes"), reload=False)
+            self._on_unreachable(
+                state.agent,
+                PeerUnreachable("the connection failed while this rank waited for its bytes"),
+                reload=False,
+            )
 
     def _send_ask(self, state: RouteState) -> None:
         """Ask the writer of ``state`` to send (before the grant, so both land together)."""
         op = state.op
         ce, ge = op.handle.entry.epochs()
         payload = ask_payload(
-            request_id=op.handle.request_id, blocks=op.handle.context["blocks"], dp=op.dp,
-            mode=op.mode, verify=op.verify, num_tokens=op.handle.context.get("num_tokens"),
-            timeout_s=op.deadline - time.monotonic())
+            request_id=op.handle.request_id,
+            blocks=op.handle.context["blocks"],
+            dp=op.dp,
+            mode=op.mode,
+            verify=op.verify,
+            num_tokens=op.handle.context.get("num_tokens"),
+            timeout_s=op.deadline - time.monotonic(),
+        )
         assert state.agent is not None
         try:
-            self.transport.send_notif(state.agent, notice(
-                "A", op.xid, ce, ge, state.sender_rank, state.receiver_rank, payload))
+            self.transport.send_notif(
+                state.agent,
+                notice("A", op.xid, ce, ge, state.sender_rank, state.receiver_rank, payload),
+            )
         except TransportError as error:  # the grant right after it fails the route
             log.debug("ask to %s failed: %s", state.agent, error)
 
@@ -146,13 +171,18 @@ class GrantExchange(HandleLifecycle):
         """Granted routes that heard nothing for a while send their grant again: a grant lost on
         a connection that failed while idle gets through, and a failed one shows."""
         for state in list(self._recv.values()):
-            if (state.granted and not state.done and not state.op.handle.done
-                    and now - state.heard_at > GRANT_RESEND_S):
+            if (
+                state.granted
+                and not state.done
+                and not state.op.handle.done
+                and now - state.heard_at > GRANT_RESEND_S
+            ):
                 offset = -1 if state.mode == "fragments" else int(state.area or 0)
                 if state.op.ask:
                     self._send_ask(state)
-                self._send_grant(state, offset, max(1, int((state.op.deadline - now) * 1000)),
-                                 again=True)
+                self._send_grant(
+                    state, offset, max(1, int((state.op.deadline - now) * 1000)), again=True
+                )
 
     def _on_chunk(self, state: RouteState, i: int, n: int) -> None:
         chunk = state.chunks.pop(i, None)
@@ -160,8 +190,14 @@ class GrantExchange(HandleLifecycle):
             return
         state.heard_at = time.monotonic()
         assert state.area is not None
-        scatter(state.route, self.transport.staging, self.transport.pools, state.dst,
-                offset=state.area, chunk=chunk)
+        scatter(
+            state.route,
+            self.transport.staging,
+            self.transport.pools,
+            state.dst,
+            offset=state.area,
+            chunk=chunk,
+        )
         if not state.chunks:
             self._route_received(state)
 
@@ -174,7 +210,7 @@ class GrantExchange(HandleLifecycle):
 
                 torch.cuda.current_stream(staging.device).synchronize()
             if op.verify:
-                area = staging[state.area:state.area + state.layout.nbytes]
+                area = staging[state.area : state.area + state.layout.nbytes]
                 state.checksum = zlib.crc32(area.detach().cpu().numpy().tobytes()) & 0xFFFFFFFF
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
@@ -188,8 +224,9 @@ class GrantExchange(HandleLifecycle):
         if op.verify:
             info = self.transport.peer_info_of(str(state.agent))
             src_specs = {pid: p.spec for pid, p in info.pools.items()}
-            fragments = expand_fragments(state.route, src_specs, self.transport.pools,
-                                         state.src, state.dst)
+            fragments = expand_fragments(
+                state.route, src_specs, self.transport.pools, state.src, state.dst
+            )
             state.checksum = fragments_crc32(self.transport.pools, fragments, side="dst")
         state.done = True
         if self._recv.get(state.key) is state:
@@ -198,20 +235,23 @@ class GrantExchange(HandleLifecycle):
 
     # --- sender ------------------------------------------------------------------------------
 
-    def _on_grant(self, state: RouteState, agent: str, fields: list[str],
-                  received_at: float | None = None) -> None:
+    def _on_grant(
+        self, state: RouteState, agent: str, fields: list[str], received_at: float | None = None
+    ) -> None:
         op = state.op
         offset, nbytes, chunk_blocks, ttl_ms = (int(x) for x in fields[6:10])
         received = time.monotonic() if received_at is None else received_at
         if nbytes != state.layout.nbytes:
-            self._fail(op, f"plan mismatch: receiver rank {state.receiver_rank} expects "
-                           f"{nbytes} bytes of this route, this rank would send "
-                           f"{state.layout.nbytes} (different block lists?)")
+            self._fail(
+                op,
+                f"plan mismatch: receiver rank {state.receiver_rank} expects "
+                f"{nbytes} bytes of this route, this rank would send "
+                f"{state.layout.nbytes} (different block lists?)",
+            )
             return
         state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
         # Before the directory names the receiver's worker, the route waits in _waiting.
-        if state.agent == agent and (time.monotonic() < op.hold_until or
-                                     not self._write(state)):
+        if state.agent == agent and (time.monotonic() < op.hold_until or not self._write(state)):
             self._waiting.append(state)
 
     def _write(self, state: RouteState) -> bool:
@@ -222,20 +262,31 @@ class GrantExchange(HandleLifecycle):
         if state.written:
             return True
         if time.monotonic() > write_by:
-            self._fail(op, f"the grant of receiver rank {state.receiver_rank} expired before "
-                           "this rank could write")
+            self._fail(
+                op,
+                f"the grant of receiver rank {state.receiver_rank} expired before "
+                "this rank could write",
+            )
             return True
         ce, ge = op.handle.entry.epochs()
         tp = self.transport
         if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
             notif = notice("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
             if op.verify:
-                frags = expand_fragments(state.route, tp.pools, tp.peer_info_of(agent).pools,
-                                         state.src, state.dst)
+                frags = expand_fragments(
+                    state.route, tp.pools, tp.peer_info_of(agent).pools, state.src, state.dst
+                )
                 state.checksum = fragments_crc32(tp.pools, frags, side="src")
             state.written = True
-            pending = tp.post_fragments(agent, state.route, state.src, state.dst, notif,
-                                        f"fragments to rank {state.receiver_rank}", nbytes)
+            pending = tp.post_fragments(
+                agent,
+                state.route,
+                state.src,
+                state.dst,
+                notif,
+                f"fragments to rank {state.receiver_rank}",
+                nbytes,
+            )
             if pending is None:  # no block to move: the notification alone
                 tp.send_notif(agent, notif)
                 self._route_sent(state)
@@ -257,14 +308,24 @@ class GrantExchange(HandleLifecycle):
 
                 torch.cuda.current_stream(tp.staging.device).synchronize()
             if op.verify:
-                piece = tp.staging[area + chunk.offset:area + chunk.offset + chunk.nbytes]
+                piece = tp.staging[area + chunk.offset : area + chunk.offset + chunk.nbytes]
                 crc = zlib.crc32(piece.detach().cpu().numpy().tobytes(), crc)
-            remote = tp.desc(np.array([info.staging_address + offset + chunk.offset]),
-                             np.array([chunk.nbytes]), info.device_id)
-            state.pending.append(tp.post_write(
-                agent, tp.local_staging_desc(area + chunk.offset, chunk.nbytes), remote,
-                notice("C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)),
-                f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}"))
+            remote = tp.desc(
+                np.array([info.staging_address + offset + chunk.offset]),
+                np.array([chunk.nbytes]),
+                info.device_id,
+            )
+            state.pending.append(
+                tp.post_write(
+                    agent,
+                    tp.local_staging_desc(area + chunk.offset, chunk.nbytes),
+                    remote,
+                    notice(
+                        "C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)
+                    ),
+                    f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}",
+                )
+            )
         if op.verify:
             state.checksum = crc & 0xFFFFFFFF
         return True
@@ -286,9 +347,15 @@ class GrantExchange(HandleLifecycle):
         head = fields[1:6]
         try:
             if self.transport.send_notif(agent, notice("P", *head)):  # had to reconnect
-                self.transport.send_notif(agent, notice(
-                    "X", *head, "peer_unreachable: the connection failed after this rank's "
-                    "WRITE completed; its bytes were lost with it"))
+                self.transport.send_notif(
+                    agent,
+                    notice(
+                        "X",
+                        *head,
+                        "peer_unreachable: the connection failed after this rank's "
+                        "WRITE completed; its bytes were lost with it",
+                    ),
+                )
         except TransportError as error:
             log.debug("probe of %s failed: %s", agent, error)
 

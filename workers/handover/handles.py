@@ -47,8 +47,9 @@ QUARANTINE_MARGIN_S = 5.0
 class Handle:
     """One rank's side of one request's handover; resolves exactly once."""
 
-    def __init__(self, request_id: str, side: str, peer: str, entry: PlanEntry,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, request_id: str, side: str, peer: str, entry: PlanEntry, timeout_s: float
+    ) -> None:
         self.request_id = request_id
         self.side = side  # "send" | "receive"
         self.peer = peer
@@ -220,17 +221,24 @@ class HandleLifecycle:
         self._resolve(handle, RELEASED if op.side == "send" else ARRIVED, None)
 
     def _route_results(self, op: Op) -> list[dict[str, Any]]:
-        return [{"sender_rank": s.sender_rank, "receiver_rank": s.receiver_rank,
-                 "bytes": s.layout.nbytes if s.done else 0, "checksum": s.checksum}
-                for s in op.routes]
+        return [
+            {
+                "sender_rank": s.sender_rank,
+                "receiver_rank": s.receiver_rank,
+                "bytes": s.layout.nbytes if s.done else 0,
+                "checksum": s.checksum,
+            }
+            for s in op.routes
+        ]
 
     def _fail(self, op: Op, reason: str, notify: bool = True) -> None:
         if op.handle.done:
             return
         now = time.monotonic()
         ce, ge = op.handle.entry.epochs()
-        if op.side == "receive" and any(state.mode == "fragments" and state.granted
-                                        and not state.done for state in op.routes):
+        if op.side == "receive" and any(
+            state.mode == "fragments" and state.granted and not state.done for state in op.routes
+        ):
             # A writer with our grant writes straight into the blocks: they stay out of use for
             # as long as its grant lives (it never starts a WRITE later), plus the margin.
             op.handle._quiet_s = max(0.0, op.deadline - now) + QUARANTINE_MARGIN_S
@@ -266,9 +274,18 @@ class HandleLifecycle:
             return
         ce, ge = op.handle.entry.epochs()
         try:
-            self.transport.send_notif(state.agent, notice(
-                "X", op.xid, ce, ge, state.sender_rank, state.receiver_rank,
-                reason_field(reason)))
+            self.transport.send_notif(
+                state.agent,
+                notice(
+                    "X",
+                    op.xid,
+                    ce,
+                    ge,
+                    state.sender_rank,
+                    state.receiver_rank,
+                    reason_field(reason),
+                ),
+            )
         except Exception as error:  # the peer may be gone: its deadline covers it
             log.debug("abort notification to %s failed: %s", state.agent, error)
 
@@ -296,8 +313,9 @@ class HandleLifecycle:
             elif not s.granted:
                 parts.append("no staging space")
             else:
-                parts.append(f"{op.peer} rank {s.peer_rank} did not write "
-                             f"({len(s.chunks)} chunk(s) missing)")
+                parts.append(
+                    f"{op.peer} rank {s.peer_rank} did not write ({len(s.chunks)} chunk(s) missing)"
+                )
         return f"deadline: {op.handle.timeout_s:g} s passed; " + "; ".join(parts)
 
     def _on_unreachable(self, agent: str, error: Exception, reload: bool = True) -> None:
@@ -307,8 +325,10 @@ class HandleLifecycle:
         for op in list(self._ops.values()):
             lost = next((s for s in op.routes if s.agent == agent and not s.done), None)
             if lost is not None and not op.handle.done:
-                reason = (f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "
-                          f"failed: {error}")
+                reason = (
+                    f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "
+                    f"failed: {error}"
+                )
                 self._fail(op, reason, notify=False)
                 victims.append((op, reason))
         if reload and agent in self._loaded and not self.transport.reset_peer(agent):

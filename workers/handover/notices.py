@@ -93,31 +93,58 @@ class Ask:
 
     def send_options(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`Handover.send` that match the receiver's."""
-        return {"context_dp_rank": self.context_dp_rank,
-                "generation_dp_rank": self.generation_dp_rank,
-                "timeout_s": self.timeout_s, "mode": self.mode, "verify": self.verify,
-                "num_tokens": self.num_tokens}
+        return {
+            "context_dp_rank": self.context_dp_rank,
+            "generation_dp_rank": self.generation_dp_rank,
+            "timeout_s": self.timeout_s,
+            "mode": self.mode,
+            "verify": self.verify,
+            "num_tokens": self.num_tokens,
+        }
 
 
-def ask_payload(*, request_id: str, blocks: Any, dp: tuple[int | None, int | None], mode: str,
-                verify: bool, num_tokens: int | None, timeout_s: float) -> str:
+def ask_payload(
+    *,
+    request_id: str,
+    blocks: Any,
+    dp: tuple[int | None, int | None],
+    mode: str,
+    verify: bool,
+    num_tokens: int | None,
+    timeout_s: float,
+) -> str:
     """The JSON field of an ``A`` notification."""
-    return json.dumps({
-        "q": request_id, "b": blocks,
-        "cdp": dp[0], "gdp": dp[1], "m": mode, "v": verify,
-        "n": num_tokens,
-        "t": round(max(0.001, timeout_s), 3)},
-        separators=(",", ":"))
+    return json.dumps(
+        {
+            "q": request_id,
+            "b": blocks,
+            "cdp": dp[0],
+            "gdp": dp[1],
+            "m": mode,
+            "v": verify,
+            "n": num_tokens,
+            "t": round(max(0.001, timeout_s), 3),
+        },
+        separators=(",", ":"),
+    )
 
 
 def parse_ask(agent: str, peer: str, peer_rank: int, fields: list[str]) -> Ask:
     """The :class:`Ask` of an ``A`` notification from ``agent`` (a worker of ``peer`` rank
     ``peer_rank``); raises ``ValueError``, ``KeyError`` or ``TypeError`` when it is malformed."""
     body: Mapping[str, Any] = json.loads("|".join(fields[6:]))
-    return Ask(agent=agent, peer=peer, peer_rank=peer_rank,
-               request_id=str(body["q"]), blocks=dict(body["b"]),
-               context_dp_rank=body.get("cdp"), generation_dp_rank=body.get("gdp"),
-               timeout_s=float(body["t"]), mode=str(body.get("m", "auto")),
-               verify=bool(body.get("v", False)), epochs=(fields[2], fields[3]),
-               route=(int(fields[4]), int(fields[5])),
-               num_tokens=None if body.get("n") is None else int(body["n"]))
+    return Ask(
+        agent=agent,
+        peer=peer,
+        peer_rank=peer_rank,
+        request_id=str(body["q"]),
+        blocks=dict(body["b"]),
+        context_dp_rank=body.get("cdp"),
+        generation_dp_rank=body.get("gdp"),
+        timeout_s=float(body["t"]),
+        mode=str(body.get("m", "auto")),
+        verify=bool(body.get("v", False)),
+        epochs=(fields[2], fields[3]),
+        route=(int(fields[4]), int(fields[5])),
+        num_tokens=None if body.get("n") is None else int(body["n"]),
+    )

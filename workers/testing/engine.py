@@ -48,7 +48,7 @@ its peers over the bed's network; ``ucx_tls`` (e.g. ``"tcp"``) is every worker's
 list.
 :meth:`Fleet.kill_role` and :meth:`Fleet.restart_role` play a host dying and coming back.
 
-Test and bench equipment, not the data path: ``tests/workers/test_engine_loop.py``,
+Test and bench equipment, not the data path: ``tests/workers/test_reference_engine.py``,
 ``tests/multihost``, ``bench/latency.py`` and ``kvplane demo`` import it (no pytest in here).
 """
 
@@ -101,10 +101,12 @@ def demo_bodies(num_slots: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The demo fleet: Llama-like 8-head target (4 layers) + 2-head one-layer draft, bf16, HND,
     TP4 context → TP2 generation."""
     views = [ViewSpec("target", 4, 8, 128), ViewSpec("draft", 1, 2, 128)]
-    context = instance_body(role="context", views=views, tp=4, num_slots=num_slots,
-                            model="demo-llama")
-    generation = instance_body(role="generation", views=views, tp=2, num_slots=num_slots,
-                               model="demo-llama")
+    context = instance_body(
+        role="context", views=views, tp=4, num_slots=num_slots, model="demo-llama"
+    )
+    generation = instance_body(
+        role="generation", views=views, tp=2, num_slots=num_slots, model="demo-llama"
+    )
     return context, generation
 
 
@@ -178,8 +180,9 @@ class BlockCache:
         return len(self._free)
 
 
-def request_blocks(seed: int, index: int, blocks: int, num_slots: int, *,
-                   contiguous: bool = False) -> dict[int, tuple[list[int], list[int]]]:
+def request_blocks(
+    seed: int, index: int, blocks: int, num_slots: int, *, contiguous: bool = False
+) -> dict[int, tuple[list[int], list[int]]]:
     """Request ``index``'s ``{group: (context_ids, generation_ids)}``: the same on every rank
     (``contiguous``: each lane's ids in order, as in a fresh cache)."""
     lanes = num_slots // blocks
@@ -189,7 +192,7 @@ def request_blocks(seed: int, index: int, blocks: int, num_slots: int, *,
     sides = []
     for side in (0, 1):  # the two instances' caches are scattered differently
         perm = list(range(num_slots)) if contiguous else _permutation(seed, side, num_slots)
-        sides.append(perm[lane * blocks:(lane + 1) * blocks])
+        sides.append(perm[lane * blocks : (lane + 1) * blocks])
     return {0: (sides[0], sides[1])}
 
 
@@ -264,16 +267,25 @@ class EngineRank:
         self.tensors = {
             int(p["id"]): torch.zeros(
                 (int(p["num_slots"]), int(p.get("slot_stride_bytes") or p["slot_bytes"]) // 2),
-                dtype=torch.bfloat16, device=spec.device)
+                dtype=torch.bfloat16,
+                device=spec.device,
+            )
             for p in self.pool_specs
         }
         groups = {int(p.get("layer_group", 0)): int(p["num_slots"]) for p in self.pool_specs}
         self.caches = {g: BlockCache(n) for g, n in groups.items()}
         self.num_slots = min(groups.values())
-        self.worker = Worker(self.client, spec.instance, spec.rank, device=spec.device,
-                             staging_bytes=spec.staging_bytes, fill=spec.fill,
-                             chunk_blocks=spec.chunk_blocks, ucx_tls=spec.ucx_tls,
-                             ucx_net_devices=spec.ucx_net_devices)
+        self.worker = Worker(
+            self.client,
+            spec.instance,
+            spec.rank,
+            device=spec.device,
+            staging_bytes=spec.staging_bytes,
+            fill=spec.fill,
+            chunk_blocks=spec.chunk_blocks,
+            ucx_tls=spec.ucx_tls,
+            ucx_net_devices=spec.ucx_net_devices,
+        )
         self.worker.attach(tensors=self.tensors)
         self.worker.start()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -313,17 +325,33 @@ class EngineRank:
             if len(have) == world and directory.plans:
                 return {"rank": self.spec.rank, "peers": len(have)}
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.spec.instance} rank {self.spec.rank}: peers {have} "
-                                   f"of {world} after {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"{self.spec.instance} rank {self.spec.rank}: peers {have} "
+                    f"of {world} after {timeout_s:.0f} s"
+                )
             time.sleep(0.2)
 
     # --- the engine loop ---------------------------------------------------------------------
 
-    def run(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
-            tag: str, arrival: str = "closed", rate: float = 100.0, verify: bool = False,
-            mode: str = "auto", timeout_s: float = 30.0, run_timeout_s: float = 300.0,
-            contiguous: bool = False, num_slots: int | None = None,
-            prefill_ms: float = 0.0) -> dict[str, Any]:
+    def run(
+        self,
+        *,
+        requests: int,
+        blocks: int,
+        in_flight: int,
+        seed: int,
+        start_at: float,
+        tag: str,
+        arrival: str = "closed",
+        rate: float = 100.0,
+        verify: bool = False,
+        mode: str = "auto",
+        timeout_s: float = 30.0,
+        run_timeout_s: float = 300.0,
+        contiguous: bool = False,
+        num_slots: int | None = None,
+        prefill_ms: float = 0.0,
+    ) -> dict[str, Any]:
         """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict
         (``num_slots``: use only block ids below it, leaving the rest to REST transfers).
 
@@ -377,13 +405,21 @@ class EngineRank:
                 index, _, pairs, mine = admitted.popleft()
                 issued = time.time()
                 try:
-                    handle = call(f"{tag}-{index}", spec.peer, pairs, timeout_s=timeout_s,
-                                  verify=verify, mode=mode, context={"engine_index": index})
+                    handle = call(
+                        f"{tag}-{index}",
+                        spec.peer,
+                        pairs,
+                        timeout_s=timeout_s,
+                        verify=verify,
+                        mode=mode,
+                        context={"engine_index": index},
+                    )
                 except Exception as error:  # the request could not start: blocks back
                     for g, ids in mine.items():
                         self.caches[g].free(ids)
-                    result.records.append((index, issued, time.time(), "failed",
-                                           f"{type(error).__name__}: {error}"))
+                    result.records.append(
+                        (index, issued, time.time(), "failed", f"{type(error).__name__}: {error}")
+                    )
                     continue
                 outstanding[index] = (handle, mine, issued)
             if admitted:
@@ -402,8 +438,9 @@ class EngineRank:
                     # released / arrived / failed: blocks back (after a failed fragments
                     # receive, once no granted WRITE can land any more)
                     self._give_back(entry[1], handle.reusable_at)
-                    result.records.append((index, entry[2], float(handle.finished_at),
-                                           handle.state, handle.reason))
+                    result.records.append(
+                        (index, entry[2], float(handle.finished_at), handle.state, handle.reason)
+                    )
                 try:
                     handle = self._done.get_nowait()
                 except queue.Empty:
@@ -413,8 +450,9 @@ class EngineRank:
                 self.caches[g].free(ids)
         result.records.sort()
         result.failed = sum(1 for r in result.records if r[3] == "failed")
-        result.verify_errors = [r[4] for r in result.records
-                                if r[4] and "verification failed" in r[4]]
+        result.verify_errors = [
+            r[4] for r in result.records if r[4] and "verification failed" in r[4]
+        ]
         self._release_held()
         result.quarantined = sum(len(ids) for _, b in self._held for ids in b.values())
         result.leaked = sum(c.leaked for c in self.caches.values()) - result.quarantined
@@ -422,8 +460,14 @@ class EngineRank:
         result.verified_bytes = self.worker.stats.verified_bytes - verified_before
         return asdict(result)
 
-    def try_start(self, *, request_id: str, blocks: Mapping[int, Any], mode: str = "auto",
-                  peer: str | None = None) -> dict[str, Any]:
+    def try_start(
+        self,
+        *,
+        request_id: str,
+        blocks: Mapping[int, Any],
+        mode: str = "auto",
+        peer: str | None = None,
+    ) -> dict[str, Any]:
         """Call ``send``/``expect`` with these blocks as an engine would (for tests of what the
         engine API refuses): ``{"code", "message"}`` when it refuses, else the handle's state
         once it resolved (at most 5 s; a start that nobody answers fails at 1 s)."""
@@ -439,8 +483,17 @@ class EngineRank:
 
     # --- raw NIXL, the same processes --------------------------------------------------------
 
-    def raw(self, *, requests: int, blocks: int, in_flight: int, seed: int, start_at: float,
-            run_timeout_s: float = 120.0, layout: str = "staging") -> dict[str, Any]:
+    def raw(
+        self,
+        *,
+        requests: int,
+        blocks: int,
+        in_flight: int,
+        seed: int,
+        start_at: float,
+        run_timeout_s: float = 120.0,
+        layout: str = "staging",
+    ) -> dict[str, Any]:
         """Plain NIXL WRITEs of this rank's routes (one WRITE and one notification per route),
         closed loop over ``in_flight`` requests, with the handover paused meanwhile.
 
@@ -477,8 +530,7 @@ class EngineRank:
             mine_routes = [r for r in entry.routes if r.sender_rank == self.spec.rank]
             for i in range(requests):
                 request = request_blocks(seed, i, blocks, self.num_slots)
-                aligned.append({r.receiver_rank: align_request(r, request)
-                                for r in mine_routes})
+                aligned.append({r.receiver_rank: align_request(r, request) for r in mine_routes})
         # Pause the handover's progress thread (it would eat our notifications): it runs the
         # blocking function below from its inbox until the raw run is over.
         paused, resume = threading.Event(), threading.Event()
@@ -500,8 +552,9 @@ class EngineRank:
                     assert peer is not None
                     handover._load_peer(peer)
                     agents[receiver] = (peer.agent, tp.peer_info_of(peer.agent))
-                self._raw_send(out, mine, agents, requests, in_flight, start_at, run_timeout_s,
-                               aligned)
+                self._raw_send(
+                    out, mine, agents, requests, in_flight, start_at, run_timeout_s, aligned
+                )
             else:
                 expected = sum(1 for _, r, _ in routes if r == self.spec.rank)
                 self._raw_receive(out, expected, requests, run_timeout_s)
@@ -511,10 +564,17 @@ class EngineRank:
             resume.set()
         return out
 
-    def _raw_send(self, out: dict[str, Any], mine: list[tuple[int, int]],
-                  agents: Mapping[int, tuple[str, Any]], requests: int, in_flight: int,
-                  start_at: float, run_timeout_s: float,
-                  aligned: Sequence[Mapping[int, tuple[Any, Any, Any]]] = ()) -> None:
+    def _raw_send(
+        self,
+        out: dict[str, Any],
+        mine: list[tuple[int, int]],
+        agents: Mapping[int, tuple[str, Any]],
+        requests: int,
+        in_flight: int,
+        start_at: float,
+        run_timeout_s: float,
+        aligned: Sequence[Mapping[int, tuple[Any, Any, Any]]] = (),
+    ) -> None:
         tp = self.worker.transport
         assert tp is not None
         local_bytes = max((n for _, n in mine), default=0)
@@ -537,8 +597,7 @@ class EngineRank:
                 notif = f"R|{i}|{self.spec.rank}".encode()
                 if aligned:  # this request's fragments, pool to pool
                     route, src, dst = aligned[i][receiver]
-                    pending_write = tp.post_fragments(agent, route, src, dst, notif, "raw",
-                                                      nbytes)
+                    pending_write = tp.post_fragments(agent, route, src, dst, notif, "raw", nbytes)
                     if pending_write is None:
                         tp.send_notif(agent, notif)
                     else:
@@ -548,10 +607,12 @@ class EngineRank:
                 offset = self.spec.rank * nbytes
                 if offset + nbytes > info.staging_bytes:
                     offset = 0
-                remote = tp.desc(np.array([info.staging_address + offset]), np.array([nbytes]),
-                                 info.device_id)
-                posted.append(tp.post_write(agent, tp.local_staging_desc(0, nbytes), remote,
-                                            notif, "raw"))
+                remote = tp.desc(
+                    np.array([info.staging_address + offset]), np.array([nbytes]), info.device_id
+                )
+                posted.append(
+                    tp.post_write(agent, tp.local_staging_desc(0, nbytes), remote, notif, "raw")
+                )
             pending.append((i, posted))
         while pending:
             if not self._raw_reap(pending):
@@ -570,8 +631,9 @@ class EngineRank:
                 pending.append((i, posted))
         return len(pending) < before
 
-    def _raw_receive(self, out: dict[str, Any], expected: int, requests: int,
-                     run_timeout_s: float) -> None:
+    def _raw_receive(
+        self, out: dict[str, Any], expected: int, requests: int, run_timeout_s: float
+    ) -> None:
         tp = self.worker.transport
         assert tp is not None
         counts: dict[int, int] = {}
@@ -603,9 +665,12 @@ class EngineRank:
 
         def read() -> None:
             handover.areas.reclaim(time.monotonic())
-            out.update(pending=handover.pending, staging_free=handover.areas.free_bytes,
-                       staging_total=handover.areas.nbytes,
-                       peers=list(handover.transport.peers))
+            out.update(
+                pending=handover.pending,
+                staging_free=handover.areas.free_bytes,
+                staging_total=handover.areas.nbytes,
+                peers=list(handover.transport.peers),
+            )
             done.set()
 
         handover._call(read)
@@ -625,15 +690,21 @@ class EngineRank:
         swept = w.verify_untouched() if sweep and w.fill else 0
         self._release_held()
         held = sum(len(ids) for _, b in self._held for ids in b.values())
-        return {"swept_bytes": swept, "rank": self.spec.rank, "sent": w.stats.sent,
-                "received": w.stats.received, "failed": w.stats.failed,
-                "verified_bytes": w.stats.verified_bytes,
-                "errors": list(w.stats.errors[-5:]),
-                "leaked": sum(c.leaked for c in self.caches.values()) - held,
-                "quarantined": held,
-                "records_pending": w.recorder.pending if w.recorder else None,
-                "records_posted": w.recorder.posted if w.recorder else None,
-                "duplicate_commands": w.duplicate_commands, "control_plane": w.client.url}
+        return {
+            "swept_bytes": swept,
+            "rank": self.spec.rank,
+            "sent": w.stats.sent,
+            "received": w.stats.received,
+            "failed": w.stats.failed,
+            "verified_bytes": w.stats.verified_bytes,
+            "errors": list(w.stats.errors[-5:]),
+            "leaked": sum(c.leaked for c in self.caches.values()) - held,
+            "quarantined": held,
+            "records_pending": w.recorder.pending if w.recorder else None,
+            "records_posted": w.recorder.posted if w.recorder else None,
+            "duplicate_commands": w.duplicate_commands,
+            "control_plane": w.client.url,
+        }
 
     def threads(self) -> dict[int, str]:
         """This process's Python threads: native thread id → name (CPU accounting)."""
@@ -646,8 +717,11 @@ class EngineRank:
 def _rank_main(spec: RankSpec, conn: Connection) -> None:
     """A rank process: build the engine, then serve the driver's commands until ``stop``."""
     if spec.log_path:
-        logging.basicConfig(filename=spec.log_path, level=logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            filename=spec.log_path,
+            level=logging.INFO,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
         for name in QUIET_LOGGERS:  # a line per record batch and heartbeat otherwise
             logging.getLogger(name).setLevel(logging.WARNING)
         # A crash inside NIXL or UCX (SIGSEGV) leaves every thread's Python stack in the log.
@@ -687,13 +761,26 @@ class _HostProcess:
     def __init__(self, spec: RankSpec, conn_fd: int) -> None:
         import json
 
-        argv = [sys.executable, "-m", "workers.testing.engine", "--rank-fd", str(conn_fd),
-                "--spec", json.dumps(asdict(spec))]
+        argv = [
+            sys.executable,
+            "-m",
+            "workers.testing.engine",
+            "--rank-fd",
+            str(conn_fd),
+            "--spec",
+            json.dumps(asdict(spec)),
+        ]
         if spec.netns:
             argv = ["ip", "netns", "exec", spec.netns, *argv]
         log_file = open(spec.log_path or os.devnull, "ab")  # noqa: SIM115 - closed on exit
-        self.process = subprocess.Popen(argv, pass_fds=[conn_fd], cwd=REPO, stdout=log_file,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            argv,
+            pass_fds=[conn_fd],
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log_file.close()
         self.pid = self.process.pid
 
@@ -733,33 +820,56 @@ def free_port() -> int:
 class ControlPlane:
     """``kvplane serve`` on a SQLite file, as its own process; can be stopped and restarted."""
 
-    def __init__(self, workdir: Path, port: int | None = None,
-                 env: Mapping[str, str] | None = None, *, database: Path | None = None,
-                 host: str = "127.0.0.1", netns: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        database: Path | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+    ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.host = host
         self.netns = netns  # run inside this network namespace (``host``: its address)
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.database = database or workdir / "kvplane.db"
-        self.env = {**os.environ, "KVPLANE_DATABASE_URL": f"sqlite:///{self.database.resolve()}",
-                    "KVPLANE_AUTH": "false", **(env or {})}
+        self.env = {
+            **os.environ,
+            "KVPLANE_DATABASE_URL": f"sqlite:///{self.database.resolve()}",
+            "KVPLANE_AUTH": "false",
+            **(env or {}),
+        }
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.starts += 1
         with (self.workdir / f"server-{self.starts}.log").open("wb") as log_file:
-            argv = [sys.executable, "-m", "api.cli", "serve", "--host", self.host,
-                    "--port", str(self.port)]
+            argv = [
+                sys.executable,
+                "-m",
+                "api.cli",
+                "serve",
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+            ]
             if self.netns and self.env.get("KVPLANE_AUTH") == "false":
                 argv.append("--insecure")  # the bed's private bridge, no tokens (tests, benches)
             if self.netns:
                 argv = ["ip", "netns", "exec", self.netns, *argv]
             self.process = subprocess.Popen(
                 argv,
-                stdout=log_file, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
-                start_new_session=True)
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -801,13 +911,24 @@ class Fleet:
     them.
     """
 
-    def __init__(self, workdir: Path, *, num_slots: int = 64, device: str = "cpu",
-                 fill: bool = False, staging_bytes: int = 64 << 20,
-                 chunk_blocks: int | None = None, server_env: Mapping[str, str] | None = None,
-                 database: Path | None = None, port: int | None = None,
-                 host: str = "127.0.0.1", hosts: Mapping[str, str] | None = None,
-                 ucx_tls: str | None = None, ucx_net_devices: str | None = None,
-                 servers: Sequence[ControlPlane] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        num_slots: int = 64,
+        device: str = "cpu",
+        fill: bool = False,
+        staging_bytes: int = 64 << 20,
+        chunk_blocks: int | None = None,
+        server_env: Mapping[str, str] | None = None,
+        database: Path | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        hosts: Mapping[str, str] | None = None,
+        ucx_tls: str | None = None,
+        ucx_net_devices: str | None = None,
+        servers: Sequence[ControlPlane] = (),
+    ) -> None:
         """``hosts``: network namespace per role (``"control"``, ``"context"``,
         ``"generation"``); the control plane then listens on ``host`` inside its namespace.
         ``servers``: several control planes (API processes on one PostgreSQL) instead of one of
@@ -822,8 +943,15 @@ class Fleet:
         self.staging_bytes = staging_bytes
         self.chunk_blocks = chunk_blocks
         self.servers = list(servers) or [
-            ControlPlane(workdir, port, env=server_env, database=database, host=host,
-                         netns=self.hosts.get("control"))]
+            ControlPlane(
+                workdir,
+                port,
+                env=server_env,
+                database=database,
+                host=host,
+                netns=self.hosts.get("control"),
+            )
+        ]
         self.server = self.servers[0]
         self.url = ",".join(server.url for server in self.servers)
         self.client: Client | None = None
@@ -847,8 +975,9 @@ class Fleet:
         engine's would be)."""
         assert self.client is not None
         self.registrations += 1
-        bodies = dict(zip(("context", "generation"), demo_bodies(num_slots=self.num_slots),
-                          strict=True))
+        bodies = dict(
+            zip(("context", "generation"), demo_bodies(num_slots=self.num_slots), strict=True)
+        )
         for name, body in ((CONTEXT, bodies["context"]), (GENERATION, bodies["generation"])):
             if role is not None and name != (CONTEXT if role == "context" else GENERATION):
                 continue
@@ -867,20 +996,32 @@ class Fleet:
         ctx = mp.get_context("spawn")
         started = []
         for rank in range(WORLD[instance]):
-            spec = RankSpec(url=self.url, instance=instance, rank=rank, role=role,
-                            peer=peer, device=self.device, fill=self.fill,
-                            staging_bytes=self.staging_bytes,
-                            chunk_blocks=self.chunk_blocks,
-                            log_path=str(self.workdir / f"{instance}-{rank}.log"),
-                            ucx_tls=self.ucx_tls, ucx_net_devices=self.ucx_net_devices,
-                            netns=self.hosts.get(role))
+            spec = RankSpec(
+                url=self.url,
+                instance=instance,
+                rank=rank,
+                role=role,
+                peer=peer,
+                device=self.device,
+                fill=self.fill,
+                staging_bytes=self.staging_bytes,
+                chunk_blocks=self.chunk_blocks,
+                log_path=str(self.workdir / f"{instance}-{rank}.log"),
+                ucx_tls=self.ucx_tls,
+                ucx_net_devices=self.ucx_net_devices,
+                netns=self.hosts.get(role),
+            )
             mine, theirs = ctx.Pipe()
             process: Any
             if spec.netns:
                 process = _HostProcess(spec, theirs.fileno())
             else:
-                process = ctx.Process(target=_rank_main, args=(spec, theirs), daemon=True,
-                                      name=f"engine-{instance}-{rank}")
+                process = ctx.Process(
+                    target=_rank_main,
+                    args=(spec, theirs),
+                    daemon=True,
+                    name=f"engine-{instance}-{rank}",
+                )
                 process.start()
             theirs.close()
             started.append((spec, process, mine))
@@ -889,8 +1030,7 @@ class Fleet:
 
     def kill_role(self, role: str) -> list[int]:
         """SIGKILL every rank process of ``role`` (a host dies); their pids."""
-        killed = [(spec, process, conn) for spec, process, conn in self.ranks
-                  if spec.role == role]
+        killed = [(spec, process, conn) for spec, process, conn in self.ranks if spec.role == role]
         for _, process, conn in killed:
             process.kill()
             process.join(timeout=10)
@@ -908,8 +1048,10 @@ class Fleet:
 
     def _answer(self, spec: RankSpec, conn: Connection, timeout_s: float) -> Any:
         if not conn.poll(timeout_s):
-            raise TimeoutError(f"{spec.instance} rank {spec.rank} did not answer in "
-                               f"{timeout_s:.0f} s; log: {self.rank_log(spec)}")
+            raise TimeoutError(
+                f"{spec.instance} rank {spec.rank} did not answer in "
+                f"{timeout_s:.0f} s; log: {self.rank_log(spec)}"
+            )
         status, value = conn.recv()
         if status != "ok":
             raise RuntimeError(f"{spec.instance} rank {spec.rank}: {value}")
@@ -926,8 +1068,7 @@ class Fleet:
             conn.send((command, args))
         return [self._answer(spec, conn, wait_s) for spec, _, conn in self.ranks]
 
-    def call_role(self, role: str, command: str, wait_s: float = 300.0,
-                  **args: Any) -> list[Any]:
+    def call_role(self, role: str, command: str, wait_s: float = 300.0, **args: Any) -> list[Any]:
         """:meth:`call_all`, for the ranks of one role only."""
         mine = [(spec, conn) for spec, _, conn in self.ranks if spec.role == role]
         for _, conn in mine:
@@ -936,25 +1077,58 @@ class Fleet:
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids: ``{"ranks": [...], "server": [...]}`` (for CPU accounting)."""
-        return {"ranks": [process.pid for _, process, _ in self.ranks],
-                "server": [s.process.pid for s in self.servers if s.process is not None]}
+        return {
+            "ranks": [process.pid for _, process, _ in self.ranks],
+            "server": [s.process.pid for s in self.servers if s.process is not None],
+        }
 
-    def run_engine(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
-                   tag: str | None = None, start_delay_s: float = 0.3, **options: Any
-                   ) -> EngineRun:
+    def run_engine(
+        self,
+        *,
+        requests: int,
+        blocks: int,
+        in_flight: int,
+        seed: int = 1,
+        tag: str | None = None,
+        start_delay_s: float = 0.3,
+        **options: Any,
+    ) -> EngineRun:
         """Every rank runs the engine loop over the same requests; the combined account."""
         tag = tag or f"e{seed}-{blocks}x{in_flight}-{time.time_ns() % 10**9}"
-        results = self.call_all("run", requests=requests, blocks=blocks, in_flight=in_flight,
-                                seed=seed, tag=tag, start_at=time.time() + start_delay_s,
-                                **options)
+        results = self.call_all(
+            "run",
+            requests=requests,
+            blocks=blocks,
+            in_flight=in_flight,
+            seed=seed,
+            tag=tag,
+            start_at=time.time() + start_delay_s,
+            **options,
+        )
         return EngineRun(tag, requests, [RunResult(**r) for r in results])
 
-    def run_raw(self, *, requests: int, blocks: int, in_flight: int, seed: int = 1,
-                start_delay_s: float = 0.3, layout: str = "staging") -> RawRun:
-        results = self.call_all("raw", requests=requests, blocks=blocks, in_flight=in_flight,
-                                seed=seed, start_at=time.time() + start_delay_s, layout=layout)
-        return RawRun(requests, [(spec.role, r) for (spec, _, _), r in zip(self.ranks, results,
-                                                                               strict=True)])
+    def run_raw(
+        self,
+        *,
+        requests: int,
+        blocks: int,
+        in_flight: int,
+        seed: int = 1,
+        start_delay_s: float = 0.3,
+        layout: str = "staging",
+    ) -> RawRun:
+        results = self.call_all(
+            "raw",
+            requests=requests,
+            blocks=blocks,
+            in_flight=in_flight,
+            seed=seed,
+            start_at=time.time() + start_delay_s,
+            layout=layout,
+        )
+        return RawRun(
+            requests, [(spec.role, r) for (spec, _, _), r in zip(self.ranks, results, strict=True)]
+        )
 
     def stop(self) -> None:
         for _, _, conn in self.ranks:
@@ -995,8 +1169,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
-def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots: int,
-             seed: int, tag: str, verify: bool = False) -> dict[str, Any]:
+def run_rest(
+    url: str,
+    *,
+    requests: int,
+    blocks: int,
+    in_flight: int,
+    num_slots: int,
+    seed: int,
+    tag: str,
+    verify: bool = False,
+) -> dict[str, Any]:
     """The REST path as a router drives it: ``in_flight`` client threads, each ``POST
     /v1/transfers`` (``execute``) and then ``GET ?wait=`` in turn, over its own block lane."""
     latencies: list[float] = []
@@ -1019,10 +1202,17 @@ def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots:
                 t0 = time.time()
                 try:
                     for attempt in range(REST_RETRIES + 1):
-                        created = http.post("/v1/transfers", json={
-                            "context": CONTEXT, "generation": GENERATION,
-                            "request_id": f"{tag}-{k}", "blocks": body_blocks,
-                            "execute": True, "verify": verify})
+                        created = http.post(
+                            "/v1/transfers",
+                            json={
+                                "context": CONTEXT,
+                                "generation": GENERATION,
+                                "request_id": f"{tag}-{k}",
+                                "blocks": body_blocks,
+                                "execute": True,
+                                "verify": verify,
+                            },
+                        )
                         if created.status_code != 503 or attempt == REST_RETRIES:
                             break
                         # As a client should: 503 (SQLite busy) says when to come back.
@@ -1030,8 +1220,7 @@ def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots:
                             retries.append(created.json().get("code", "503"))
                         time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
                     created.raise_for_status()
-                    done = http.get(f"/v1/transfers/{created.json()['id']}",
-                                    params={"wait": 30})
+                    done = http.get(f"/v1/transfers/{created.json()['id']}", params={"wait": 30})
                     done.raise_for_status()
                     status = done.json()["status"]
                     if status != "done":
@@ -1052,8 +1241,12 @@ def run_rest(url: str, *, requests: int, blocks: int, in_flight: int, num_slots:
         thread.start()
     for thread in threads:
         thread.join()
-    return {"latencies": latencies, "errors": errors, "retries": retries,
-            "throughput": requests / max(max(ends) - min(starts), 1e-9)}
+    return {
+        "latencies": latencies,
+        "errors": errors,
+        "retries": retries,
+        "throughput": requests / max(max(ends) - min(starts), 1e-9),
+    }
 
 
 @dataclass
@@ -1075,8 +1268,12 @@ class EngineRun:
     @property
     def failures(self) -> dict[str, str]:
         """``{f"{role} rank {r} request {i}": reason}`` of every failed handle."""
-        return {f"{r.role} rank {r.rank} request {rec[0]}": str(rec[4])
-                for r in self.ranks for rec in r.records if rec[3] == "failed"}
+        return {
+            f"{r.role} rank {r.rank} request {rec[0]}": str(rec[4])
+            for r in self.ranks
+            for rec in r.records
+            if rec[3] == "failed"
+        }
 
     @property
     def stalled(self) -> dict[str, list[int]]:
@@ -1135,6 +1332,23 @@ if __name__ == "__main__":
     _host_main(sys.argv[1:])
 
 
-__all__ = ["CONTEXT", "GENERATION", "BlockCache", "CacheError", "ControlPlane", "EngineRank",
-           "EngineRun", "Fleet", "RankSpec", "RawRun", "RunResult", "arrivals", "cpu_seconds",
-           "demo_bodies", "free_port", "percentile", "request_blocks", "run_rest"]
+__all__ = [
+    "CONTEXT",
+    "GENERATION",
+    "BlockCache",
+    "CacheError",
+    "ControlPlane",
+    "EngineRank",
+    "EngineRun",
+    "Fleet",
+    "RankSpec",
+    "RawRun",
+    "RunResult",
+    "arrivals",
+    "cpu_seconds",
+    "demo_bodies",
+    "free_port",
+    "percentile",
+    "request_blocks",
+    "run_rest",
+]

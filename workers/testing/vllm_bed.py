@@ -24,8 +24,9 @@ def vllm_missing() -> str | None:
     """Why the vLLM environment cannot run engines here, or None."""
     if not VLLM_PYTHON.exists():
         return f"no vLLM environment at {VLLM_PYTHON} (make vllm-env)"
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, nixl"], capture_output=True,
-                           text=True, timeout=300)
+    probe = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import vllm, nixl"], capture_output=True, text=True, timeout=300
+    )
     if probe.returncode:
         return f"vllm does not import in {VLLM_PYTHON}: {probe.stderr[-400:]}"
     return None
@@ -34,8 +35,12 @@ def vllm_missing() -> str | None:
 def write_model(workdir: Path) -> Path:
     """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``."""
     model = workdir / "model"
-    subprocess.run([str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return model
 
 
@@ -45,23 +50,58 @@ class Engine:
     ``core`` binds its OpenMP threads (``"0"``, ``"1"``, or ``"0|1"`` for TP 2, one core per
     rank); ``env`` adds to its environment (e.g. ``KVPLANE_WORKER_HOLD_S``)."""
 
-    def __init__(self, workdir: Path, model: Path, role: str, core: str, *,
-                 instance: str | None = None, control_plane: str | None = None, tp: int = 1,
-                 dtype: str = "bfloat16", extra: Mapping[str, Any] | None = None,
-                 failure_policy: str = "fail", env: Mapping[str, str] | None = None,
-                 log_name: str | None = None) -> None:
-        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONPATH": str(ROOT), **(env or {})}
+    def __init__(
+        self,
+        workdir: Path,
+        model: Path,
+        role: str,
+        core: str,
+        *,
+        instance: str | None = None,
+        control_plane: str | None = None,
+        tp: int = 1,
+        dtype: str = "bfloat16",
+        extra: Mapping[str, Any] | None = None,
+        failure_policy: str = "fail",
+        env: Mapping[str, str] | None = None,
+        log_name: str | None = None,
+    ) -> None:
+        environment = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": core,
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
         self.log_path = workdir / f"{log_name or instance or role}.log"
-        argv = [str(VLLM_PYTHON), str(HERE / "engine.py"), "--model", str(model), "--role", role,
-                "--tp", str(tp), "--dtype", dtype, "--failure-policy", failure_policy,
-                "--extra", json.dumps(dict(extra or {}))]
+        argv = [
+            str(VLLM_PYTHON),
+            str(HERE / "engine.py"),
+            "--model",
+            str(model),
+            "--role",
+            role,
+            "--tp",
+            str(tp),
+            "--dtype",
+            dtype,
+            "--failure-policy",
+            failure_policy,
+            "--extra",
+            json.dumps(dict(extra or {})),
+        ]
         if instance:
             argv += ["--instance", instance, "--control-plane", str(control_plane)]
         with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, text=True, env=environment,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=environment,
+                start_new_session=True,
+            )
 
     def read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -79,8 +119,12 @@ class Engine:
         self.send(**command)
         return self.read()
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 params: Sequence[Mapping[str, Any] | None] | None = None) -> dict[str, Any]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> dict[str, Any]:
         listed = None if params is None else [None if p is None else dict(p) for p in params]
         return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=listed)
 
@@ -104,9 +148,16 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(5, 4000) for _ in range(n)] for n in lengths]
 
 
-def handover(prefill: Engine, decode: Engine, prefilled: list[list[int]],
-             decoded: list[list[int]], max_tokens: int = 16, *, context: str = "vllm-prefill",
-             **extra: Any) -> list[list[int]]:
+def handover(
+    prefill: Engine,
+    decode: Engine,
+    prefilled: list[list[int]],
+    decoded: list[list[int]],
+    max_tokens: int = 16,
+    *,
+    context: str = "vllm-prefill",
+    **extra: Any,
+) -> list[list[int]]:
     """Prefill ``prefilled`` on ``prefill``, then decode ``decoded`` on ``decode`` with the
     ``kv_transfer_params`` that came back (plus ``extra``)."""
     pre = prefill.generate(prefilled, 1, [{"do_remote_decode": True}] * len(prefilled))

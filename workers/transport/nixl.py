@@ -423,14 +423,17 @@ class NixlTransport:
         rows = []
         for pool, offsets, lengths in table.entries:
             if peer is None:
-                rows.append(self._desc(self.pools[pool].base_address + offsets, lengths,
-                                       self.device_id))
+                rows.append(
+                    self._desc(self.pools[pool].base_address + offsets, lengths, self.device_id)
+                )
             else:
-                rows.append(self._desc(peer.pools[pool].base_address + offsets, lengths,
-                                       peer.device_id))
+                rows.append(
+                    self._desc(peer.pools[pool].base_address + offsets, lengths, peer.device_id)
+                )
         descs = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.uint64)
         handle = self._agent.prep_xfer_dlist(
-            agent, descs, self.mem_type if peer is None else peer.mem_type)
+            agent, descs, self.mem_type if peer is None else peer.mem_type
+        )
         self._prepped[(agent, key)] = handle
         if len(self._prepped) > PREPARED_LISTS_MAX:  # plans that changed long ago
             self._release_prepared([next(iter(self._prepped))])
@@ -507,8 +510,14 @@ class NixlTransport:
         return self._post(self._peer(peer), local, remote, notif, what)
 
     def post_fragments(
-        self, peer: str, route: Route | Mapping[str, Any], src_blocks: Blocks,
-        dst_blocks: Blocks, notif: bytes, what: str, nbytes: int | None = None,
+        self,
+        peer: str,
+        route: Route | Mapping[str, Any],
+        src_blocks: Blocks,
+        dst_blocks: Blocks,
+        notif: bytes,
+        what: str,
+        nbytes: int | None = None,
     ) -> _Pending | None:
         """Post one WRITE of every fragment of these (aligned) block lists, pool to pool, with
         ``notif``; None when there is no fragment (nothing posted). ``nbytes``: the bytes they
@@ -525,8 +534,11 @@ class NixlTransport:
         key = (info.agent, route.fingerprint)
         if key not in self._tables:
             self._tables[key] = fragment_tables(
-                route, {pid: p.spec for pid, p in self.pools.items()},
-                {pid: p.spec for pid, p in info.pools.items()}, limit=self.fragment_table_max)
+                route,
+                {pid: p.spec for pid, p in self.pools.items()},
+                {pid: p.spec for pid, p in info.pools.items()},
+                limit=self.fragment_table_max,
+            )
         tables = self._tables[key]
         if tables is None:
             frags = expand_fragments(route, self.pools, info.pools, src_blocks, dst_blocks)
@@ -544,8 +556,9 @@ class NixlTransport:
         def make(peer_info: PeerInfo) -> Any:
             local = self._prepared(None, route.fingerprint, tables[0])
             remote = self._prepared(peer_info, route.fingerprint, tables[1])
-            return self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx,
-                                                 notif)
+            return self._agent.make_prepped_xfer(
+                "WRITE", local, local_idx, remote, remote_idx, notif
+            )
 
         if nbytes is None:
             nbytes = staging_layout(route, src_blocks).nbytes

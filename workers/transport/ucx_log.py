@@ -68,7 +68,8 @@ class EndpointConfig:
     def names(self, agent: str) -> bool:
         """Whether this is ``agent``'s configuration (UCX cuts long names)."""
         return self.worker == agent or (
-            len(self.worker) >= WORKER_NAME_MAX and agent.startswith(self.worker))
+            len(self.worker) >= WORKER_NAME_MAX and agent.startswith(self.worker)
+        )
 
 
 def parse_line(line: str, at: int = 0) -> EndpointConfig | None:
@@ -80,8 +81,9 @@ def parse_line(line: str, at: int = 0) -> EndpointConfig | None:
     lanes = _LANE.findall(text)
     if not lanes or _LANE.sub("", text).strip():
         return None  # something besides lanes: a format this parser does not know
-    return EndpointConfig(match["name"], match["scope"],
-                          tuple((kind, tuple(tls.split())) for kind, tls in lanes), at)
+    return EndpointConfig(
+        match["name"], match["scope"], tuple((kind, tuple(tls.split())) for kind, tls in lanes), at
+    )
 
 
 def summarize(configs: Iterable[EndpointConfig]) -> dict[str, Any] | None:

@@ -40,8 +40,12 @@ BLOCKS = 4
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """One fleet for the module (starting six rank processes takes a while); a test that stops
     the control plane starts it again before it ends."""
-    running = Fleet(tmp_path_factory.mktemp("engine-loop"), num_slots=NUM_SLOTS, fill=True,
-                    staging_bytes=16 << 20)
+    running = Fleet(
+        tmp_path_factory.mktemp("engine-loop"),
+        num_slots=NUM_SLOTS,
+        fill=True,
+        staging_bytes=16 << 20,
+    )
     try:
         running.start()
         yield running
@@ -69,8 +73,12 @@ def _engine_ids(fleet: Fleet, run: EngineRun) -> set[str]:
     pairing = fleet.client.get_pairing(fleet.pairing["id"]) if fleet.client else {}
     ctx = fleet.client.get_instance(CONTEXT) if fleet.client else {}
     gen = fleet.client.get_instance(GENERATION) if fleet.client else {}
-    return {engine_transfer_id(str(pairing["id"]), str(ctx["epoch"]), str(gen["epoch"]),
-                               f"{run.tag}-{i}") for i in range(run.requests)}
+    return {
+        engine_transfer_id(
+            str(pairing["id"]), str(ctx["epoch"]), str(gen["epoch"]), f"{run.tag}-{i}"
+        )
+        for i in range(run.requests)
+    }
 
 
 def _records(client: Client, ids: set[str]) -> dict[str, Any]:
@@ -95,9 +103,11 @@ def _wait_recorded(fleet: Fleet, ids: set[str], timeout_s: float) -> dict[str, A
             return found
         if time.monotonic() > deadline:
             statuses = sorted({t["status"] for t in found.values()})
-            raise AssertionError(f"{len(found)} of {len(ids)} transfers recorded after "
-                                 f"{timeout_s:.0f} s, statuses {statuses}: "
-                                 f"{[t['error'] for t in found.values() if t['error']][:3]}")
+            raise AssertionError(
+                f"{len(found)} of {len(ids)} transfers recorded after "
+                f"{timeout_s:.0f} s, statuses {statuses}: "
+                f"{[t['error'] for t in found.values() if t['error']][:3]}"
+            )
         time.sleep(0.2)
 
 
@@ -153,8 +163,9 @@ def test_request_blocks_are_the_same_everywhere_and_disjoint_in_flight() -> None
 def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fleet) -> None:
     closed = fleet.run_engine(requests=30, blocks=BLOCKS, in_flight=4, verify=True, seed=3)
     _assert_clean(closed)
-    poisson = fleet.run_engine(requests=20, blocks=BLOCKS, in_flight=8, verify=True, seed=4,
-                               arrival="poisson", rate=40.0)
+    poisson = fleet.run_engine(
+        requests=20, blocks=BLOCKS, in_flight=8, verify=True, seed=4, arrival="poisson", rate=40.0
+    )
     _assert_clean(poisson)
     assert len(closed.latencies_s()) == 30 and len(poisson.latencies_s()) == 20
     # Every receive checked its bytes: at least every pool byte of both generation ranks once
@@ -166,18 +177,19 @@ def test_fifty_requests_move_every_byte_leak_nothing_and_are_recorded(fleet: Fle
     ids = _engine_ids(fleet, closed) | _engine_ids(fleet, poisson)
     recorded = _wait_recorded(fleet, ids, timeout_s=15)
     assert {t["request_id"] for t in recorded.values()} == (
-        {f"{closed.tag}-{i}" for i in range(30)} | {f"{poisson.tag}-{i}" for i in range(20)})
+        {f"{closed.tag}-{i}" for i in range(30)} | {f"{poisson.tag}-{i}" for i in range(20)}
+    )
     assert all(t["bytes"] > 0 for t in recorded.values())
 
 
-def test_sends_after_a_prefill_find_their_grants_waiting_and_move_every_byte(
-        fleet: Fleet) -> None:
+def test_sends_after_a_prefill_find_their_grants_waiting_and_move_every_byte(fleet: Fleet) -> None:
     """The usual order (bench/latency.py's "receiver ahead" row): generation ranks expect as
     soon as they admit a request, context ranks send ``prefill_ms`` after they admitted it, up
     to ``in_flight`` of them computing at once. The grants wait for their send; every request
     arrives verified and no block leaks."""
-    run = fleet.run_engine(requests=8, blocks=BLOCKS, in_flight=4, seed=13, prefill_ms=200.0,
-                           verify=True)
+    run = fleet.run_engine(
+        requests=8, blocks=BLOCKS, in_flight=4, seed=13, prefill_ms=200.0, verify=True
+    )
     _assert_clean(run)
     assert _verified(run) > 0
     assert len(run.latencies_s()) == 8
@@ -213,8 +225,9 @@ def test_a_released_send_is_recorded_only_when_it_has_something_to_say(fleet: Fl
     verified = fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, seed=12, verify=True)
     _assert_clean(plain)
     _assert_clean(verified)
-    recorded = _wait_recorded(fleet, _engine_ids(fleet, plain) | _engine_ids(fleet, verified),
-                              timeout_s=15)
+    recorded = _wait_recorded(
+        fleet, _engine_ids(fleet, plain) | _engine_ids(fleet, verified), timeout_s=15
+    )
     plain_ids = _engine_ids(fleet, plain)
     for tid, transfer in recorded.items():
         parts = fleet.client.list_parts(tid)["items"]
@@ -232,33 +245,49 @@ def test_a_released_send_is_recorded_only_when_it_has_something_to_say(fleet: Fl
 
 @pytest.mark.parametrize("mode", ["staged", "fragments"])
 def test_the_engine_api_refuses_bad_block_lists_before_anything_moves(
-    fleet: Fleet, mode: str,
+    fleet: Fleet,
+    mode: str,
 ) -> None:
     """Every rank checks its own side's ids against its pools (each view's pool of the layer
     group), and a receiver refuses duplicate destinations; nothing starts, the ranks stay
     usable."""
     good = list(range(BLOCKS))
     cases = {
-        "context": [([0, 1, 2, NUM_SLOTS], good, rf"block ids must be in \[0, {NUM_SLOTS}\)"),
-                    ([-1, 1, 2, 3], good, r"block ids must be ≥ 0"),  # found while aligning
-                    ("[1, 2]", good, "flat list of integers")],
-        "generation": [(good, [5, 6, 7, NUM_SLOTS + 3], rf"must be in \[0, {NUM_SLOTS}\)"),
-                       (good, [5, 6, 5, 7], "appears more than once")],
+        "context": [
+            ([0, 1, 2, NUM_SLOTS], good, rf"block ids must be in \[0, {NUM_SLOTS}\)"),
+            ([-1, 1, 2, 3], good, r"block ids must be ≥ 0"),  # found while aligning
+            ("[1, 2]", good, "flat list of integers"),
+        ],
+        "generation": [
+            (good, [5, 6, 7, NUM_SLOTS + 3], rf"must be in \[0, {NUM_SLOTS}\)"),
+            (good, [5, 6, 5, 7], "appears more than once"),
+        ],
     }
     for role, bad in cases.items():
         for i, (context_ids, generation_ids, message) in enumerate(bad):
-            answers = fleet.call_role(role, "try_start", request_id=f"bad-{mode}-{role}-{i}",
-                                      blocks={0: (context_ids, generation_ids)}, mode=mode)
+            answers = fleet.call_role(
+                role,
+                "try_start",
+                request_id=f"bad-{mode}-{role}-{i}",
+                blocks={0: (context_ids, generation_ids)},
+                mode=mode,
+            )
             for answer in answers:
                 assert answer.get("code") == "invalid_blocks", answer
                 assert re.search(message, answer["message"]), answer
     # Both sides align the same two lists (by token position), so a context rank refuses a
     # repeated generation id as the receiver does, at once, rather than at its deadline.
-    [answer, *_] = fleet.call_role("context", "try_start", request_id=f"other-side-{mode}",
-                                   blocks={0: (good, [5, 6, 5, 7])}, mode=mode)
+    [answer, *_] = fleet.call_role(
+        "context",
+        "try_start",
+        request_id=f"other-side-{mode}",
+        blocks={0: (good, [5, 6, 5, 7])},
+        mode=mode,
+    )
     assert answer.get("code") == "invalid_blocks", answer
-    _assert_clean(fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, verify=True,
-                                   seed=31, mode=mode))
+    _assert_clean(
+        fleet.run_engine(requests=4, blocks=BLOCKS, in_flight=2, verify=True, seed=31, mode=mode)
+    )
 
 
 def test_a_failed_fragments_receive_keeps_its_blocks_until_no_granted_write_can_land(
@@ -301,5 +330,4 @@ def test_engine_path_runs_without_the_control_plane_and_the_record_catches_up(
         assert any((s["records_pending"] or 0) > 0 for s in stats), stats  # nothing could post
     finally:
         fleet.server.start()  # same database, same port
-    _wait_recorded(fleet, _engine_ids(fleet, before) | _engine_ids(fleet, during),
-                   timeout_s=40)
+    _wait_recorded(fleet, _engine_ids(fleet, before) | _engine_ids(fleet, during), timeout_s=40)
