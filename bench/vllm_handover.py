@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
-from workers.testing.engine import ControlPlane  # noqa: E402
+from workers.testing.engine import ControlPlane, free_port  # noqa: E402
 from workers.testing.vllm_bed import Engine, prompts, vllm_missing, write_model  # noqa: E402
 
 
@@ -98,9 +98,25 @@ def run_pair(
                 log_name=f"{kind}-decode",
             )
         else:
-            prefill = Engine(workdir, model, "nixl-prefill", "0", log_name=f"{kind}-prefill")
+            # Each NixlConnector engine listens for handshakes on its own side-channel port
+            # (vLLM's default, 5600, is one port for both).
+            prefill = Engine(
+                workdir,
+                model,
+                "nixl-prefill",
+                "0",
+                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                log_name=f"{kind}-prefill",
+            )
             engines.append(prefill)
-            decode = Engine(workdir, model, "nixl-decode", "1", log_name=f"{kind}-decode")
+            decode = Engine(
+                workdir,
+                model,
+                "nixl-decode",
+                "1",
+                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                log_name=f"{kind}-decode",
+            )
         engines.append(decode)
         for engine in engines:
             assert engine.read() == {"ready": True}

@@ -12,6 +12,7 @@ tier skips loudly, and fails under ``CI=true``.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -109,3 +110,55 @@ def test_a_block_left_unloaded_changes_the_tokens(fleet: dict[str, Any]) -> None
     # The same prompts with every block loaded match again.
     assert handover(fleet, batch, batch) == alone
     assert fleet["prefill"].call(op="idle", timeout_s=30) == {"idle": True}
+
+
+def test_the_dashboard_shows_the_engines(fleet: dict[str, Any], page: Any) -> None:
+    """The operator's view of the two engines, in a real browser: both instances with every
+    layer's view, their pairing's rank map as the plan has it, and their transfers, done."""
+    from playwright.sync_api import expect
+
+    url = fleet["plane"].url
+    batch = prompts(4, (70, 99))
+    assert handover(fleet, batch, batch) == fleet["prefill"].generate(batch, 16)["tokens"]
+    page.goto(f"{url}/ui/instances")
+    for name in ("vllm-prefill", "vllm-decode"):
+        expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
+        instance = httpx.get(f"{url}/v1/instances/{name}", timeout=10).json()
+        page.goto(f"{url}/ui/instances/{name}")
+        # One row per view of every rank, with the view's layout, dtype and head_dim.
+        views = [view for rank in instance["ranks"] for view in rank["views"]]
+        rows = page.locator("table.views tbody tr")
+        expect(rows).to_have_count(len(views))
+        for index, view in enumerate(views):
+            for value in (view["layout"], view["dtype"], str(view["head_dim"])):
+                expect(rows.nth(index)).to_contain_text(value)
+    pairing = httpx.get(f"{url}/v1/pairings", timeout=10).json()["items"][0]
+    plan = httpx.get(f"{url}/v1/pairings/{pairing['id']}/plan", timeout=10).json()
+    page.goto(f"{url}/ui/pairings/{pairing['id']}")
+    cells = page.locator("svg.rank-map g.route")
+    found = {
+        (
+            int(cells.nth(i).get_attribute("data-sender")),
+            int(cells.nth(i).get_attribute("data-receiver")),
+            int(cells.nth(i).get_attribute("data-bytes")),
+        )
+        for i in range(cells.count())
+    }
+    assert found == {
+        (r["sender_rank"], r["receiver_rank"], r["bytes_per_block"]) for r in plan["routes"]
+    }
+    # The newest transfers are this test's two requests, recorded done, with their bytes.
+    deadline = time.monotonic() + 20
+    while True:
+        newest = httpx.get(f"{url}/v1/transfers", params={"limit": 2}, timeout=10).json()["items"]
+        if all(t["status"] == "done" for t in newest) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    page.goto(f"{url}/ui/transfers")
+    for transfer in newest:
+        row = page.get_by_role("row", name=re.compile(re.escape(transfer["request_id"])))
+        expect(row).to_contain_text("vllm-prefill → vllm-decode")
+        expect(row).to_contain_text("done")
+    page.goto(f"{url}/ui/workers")
+    for name in ("vllm-prefill", "vllm-decode"):
+        expect(page.locator("table")).to_contain_text(name)

@@ -78,7 +78,7 @@ DEFAULT_HOLD_S = 60.0  # a prefill keeps a finished request's blocks this long f
 DEFAULT_TIMEOUT_S = 30.0  # a decode rank's receive fails after this
 PARK_S = 10.0  # an ask that came before its request's metadata waits this long
 DEFAULT_STAGING_MIB = 32
-IDLE_STEP_S = 0.01  # a rank's pause in a step that runs no model while blocks are held
+IDLE_STEP_S = 0.01  # the longest a step that runs no model waits for a handover to resolve
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -147,7 +147,7 @@ class KvplaneConnectorMetadata(KVConnectorMetadata):
 
     receive: list[Receive] = field(default_factory=list)
     hold: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id: blocks, until
-    idle: bool = False  # the step runs no model: only held blocks keep the engine stepping
+    idle: bool = False  # the step runs no model: only handovers keep the engine stepping
 
 
 class KvplaneConnector(KVConnectorBase_V1):
@@ -174,6 +174,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._holding: dict[str, float] = {}  # prefill: request id -> until (wall clock)
         self._new_holds: dict[str, tuple[list[int], float]] = {}
         self._new_receives: list[Receive] = []
+        self._loading: set[str] = set()  # decode: requests whose KV is on its way
         # worker side
         self.worker: Worker | None = None
         self._lock = threading.Lock()
@@ -185,6 +186,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()
         self._paired: set[str] = set()
+        self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
 
     # ---------------------------------------------------------------------------------------
     # scheduler side
@@ -218,6 +220,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         )
         count = min(len(local), len(remote), max(needed, 0))
         local, remote = local[:count], remote[len(remote) - count :]
+        self._loading.add(request.request_id)
         self._new_receives.append(
             Receive(
                 request_id=request.request_id,
@@ -234,7 +237,8 @@ class KvplaneConnector(KVConnectorBase_V1):
         meta = KvplaneConnectorMetadata(
             receive=self._new_receives,
             hold=self._new_holds,
-            idle=scheduler_output.total_num_scheduled_tokens == 0 and bool(self._holding),
+            idle=scheduler_output.total_num_scheduled_tokens == 0
+            and bool(self._holding or self._loading),
         )
         self._new_receives, self._new_holds = [], {}
         return meta
@@ -242,6 +246,7 @@ class KvplaneConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._loading.discard(request.request_id)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or self.kind != "context":
             return False, None
@@ -272,6 +277,7 @@ class KvplaneConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for request_id in connector_output.finished_sending or ():
             self._holding.pop(request_id, None)
+        self._loading.difference_update(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
         # Keep stepping while blocks are held: the ranks learn what they hold from the next
@@ -308,6 +314,7 @@ class KvplaneConnector(KVConnectorBase_V1):
             staging_bytes=int(extra.get("staging_mib", DEFAULT_STAGING_MIB)) << 20,
             on_ask=self._on_ask if self.kind == "context" else None,
         )
+        worker.add_listener(lambda handle: self._resolved.set())
         worker.attach(tensors=tensors)
         worker.start()
         self.worker = worker
@@ -361,11 +368,13 @@ class KvplaneConnector(KVConnectorBase_V1):
             self._hold(meta.hold)
         for receive in meta.receive:
             self._expect(receive)
-        if meta.idle and not meta.hold:
-            # vLLM steps without pause while a finished request's blocks are held, and with
-            # TP > 1 each rank busy-waits for the next step: the worker's own threads (asks,
-            # heartbeats, the directory) and a decode engine on the same core would starve.
-            time.sleep(IDLE_STEP_S)
+        if meta.idle and not meta.hold and not meta.receive:
+            # vLLM steps without pause while a finished request's blocks are held or a
+            # request's KV is on its way, and with TP > 1 each rank busy-waits for the next
+            # step: the worker's own threads (asks, WRITEs, notifications, heartbeats) would
+            # starve. Wait for a handle of this rank to resolve instead, or IDLE_STEP_S.
+            self._resolved.wait(IDLE_STEP_S)
+            self._resolved.clear()
 
     def _expect(self, receive: Receive) -> None:
         from workers.directory import HandoverError

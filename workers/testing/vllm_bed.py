@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import random
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,13 +104,28 @@ class Engine:
                 env=environment,
                 start_new_session=True,
             )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, name=f"read-{self.log_path.stem}", daemon=True).start()
 
-    def read(self) -> dict[str, Any]:
+    def read(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """The engine's next answer; raises if it exits or says nothing for ``timeout_s`` (an
+        engine thread that dies, e.g. on a port already in use, leaves the process running)."""
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"no answer from {self.log_path.stem} in {timeout_s:.0f} s: {self.log()[-3000:]}"
+            ) from None
+        if line is None:
+            raise RuntimeError(f"the engine exited: {self.log()[-3000:]}")
+        return json.loads(line[3:])
+
+    def _pump(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith("@@ "):
-                return json.loads(line[3:])
-        raise RuntimeError(f"the engine exited: {self.log_path.read_text()[-3000:]}")
+                self._lines.put(line)
+        self._lines.put(None)
 
     def send(self, **command: Any) -> None:
         assert self.process.stdin is not None
