@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One-shot GPU check for the data mover (< 5 minutes on one GPU):
 #   1. CUDA executor tests + VRAM<->VRAM NIXL (tests/workers/test_cuda.py; must not skip),
-#   2. the transfer benchmark with --device cuda (local executors and two-process NIXL).
+#   2. the transfer benchmark with --device cuda (local executors and two-process NIXL),
+#   3. where VLLM_PY names a Python with a CUDA build of vLLM (and kvplane installed in it,
+#      `pip install -e '.[worker]'`): the vLLM tier on the GPU (tests/vllm/test_connector.py:
+#      two engines, kvplane's connector on CUDA tensors, tokens equal to one engine's).
 # Needs a CUDA build of torch and nixl; PY=/path/to/python overrides the interpreter
 # (the repo .venv holds the CPU wheel). Logs go to $OUT (default test-artifacts/gpu_check).
 set -euo pipefail
@@ -36,4 +39,11 @@ if grep -q "skipped" "$OUT/pytest_cuda.txt"; then echo "CUDA tests skipped: not 
 echo "== transfer bench (cuda)"
 timeout 240 "$PY" bench/transfer.py --device cuda --reps 3 2>&1 \
     | grep -v "NIXL INFO" | tee "$OUT/bench_cuda.txt"
+if [ -n "${VLLM_PY:-}" ]; then
+  echo "== vLLM tier on CUDA ($VLLM_PY)"
+  KVPLANE_VLLM_PYTHON="$VLLM_PY" timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
+      tests/vllm/test_connector.py -rs 2>&1 | tee "$OUT/pytest_vllm.txt"
+else
+  echo "== vLLM tier on CUDA: not run (VLLM_PY names no Python with vLLM)"
+fi
 echo "gpu_check: ok (logs in $OUT)"

@@ -9,7 +9,6 @@ continuations even without a handover (measured), so the oracle would not be abo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,17 +20,11 @@ from workers.testing.vllm_bed import Engine, handover, prompts, write_model
 
 from .conftest import require_vllm
 
-# Two cores hold three engine processes here (the prefill's two ranks and the decode): the test
-# passes alone (57 s) but failed once of two in a run of the whole tier, the decode's loads timing
-# out while the ranks starved. It runs where KVPLANE_VLLM_TP=1 asks for it (and on a machine
-# with cores to spare), not in make test.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("KVPLANE_VLLM_TP") != "1",
-        reason="prefill TP 2 -> decode TP 1 needs KVPLANE_VLLM_TP=1 (three engine processes)",
-    ),
-]
+# Two cores hold three engine processes here (the prefill's two ranks and the decode). Each
+# engine steps without pause while KV is held or on its way; the connector's ranks wait for
+# their handles in those steps instead, or the busy ranks starve the workers' threads and the
+# decode's loads time out.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
