@@ -16,7 +16,7 @@ from api import __version__, auth, openapi
 from api.db import Database, utcnow
 from api.dispatch import CommandHub, Completions, PostgresRelay
 from api.errors import Conflict, install_error_handlers
-from api.limits import BodyLimitMiddleware, EncodedSlashMiddleware
+from api.limits import BodyLimitMiddleware, DirectoryThrottle, EncodedSlashMiddleware
 from api.logs import RequestIdMiddleware
 from api.metrics import Metrics, TimingMiddleware
 from api.migrate import head_revisions, upgrade
@@ -148,7 +148,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     openapi.document(app)
     docs.install(app)
     dashboard.install(app, dependencies=[Depends(auth.dashboard_session)])
-    app.add_middleware(auth.AuthenticateFirst)  # innermost: 401 before the body is parsed
+    app.add_middleware(
+        DirectoryThrottle,
+        per_s=settings.directory_reads_per_s,
+        burst=settings.directory_burst,
+    )  # innermost: only authenticated reads count against a worker's pace
+    app.add_middleware(auth.AuthenticateFirst)  # 401 before the body is parsed
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(EncodedSlashMiddleware)
     app.add_middleware(TimingMiddleware, metrics=metrics)

@@ -1,6 +1,6 @@
 """Typed HTTP client of the kvplane API (sync and async), used by the workers and the CLI.
 
-- Retries: 503 (honouring ``Retry-After``), 502/504 and connection errors are retried with
+- Retries: 429 and 503 (honouring ``Retry-After``), 502/504 and connection errors are retried with
   exponential backoff and full jitter, up to ``retries`` times; other answers are final.
   Retried calls are safe: every retried route is idempotent (a record batch whose first attempt
   landed is ignored the second time, never counted twice).
@@ -34,7 +34,8 @@ import httpx
 log = logging.getLogger("kvplane.client")
 
 DEFAULT_TIMEOUT_S = 30.0
-RETRY_STATUSES = (502, 503, 504)
+RETRY_STATUSES = (429, 502, 503, 504)
+FAIL_OVER_STATUSES = (502, 503, 504)  # the process may be gone (429: it is there, and busy)
 ENCODE_SLICE = 64  # records per json.dumps slice of a record batch (~0.5-1.5 ms of work)
 ENCODE_PAUSE_S = 0.0002  # the pause between slices
 
@@ -348,7 +349,9 @@ class _Retry:
         may be gone, and return the delay before the next attempt (none before a URL this call
         has not tried yet: every URL gets one try whatever ``retries`` says); raises when the
         outcome is final."""
-        if error is not None or (response is not None and response.status_code in RETRY_STATUSES):
+        if error is not None or (
+            response is not None and response.status_code in FAIL_OVER_STATUSES
+        ):
             reason = (
                 error
                 if error is not None

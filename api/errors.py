@@ -39,6 +39,7 @@ STATUS_TITLES: dict[int, str] = {
     412: "Precondition failed",
     413: "Payload too large",
     422: "Invalid request",
+    429: "Too many requests",
     500: "Internal error",
     501: "Not implemented",
     503: "Service unavailable",
@@ -386,6 +387,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         412: "Precondition failed (problem+json)",
         413: "Payload too large (problem+json)",
         422: "Invalid request: field errors in `errors` (problem+json)",
+        429: "Too many requests; see Retry-After (problem+json)",
         501: "Not implemented (problem+json)",
         503: "Database busy or unreachable; see Retry-After (problem+json)",
     }

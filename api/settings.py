@@ -21,6 +21,10 @@ class Settings(BaseSettings):
     log_json: bool = False
     #: Largest accepted request body; larger ones get 413 problem+json.
     max_body_bytes: int = 1 << 20
+    #: Directory reads each worker may make a second (bursts of ``directory_burst``); a read
+    #: over the pace waits up to 1 s for its turn, then answers 429. 0 turns pacing off.
+    directory_reads_per_s: float = Field(default=10.0, ge=0)
+    directory_burst: int = Field(default=20, ge=1)
     #: How long a SQLite writer waits for the lock before the request answers 503.
     sqlite_busy_timeout_ms: int = 5000
     #: Run ``alembic upgrade head`` when the app is created.

@@ -142,11 +142,14 @@ def worker_heartbeat(
     "/{worker_id}/directory",
     operation_id="get_worker_directory",
     response_model=wire.WorkerDirectory,
-    responses=problem_responses(404, 409, 422, 503),
+    responses=problem_responses(404, 409, 422, 429, 503),
 )
 def get_worker_directory(worker_id: WorkerId, request: Request, db: DbDep) -> Response:
     """The worker's directory: compiled templates of every pairing that involves its instance
-    (every DP combination, its rank's routes) and its peers' live workers and endpoints."""
+    (every DP combination, its rank's routes) and its peers' live workers and endpoints. Reads
+    are paced per worker (`KVPLANE_DIRECTORY_READS_PER_S`, default 10 a second in bursts of
+    20): one over the pace waits up to 1 s for its turn, else 429 `rate_limited` with
+    `Retry-After`."""
     now = now_of(request)
     # Answered as the JSON encoded when the revision was built: no validation per request.
     try:
