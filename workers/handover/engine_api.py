@@ -32,6 +32,7 @@ from workers.handover.blocks import BlockMap, blocks_of, normalize_blocks
 from workers.handover.grants import GRANT_RESEND_S, MODES, GrantExchange, route_mode_of
 from workers.handover.handles import FAILED, Finished, Handle, Op, RouteState
 from workers.handover.notices import Ask, decode, notice, reason_field
+from workers.handover.reloads import PeerReloads
 from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
 from workers.transport import PeerUnreachable, TransportError
 
@@ -111,7 +112,11 @@ class Handover(GrantExchange):
         self._finished: deque[Handle] = deque()
         self._loaded: set[str] = set()
         self._next_resend = 0.0
-        self._written: dict[tuple[str, int, int], str] = {}  # routes this rank wrote: agent
+        # Routes this rank wrote: to which agent, and when (a reload since lost their bytes)
+        self._written: dict[tuple[str, int, int], tuple[str, float]] = {}
+        # Peers whose connection failed are probed and reloaded off this thread's critical path
+        self.reloads = PeerReloads(transport, self._wake.set, f"{instance}-{rank}", self._info_of)
+        transport.reconnect_inline = False
         self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
         self._apply_directory(self.directory)
         self._thread = threading.Thread(
@@ -239,6 +244,7 @@ class Handover(GrantExchange):
             self._closed = True
             done.set()
 
+        self.reloads.close()
         self._call(shutdown)
         if not done.wait(5.0):
             self._closed = True
@@ -432,6 +438,8 @@ class Handover(GrantExchange):
             return False, progressed
         finished = len(self._finished)
         progressed = self._drain() or progressed
+        if self.reloads.ready():
+            progressed = self._reload_ready() or progressed
         now = time.monotonic()
         for state in list(self._send.values()):
             if state.pending and not state.done:
@@ -520,6 +528,8 @@ class Handover(GrantExchange):
                 )
                 return False
             state.agent = peer.agent
+        elif self.reloads.stale(state.agent) is not None:
+            return True  # its connection failed: loaded again once a probe reaches it
         if time.monotonic() < op.hold_until:
             return True
         if op.side == "receive" and not state.granted:
@@ -542,15 +552,46 @@ class Handover(GrantExchange):
         return entry.generation_epoch if op.side == "send" else entry.context_epoch
 
     def _load_peer(self, peer: PeerWorker) -> bool:
+        if self.reloads.stale(peer.agent) is not None:
+            return False  # its connection failed: the watch thread reloads it once it answers
         if peer.agent in self._loaded and self.transport.has_peer(peer.agent):
             return True
         try:
             self.transport.add_peer(peer.info)
         except TransportError as error:
             log.warning("cannot load peer %s rank %d: %s", peer.instance, peer.rank, error)
+            if peer.agent in self._agents:
+                self.reloads.mark(peer.agent, error)  # probed off this thread from now on
             return False
         self._loaded.add(peer.agent)
         return True
+
+    def _info_of(self, agent: str) -> Mapping[str, Any] | None:
+        """A peer worker's published endpoint (read by the reloads' watch thread)."""
+        peer = self._agents.get(agent)
+        return None if peer is None else peer.info
+
+    def _reload_ready(self) -> bool:
+        """Load again the failed peers a probe reached, where nothing is in flight to them:
+        every notification was read this step, and no WRITE to them is posted."""
+        moved = False
+        for agent in self.reloads.ready():
+            peer = self._agents.get(agent)
+            if peer is None:
+                self.reloads.forget(agent)
+                continue
+            if self.transport.outstanding(agent):
+                continue  # released by their own polls or deadlines first
+            try:
+                self.transport.remove_peer(agent)
+                self.transport.add_peer(peer.info)
+            except TransportError as error:
+                self.reloads.mark(agent, error)
+                continue
+            self._loaded.add(agent)
+            self.reloads.done(agent)
+            moved = True
+        return moved
 
     # --- notifications -----------------------------------------------------------------------
 
@@ -569,8 +610,9 @@ class Handover(GrantExchange):
         )
         state = index.get(key)
         if state is None:
-            if kind == "G" and self._written.get(key) == agent:
-                self._probe(agent, fields)
+            written = self._written.get(key)
+            if kind == "G" and written is not None and written[0] == agent:
+                self._probe(agent, fields, written[1])
                 return
             if kind == "X" or (kind == "G" and self.directory.role == "context"):
                 # send()/expect() not called yet: a grant, or an abort, waits for it
@@ -614,6 +656,8 @@ class Handover(GrantExchange):
                 self._on_chunk(state, int(fields[6]), int(fields[7]))
             elif kind == "F" and op.side == "receive":
                 self._on_fragments_done(state)
+        except PeerUnreachable as error:  # a WRITE after the grant met a failed connection
+            self._on_unreachable(agent, error)
         except Exception as error:  # bad blocks, NIXL errors, a malformed message: fail it
             self._fail(op, f"{type(error).__name__}: {error}")
 
@@ -641,6 +685,7 @@ class Handover(GrantExchange):
         retired = {p.agent for p in self._peers.values()} - {p.agent for p in peers.values()}
         for agent in retired:
             self._retired[agent] = self._agents[agent]
+            self.reloads.forget(agent)
             if agent in self._loaded:
                 self._loaded.discard(agent)
                 try:

@@ -60,7 +60,7 @@ class GrantExchange(HandleLifecycle):
     _asked: dict[str, float]
     _agents: dict[str, PeerWorker]
     _waiting: list[RouteState]
-    _written: dict[RouteKey, str]
+    _written: dict[RouteKey, tuple[str, float]]
 
     # --- receiver ----------------------------------------------------------------------------
 
@@ -80,10 +80,17 @@ class GrantExchange(HandleLifecycle):
                 enumerate(c for c in state.layout.chunks(self.chunk_blocks) if c.nbytes)
             )
         state.granted = True
-        self._send_grant(state, offset, ttl_ms)
+        if not self._send_grant(state, offset, ttl_ms) and not op.handle.done:
+            # Its connection had failed: nothing left, the route waits for the peer's reload.
+            state.granted = False
+            if state.area is not None:
+                self.areas.free(state.area, state.layout.nbytes)
+                state.area = None
+            return False
         return True
 
-    def _send_grant(self, state: RouteState, offset: int, ttl_ms: int, again: bool = False) -> None:
+    def _send_grant(self, state: RouteState, offset: int, ttl_ms: int, again: bool = False) -> bool:
+        """Send (or, ``again``, re-send) the route's grant; whether it left."""
         op = state.op
         ce, ge = op.handle.entry.epochs()
         state.heard_at = time.monotonic()
@@ -104,19 +111,25 @@ class GrantExchange(HandleLifecycle):
                     ttl_ms,
                 ),
             )
+        except PeerUnreachable as error:
+            # Its connection failed: every handle on it fails, but a first grant never left,
+            # so its route waits for the reload instead (within its deadline).
+            self._on_unreachable(state.agent, error, spare=None if again else op)
+            return False
         except TransportError as error:
             self._fail(
                 op,
                 f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: {error}",
                 notify=False,
             )
-            return
+            return False
         if again and reconnected:  # the connection this route waited on had failed
             self._on_unreachable(
                 state.agent,
                 PeerUnreachable("the connection failed while this rank waited for its bytes"),
                 reload=False,
             )
+        return True
 
     def _send_ask(self, state: RouteState) -> None:
         """Ask the writer of ``state`` to send (before the grant, so both land together)."""
@@ -277,16 +290,20 @@ class GrantExchange(HandleLifecycle):
                     state.route, tp.pools, tp.peer_info_of(agent).pools, state.src, state.dst
                 )
                 state.checksum = fragments_crc32(tp.pools, frags, side="src")
+            try:
+                pending = tp.post_fragments(
+                    agent,
+                    state.route,
+                    state.src,
+                    state.dst,
+                    notif,
+                    f"fragments to rank {state.receiver_rank}",
+                    nbytes,
+                )
+            except PeerUnreachable as error:  # nothing left: wait for the peer's reload
+                self._on_unreachable(agent, error, spare=op)
+                return False
             state.written = True
-            pending = tp.post_fragments(
-                agent,
-                state.route,
-                state.src,
-                state.dst,
-                notif,
-                f"fragments to rank {state.receiver_rank}",
-                nbytes,
-            )
             if pending is None:  # no block to move: the notification alone
                 tp.send_notif(agent, notif)
                 self._route_sent(state)
@@ -315,8 +332,8 @@ class GrantExchange(HandleLifecycle):
                 np.array([chunk.nbytes]),
                 info.device_id,
             )
-            state.pending.append(
-                tp.post_write(
+            try:
+                pending = tp.post_write(
                     agent,
                     tp.local_staging_desc(area + chunk.offset, chunk.nbytes),
                     remote,
@@ -325,7 +342,15 @@ class GrantExchange(HandleLifecycle):
                     ),
                     f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}",
                 )
-            )
+            except PeerUnreachable as error:
+                if i:  # chunks already left over the failed connection: the handle fails
+                    raise
+                self.areas.free(area, nbytes)  # nothing left: wait for the peer's reload
+                state.area = None
+                state.written = False
+                self._on_unreachable(agent, error, spare=op)
+                return False
+            state.pending.append(pending)
         if op.verify:
             state.checksum = crc & 0xFFFFFFFF
         return True
@@ -340,13 +365,15 @@ class GrantExchange(HandleLifecycle):
         except TransportError as error:
             self._fail(state.op, f"transport: {error}")
 
-    def _probe(self, agent: str, fields: list[str]) -> None:
+    def _probe(self, agent: str, fields: list[str], written_at: float) -> None:
         """A grant again for a route this rank wrote: were its bytes lost with a connection?"""
-        if agent not in self._loaded:
+        if agent not in self._loaded or self.reloads.stale(agent) is not None:
             return
         head = fields[1:6]
+        # The connection was loaded again since the WRITE: its bytes may have been lost with it.
+        lost = self.reloads.reloaded.get(agent, 0.0) > written_at
         try:
-            if self.transport.send_notif(agent, notice("P", *head)):  # had to reconnect
+            if self.transport.send_notif(agent, notice("P", *head)) or lost:
                 self.transport.send_notif(
                     agent,
                     notice(
@@ -356,6 +383,9 @@ class GrantExchange(HandleLifecycle):
                         "WRITE completed; its bytes were lost with it",
                     ),
                 )
+        except PeerUnreachable as error:
+            log.debug("probe of %s failed: %s", agent, error)
+            self.reloads.mark(agent, error)
         except TransportError as error:
             log.debug("probe of %s failed: %s", agent, error)
 
@@ -367,7 +397,7 @@ class GrantExchange(HandleLifecycle):
         if self._send.get(state.key) is state:
             del self._send[state.key]
         if state.agent is not None:
-            self._written[state.key] = state.agent
+            self._written[state.key] = (state.agent, time.monotonic())
             if len(self._written) > 4096:
                 del self._written[next(iter(self._written))]
         self._maybe_complete(state.op)

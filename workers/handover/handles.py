@@ -34,8 +34,11 @@ from workers.directory import Directory, PlanEntry
 from workers.executors import Route, StagingChunk, StagingLayout
 from workers.handover.notices import RouteKey, notice, reason_field
 from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
+from workers.transport import PeerUnreachable
 
 if TYPE_CHECKING:
+    from workers.directory import PeerWorker
+    from workers.handover.reloads import PeerReloads
     from workers.transport.nixl import NixlTransport, _Pending
 
 log = logging.getLogger("kvplane.handover")
@@ -199,6 +202,8 @@ class HandleLifecycle:
     _recv: dict[RouteKey, RouteState]
     _loaded: set[str]
     _finished: deque[Handle]
+    _peers: dict[tuple[str, int], PeerWorker]
+    reloads: PeerReloads
 
     def _maybe_complete(self, op: Op) -> None:
         if not op.handle.done and all(state.done for state in op.routes):
@@ -269,8 +274,13 @@ class HandleLifecycle:
         self._resolve(op.handle, FAILED, reason)
 
     def _abort_notice(self, op: Op, state: RouteState, reason: str) -> None:
-        """Tell the other side of ``state`` that ``op`` failed here (best effort)."""
-        if state.agent is None or state.agent not in self._loaded:
+        """Tell the other side of ``state`` that ``op`` failed here (best effort; never over a
+        connection that failed: the other side's own deadline covers it)."""
+        if (
+            state.agent is None
+            or state.agent not in self._loaded
+            or self.reloads.stale(state.agent) is not None
+        ):
             return
         ce, ge = op.handle.entry.epochs()
         try:
@@ -286,6 +296,9 @@ class HandleLifecycle:
                     reason_field(reason),
                 ),
             )
+        except PeerUnreachable as error:  # that connection failed too: reload it later
+            log.debug("abort notification to %s failed: %s", state.agent, error)
+            self.reloads.mark(state.agent, error)
         except Exception as error:  # the peer may be gone: its deadline covers it
             log.debug("abort notification to %s failed: %s", state.agent, error)
 
@@ -304,8 +317,15 @@ class HandleLifecycle:
         waiting = [s for s in op.routes if not s.done]
         parts = []
         for s in waiting[:3]:
-            if s.agent is None:
+            peer = self._peers.get((op.peer, s.peer_rank))
+            agent = s.agent or (peer.agent if peer is not None else None)
+            unreachable = self.reloads.why(agent) if agent is not None else None
+            if unreachable is not None:
+                parts.append(f"peer_unreachable: {op.peer} rank {s.peer_rank} {unreachable}")
+            elif s.agent is None and peer is None:
                 parts.append(f"no worker of {op.peer} rank {s.peer_rank} in the directory")
+            elif s.agent is None:
+                parts.append(f"the endpoint of {op.peer} rank {s.peer_rank} could not be loaded")
             elif op.side == "send" and s.grant is None:
                 parts.append(f"no grant from {op.peer} rank {s.peer_rank} (did it expect()?)")
             elif op.side == "send":
@@ -318,11 +338,17 @@ class HandleLifecycle:
                 )
         return f"deadline: {op.handle.timeout_s:g} s passed; " + "; ".join(parts)
 
-    def _on_unreachable(self, agent: str, error: Exception, reload: bool = True) -> None:
-        """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``),
-        the peer is loaded again, and the aborts go over the new connection."""
+    def _on_unreachable(
+        self, agent: str, error: Exception, reload: bool = True, spare: Op | None = None
+    ) -> None:
+        """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``)
+        and tells its other peers; ``agent`` is loaded again once a probe reaches it
+        (:mod:`workers.handover.reloads`), never here: while the network is cut that load
+        blocks for seconds, and a WRITE still posted to it must be released first."""
         victims: list[tuple[Op, str]] = []
         for op in list(self._ops.values()):
+            if op is spare:  # nothing of it left over that connection: it waits for the reload
+                continue
             lost = next((s for s in op.routes if s.agent == agent and not s.done), None)
             if lost is not None and not op.handle.done:
                 reason = (
@@ -331,8 +357,8 @@ class HandleLifecycle:
                 )
                 self._fail(op, reason, notify=False)
                 victims.append((op, reason))
-        if reload and agent in self._loaded and not self.transport.reset_peer(agent):
-            self._loaded.discard(agent)  # loaded again when a route needs it
+        if reload:
+            self.reloads.mark(agent, error)
         for op, reason in victims:
             for state in op.routes:
                 if not state.done:

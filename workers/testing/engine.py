@@ -344,6 +344,7 @@ class EngineRank:
         tag: str,
         arrival: str = "closed",
         rate: float = 100.0,
+        at: Sequence[float] | None = None,
         verify: bool = False,
         mode: str = "auto",
         timeout_s: float = 30.0,
@@ -355,6 +356,10 @@ class EngineRank:
         """Issue ``requests`` requests in index order; returns a :class:`RunResult` as a dict
         (``num_slots``: use only block ids below it, leaving the rest to REST transfers).
 
+        Arrivals: ``closed`` (the next as soon as fewer than ``in_flight`` are out), ``poisson``
+        (at ``rate`` a second), or ``at``: request i arrives ``at[i]`` seconds after the start
+        (a drill that starts requests before, during and after a fault).
+
         ``prefill_ms``: a context rank computes each request's KV for this long after it
         admitted it (its blocks reserved) and only then calls ``send``, while a generation rank
         calls ``expect`` as soon as it admitted it: the usual order in disaggregated serving,
@@ -364,7 +369,12 @@ class EngineRank:
         result = RunResult(rank=spec.rank, role=spec.role)
         side = 0 if spec.role == "context" else 1
         call = self.worker.send if spec.role == "context" else self.worker.expect
-        schedule = arrivals(seed, requests, rate) if arrival == "poisson" else None
+        if at is not None:
+            if len(at) != requests:
+                raise ValueError(f"at names {len(at)} arrival times for {requests} requests")
+            schedule = [float(t) for t in at]
+        else:
+            schedule = arrivals(seed, requests, rate) if arrival == "poisson" else None
         verified_before = self.worker.stats.verified_bytes
         outstanding: dict[int, tuple[Any, dict[int, list[int]], float]] = {}
         prefill_s = prefill_ms / 1e3 if spec.role == "context" else 0.0

@@ -240,6 +240,7 @@ class NixlTransport:
         self._ucx_log_mark = self._ucx_log.mark() if self._ucx_log is not None else 0
         self._agent = nixl_agent(name, cfg)
         self.ucx = UcxSettings()
+        self._ucx_args = (ucx_tls, ucx_net_devices)
         if "UCX" in backends:
             self.ucx = self._create_ucx(ucx_tls, ucx_net_devices, num_threads)
         self._regs = [self._agent.register_memory(p.tensor) for p in self.pools.values()]
@@ -254,12 +255,18 @@ class NixlTransport:
         # A route whose tables would hold more descriptors than this posts each request's own
         self.fragment_table_max = FRAGMENT_TABLE_MAX
         self._closed = False
+        # After UCX failed a connection, post and send_notif load the peer again on the spot
+        # (blocking while the peer is unreachable). A Handover turns that off and reloads
+        # peers itself once a probe reaches them (workers/handover/reloads.py).
+        self.reconnect_inline = True
+        self._probe_agent: Any = None  # probe_peer's own agent, created on first use
+        self._probe_lock = threading.Lock()
         # Set by the owner (the worker) when the control plane withdrew the current job: every
         # wait then stops at its next poll instead of running into its deadline.
         self.cancel = threading.Event()
 
     def _create_ucx(
-        self, tls: str | None, net_devices: str | None, num_threads: int
+        self, tls: str | None, net_devices: str | None, num_threads: int, agent: Any = None
     ) -> UcxSettings:
         import os
 
@@ -273,7 +280,7 @@ class NixlTransport:
             if tls:
                 os.environ["UCX_TLS"] = tls
             try:
-                self._agent.create_backend("UCX", init)
+                (agent or self._agent).create_backend("UCX", init)
             finally:
                 if tls:
                     if before is None:
@@ -355,6 +362,42 @@ class NixlTransport:
             self._inbox[agent] = inbox
         return True
 
+    def outstanding(self, agent: str) -> int:
+        """WRITEs to ``agent`` posted and not yet released."""
+        return self._outstanding.get(agent, 0)
+
+    def probe_peer(self, info: PeerInfo | Mapping[str, Any]) -> str | None:
+        """Whether a peer (its ``PeerInfo`` or JSON) answers now: None when it does, else the
+        error.
+
+        The probe loads the peer's metadata into an agent of its own (same UCX settings, no
+        memory), which connects to the peer, and drops it again: nothing of this endpoint waits
+        on it, and no request of this endpoint rides on the probe's connection. It blocks for as
+        long as the network takes to answer (seconds for an unreachable host): call it off the
+        progress thread. One probe at a time per endpoint."""
+        if not isinstance(info, PeerInfo):
+            info = PeerInfo.from_json(info)
+        with self._probe_lock:
+            if self._closed:
+                return "the endpoint is closed"
+            try:
+                if self._probe_agent is None:
+                    from nixl._api import nixl_agent, nixl_agent_config
+
+                    self._probe_agent = nixl_agent(
+                        f"{self.name}.probe",
+                        nixl_agent_config(enable_prog_thread=False, backends=[]),
+                    )
+                    self._create_ucx(*self._ucx_args, 0, agent=self._probe_agent)
+                name = self._probe_agent.add_remote_agent(info.metadata)
+            except Exception as e:  # nixl raises its own binding errors
+                return f"{type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):
+                self._probe_agent.remove_remote_agent(
+                    name.decode() if isinstance(name, bytes) else str(name)
+                )
+            return None
+
     def has_peer(self, agent: str) -> bool:
         """Whether ``agent``'s metadata is loaded (a failed :meth:`reset_peer` drops it)."""
         return agent in self._peers
@@ -389,7 +432,11 @@ class NixlTransport:
         except PeerUnreachable:
             # A connection UCX already failed refuses every post. Nothing of this WRITE left,
             # and with nothing else in flight to the peer a new connection costs nothing lost.
-            if self._outstanding.get(peer.agent) or not self.reset_peer(peer.agent):
+            if (
+                not self.reconnect_inline
+                or self._outstanding.get(peer.agent)
+                or not self.reset_peer(peer.agent)
+            ):
                 raise
             return self._post_once(peer, make, nbytes, what)
 
@@ -644,7 +691,7 @@ class NixlTransport:
                 raise TransportError(f"notification to {peer!r}: {type(e).__name__}: {e}") from e
             error: Exception = e
         # Over a new connection when nothing else is in flight to the peer (see _post).
-        if not self._outstanding.get(peer) and self.reset_peer(peer):
+        if self.reconnect_inline and not self._outstanding.get(peer) and self.reset_peer(peer):
             try:
                 self._agent.send_notif(peer, msg)
                 return True

@@ -1,0 +1,96 @@
+"""A long cut of the data network: transfers fail on time, with the peer named, and heal.
+
+The demo fleet across the bed with its data plane pinned to the data NIC (``--ucx-net-devices
+data0``), so the control plane keeps hearing every worker while the data network is cut. The
+context host's data link is cut for 12 s; requests with a 3 s deadline start 0.5 s before the
+cut (their bytes on a slow wire), at the cut and 6 s into it. Every one of them must end
+``failed`` on every rank within its deadline + 1 s, with a reason that names the peer: a rank
+whose connection failed reloads the peer off its progress thread (probing it with an agent of
+its own), so nothing blocks the handles that could fail meanwhile. After the heal every transfer
+succeeds between the same processes, and no worker died.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from workers.testing.engine import CONTEXT, GENERATION, Fleet
+from workers.testing.netbed import Bed
+
+from .conftest import Background, assert_clean, wait_released, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SLOW_LINK = "40mbit"  # 5 MB/s: a 16-block request (about 9 MB) is on the wire for ~2 s
+DEADLINE_S = 3.0
+CUT_S = 12.0
+CUT_AT = 1.0  # seconds after the run's start
+ARRIVALS = [0.5, 1.0, 7.0]  # before the cut, at it, 6 s into it
+
+
+def test_a_12_s_cut_fails_every_transfer_by_its_deadline_naming_the_peer_then_heals(
+    bed: Bed, make_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = make_fleet(ucx_net_devices="data0")
+    assert_clean(fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=30))
+    pids = fleet.pids()["ranks"]
+
+    bed.rate("ctx", SLOW_LINK)
+    start = time.time() + 1.0
+    run = Background(
+        fleet,
+        requests=len(ARRIVALS),
+        blocks=16,
+        in_flight=len(ARRIVALS),
+        verify=True,
+        timeout_s=DEADLINE_S,
+        at=ARRIVALS,
+        tag="cut",
+        start_delay_s=start - time.time(),
+    )
+    time.sleep(max(0.0, start + CUT_AT - time.time()))
+    bed.partition("ctx")
+    cut = time.time()
+    failed = run.join()
+    ended = time.time()
+    time.sleep(max(0.0, cut + CUT_S - time.time()))
+    bed.heal("ctx")
+
+    # Every handle of every request failed on every rank, each within its deadline + 1 s of
+    # its start, while the link was still down, with the peer named.
+    assert failed.complete, failed.stalled
+    assert ended < cut + CUT_S, "the handles ended only after the heal"
+    records = [(rank, rec) for rank in failed.ranks for rec in rank.records]
+    assert len(records) == len(ARRIVALS) * len(failed.ranks)
+    for rank, (index, issued, done, state, reason) in records:
+        who = f"{rank.role} rank {rank.rank} request {index}"
+        assert state == "failed", (who, state, reason)
+        assert done - issued <= DEADLINE_S + 1.0, (who, round(done - issued, 2), reason)
+        peer = GENERATION if rank.role == "context" else CONTEXT
+        assert f"{peer} rank " in reason, (who, reason)
+    assert failed.leaked == 0
+
+    # The control plane recorded the ranks' own reasons: no reap as "worker gone".
+    assert fleet.client is not None
+
+    def recorded() -> list[dict[str, Any]] | None:
+        assert fleet.client is not None
+        items = fleet.client.list_transfers(status="failed", limit=1000)["items"]
+        mine = [t for t in items if str(t["request_id"]).startswith("cut-")]
+        return mine if len(mine) == len(ARRIVALS) else None
+
+    for transfer in wait_until("the cut's transfers recorded failed", recorded):
+        assert "worker gone" not in (transfer["error"] or ""), transfer
+
+    # After the heal: the same processes, every worker alive, and every transfer succeeds.
+    wait_released(fleet)
+    again = fleet.run_engine(requests=6, blocks=4, in_flight=2, verify=True, timeout_s=30)
+    assert_clean(again)
+    assert fleet.pids()["ranks"] == pids
+    assert all(process.is_alive() for _, process, _ in fleet.ranks)
+    workers = fleet.client.list_workers()["items"]
+    assert sum(1 for w in workers if w["status"] == "alive") == len(pids)
