@@ -260,6 +260,7 @@ class NixlTransport:
         # peers itself once a probe reaches them (workers/handover/reloads.py).
         self.reconnect_inline = True
         self._probe_agent: Any = None  # probe_peer's own agent, created on first use
+        self._probes = 0  # probe agents created
         self._probe_lock = threading.Lock()
         # Set by the owner (the worker) when the control plane withdrew the current job: every
         # wait then stops at its next poll instead of running into its deadline.
@@ -384,13 +385,21 @@ class NixlTransport:
                 if self._probe_agent is None:
                     from nixl._api import nixl_agent, nixl_agent_config
 
+                    self._probes += 1
                     self._probe_agent = nixl_agent(
-                        f"{self.name}.probe",
+                        f"{self.name}.probe{self._probes}",
                         nixl_agent_config(enable_prog_thread=False, backends=[]),
                     )
                     self._create_ucx(*self._ucx_args, 0, agent=self._probe_agent)
                 name = self._probe_agent.add_remote_agent(info.metadata)
             except Exception as e:  # nixl raises its own binding errors
+                # A load that failed half way leaves the agent unable to load that peer again
+                # (NIXL_ERR_BACKEND on every later try, also once the peer answers): the next
+                # probe starts from a new agent.
+                if self._probe_agent is not None:
+                    with contextlib.suppress(Exception):
+                        self._probe_agent.remove_remote_agent(info.agent)
+                self._probe_agent = None
                 return f"{type(e).__name__}: {e}"
             with contextlib.suppress(Exception):
                 self._probe_agent.remove_remote_agent(
