@@ -7,7 +7,8 @@ cut (their bytes on a slow wire), at the cut and 6 s into it. Every one of them 
 ``failed`` on every rank within its deadline + 1 s, with a reason that names the peer: a rank
 whose connection failed reloads the peer off its progress thread (probing it with an agent of
 its own), so nothing blocks the handles that could fail meanwhile. After the heal every transfer
-succeeds between the same processes, and no worker died.
+succeeds between the same processes, and no worker died. Three cuts in a row: every rank still
+alive at the end, no handle pending, every staging grant returned.
 """
 
 from __future__ import annotations
@@ -32,13 +33,31 @@ CUT_AT = 1.0  # seconds after the run's start
 ARRIVALS = [0.5, 1.0, 7.0]  # before the cut, at it, 6 s into it
 
 
-def test_a_12_s_cut_fails_every_transfer_by_its_deadline_naming_the_peer_then_heals(
+CYCLES = 3
+
+
+def test_three_12_s_cuts_fail_every_transfer_by_its_deadline_naming_the_peer_then_heal(
     bed: Bed, make_fleet: Callable[..., Fleet]
 ) -> None:
     fleet = make_fleet(ucx_net_devices="data0")
     assert_clean(fleet.run_engine(requests=4, blocks=4, in_flight=2, verify=True, timeout_s=30))
     pids = fleet.pids()["ranks"]
+    for cycle in range(CYCLES):
+        _cut_and_heal(bed, fleet, f"cut{cycle}")
+        # After the heal: the same processes, every worker alive, no handle pending, every
+        # staging byte back, and every transfer succeeds.
+        wait_released(fleet)
+        again = fleet.run_engine(requests=6, blocks=4, in_flight=2, verify=True, timeout_s=30)
+        assert_clean(again)
+        assert fleet.pids()["ranks"] == pids, f"cycle {cycle}: a rank restarted"
+        assert all(process.is_alive() for _, process, _ in fleet.ranks), f"cycle {cycle}"
+        assert fleet.client is not None
+        workers = fleet.client.list_workers()["items"]
+        assert sum(1 for w in workers if w["status"] == "alive") == len(pids), f"cycle {cycle}"
+    wait_released(fleet)
 
+
+def _cut_and_heal(bed: Bed, fleet: Fleet, tag: str) -> None:
     bed.rate("ctx", SLOW_LINK)
     start = time.time() + 1.0
     run = Background(
@@ -49,7 +68,7 @@ def test_a_12_s_cut_fails_every_transfer_by_its_deadline_naming_the_peer_then_he
         verify=True,
         timeout_s=DEADLINE_S,
         at=ARRIVALS,
-        tag="cut",
+        tag=tag,
         start_delay_s=start - time.time(),
     )
     time.sleep(max(0.0, start + CUT_AT - time.time()))
@@ -63,11 +82,11 @@ def test_a_12_s_cut_fails_every_transfer_by_its_deadline_naming_the_peer_then_he
     # Every handle of every request failed on every rank, each within its deadline + 1 s of
     # its start, while the link was still down, with the peer named.
     assert failed.complete, failed.stalled
-    assert ended < cut + CUT_S, "the handles ended only after the heal"
+    assert ended < cut + CUT_S, f"{tag}: the handles ended only after the heal"
     records = [(rank, rec) for rank in failed.ranks for rec in rank.records]
     assert len(records) == len(ARRIVALS) * len(failed.ranks)
     for rank, (index, issued, done, state, reason) in records:
-        who = f"{rank.role} rank {rank.rank} request {index}"
+        who = f"{tag}: {rank.role} rank {rank.rank} request {index}"
         assert state == "failed", (who, state, reason)
         assert done - issued <= DEADLINE_S + 1.0, (who, round(done - issued, 2), reason)
         peer = GENERATION if rank.role == "context" else CONTEXT
@@ -75,22 +94,11 @@ def test_a_12_s_cut_fails_every_transfer_by_its_deadline_naming_the_peer_then_he
     assert failed.leaked == 0
 
     # The control plane recorded the ranks' own reasons: no reap as "worker gone".
-    assert fleet.client is not None
-
     def recorded() -> list[dict[str, Any]] | None:
         assert fleet.client is not None
         items = fleet.client.list_transfers(status="failed", limit=1000)["items"]
-        mine = [t for t in items if str(t["request_id"]).startswith("cut-")]
+        mine = [t for t in items if str(t["request_id"]).startswith(f"{tag}-")]
         return mine if len(mine) == len(ARRIVALS) else None
 
-    for transfer in wait_until("the cut's transfers recorded failed", recorded):
+    for transfer in wait_until(f"{tag}: the transfers recorded failed", recorded):
         assert "worker gone" not in (transfer["error"] or ""), transfer
-
-    # After the heal: the same processes, every worker alive, and every transfer succeeds.
-    wait_released(fleet)
-    again = fleet.run_engine(requests=6, blocks=4, in_flight=2, verify=True, timeout_s=30)
-    assert_clean(again)
-    assert fleet.pids()["ranks"] == pids
-    assert all(process.is_alive() for _, process, _ in fleet.ranks)
-    workers = fleet.client.list_workers()["items"]
-    assert sum(1 for w in workers if w["status"] == "alive") == len(pids)
