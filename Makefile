@@ -77,9 +77,10 @@ lint: install
 bench: install
 	$(PY) bench/plan.py
 
-# Three hosts on this machine (root): network namespaces kvp-cp 10.77.0.1, kvp-ctx 10.77.0.2 and
-# kvp-gen 10.77.0.3 on the bridge kvp-br0 (10.77.0.254 here). Run processes on a host with
-# `ip netns exec kvp-ctx ...` (docs/operators.md, "Several hosts"); tests/multihost builds its own.
+# Three hosts on this machine (root): network namespaces kvp-cp, kvp-ctx and kvp-gen, each with a
+# control NIC eth0 (10.77.0.1-3, bridge kvp-br0, 10.77.0.254 here) and a data NIC data0
+# (10.78.0.1-3, bridge kvp-br1). Run processes on a host with `ip netns exec kvp-ctx ...`
+# (docs/operators.md, "Several hosts"); tests/multihost builds its own.
 hosts-up: install
 	$(PY) -m workers.testing.netbed up
 

@@ -34,10 +34,11 @@ flight (closed loop), three paths between the same six processes:
 ``--hosts``: the same three paths across three hosts (``workers/testing/netbed.py``, root only): the
 control plane in ``kvp-cp``, the context ranks in ``kvp-ctx``, the generation ranks in ``kvp-gen``,
 every worker on ``--ucx-tls`` (default ``tcp``: the bytes cross the veths instead of shared
-memory). Adds GB/s (bytes/request × transfers/s) and the megabytes that left the context host's
-NIC per cell; ``--loss N`` drops N % of the context host's packets each way (nftables),
-``--rate`` limits its egress (``tc tbf``), ``--delay-ms`` delays every packet between the
-context and generation hosts (a user-space TUN relay).
+memory) and pinned to the bed's data network (``--ucx-net-devices data0``; HTTP stays on the
+control network). Adds GB/s (bytes/request × transfers/s) and the megabytes that left the context
+host's data NIC per cell; ``--loss N`` drops N % of the context host's data-network packets each
+way (nftables), ``--rate`` limits its data NIC's egress (``tc tbf``), ``--delay-ms`` delays every
+packet between the context and generation hosts' data addresses (a user-space TUN relay).
 
 ``--reps N`` measures every cell N times, raw, engine and REST taking turns, so that a drift in
 the machine's speed touches every path alike: p50 and p99 over all the cell's requests,
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts = {
             "host": bed.address("cp"),
             "ucx_tls": args.ucx_tls or "tcp",
+            "ucx_net_devices": netbed.DATA_DEVICE,
             "hosts": {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"},
         }
     elif args.ucx_tls:
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict[str, Any]] = []
 
-    def nic_mb() -> float:  # what left kvp-ctx: its NIC, and the delay relay's TUN if any
+    def nic_mb() -> float:  # what left kvp-ctx: its data NIC, and the delay relay's TUN if any
         if bed is None:
             return 0.0
         sent = bed.counters("ctx")["tx_bytes"]

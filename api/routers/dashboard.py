@@ -612,7 +612,8 @@ def transfer_retry(request: Request, transfer_id: str, form: FormDep, db: DbDep)
 
 @router.get("/ui/workers", response_class=HTMLResponse)
 def worker_list(request: Request, db: DbDep, page: Page = 1) -> HTMLResponse:
-    """Workers: instance, rank, device, transport, heartbeat age, health and current lease."""
+    """Workers: instance, rank, device, transport (UCX settings, what UCX uses and what of it is
+    outside the pinned devices), heartbeat age, health and current lease."""
     now = _now(request)
     with db.read() as session:
         total = queries.count_workers(session=session)
@@ -628,6 +629,7 @@ def worker_list(request: Request, db: DbDep, page: Page = 1) -> HTMLResponse:
         "workers.html",
         nav="workers",
         items=items,
+        outside={w.id: worker_service.ucx_outside_pinned(w.ucx, w.ucx_in_use) for w in items},
         pager=_pages(total, page),
         gone_after_s=worker_service.WORKER_GONE_S,
     )

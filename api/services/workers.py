@@ -13,6 +13,7 @@ peer. A worker whose instance re-registered is ``stale`` (409 ``worker_stale``) 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -203,6 +204,32 @@ def worker_status(row: Any, instance_epoch: str, now: datetime) -> str:
     if (now - row.heartbeat_at).total_seconds() > WORKER_GONE_S:
         return "gone"
     return "alive"
+
+
+# UCX transports on no network device, which UCX_NET_DEVICES does not restrict: the loopback to
+# itself, shared memory between processes of one kernel (ucx_in_use flags those on its own) and
+# an accelerator's copies.
+_NOT_NETWORK = re.compile(r"(self|posix|sysv|cma|knem|xpmem|cuda_\w+|gdr_copy|rocm_\w+|ze_\w+)")
+
+
+def ucx_outside_pinned(ucx: wire.UcxSettings | None, in_use: wire.UcxInUse | None) -> list[str]:
+    """The network transports in use (``tcp/eth0``) whose device is not among the devices the
+    worker pinned (``ucx.net_devices``, UCX_NET_DEVICES: exact names, ``all``); empty when it
+    pinned none or nothing is known yet. UCX itself never strays: a transport listed here means
+    the pin did not reach UCX (NIXL's own device parameter, for one, is not honoured for TCP)."""
+    if ucx is None or in_use is None or ucx.net_devices == "default":
+        return []
+    pinned = {name.strip() for name in ucx.net_devices.split(",")}
+    if "all" in pinned:
+        return []
+    outside = []
+    for tl in in_use.transports:
+        transport, _, device = tl.partition("/")
+        if _NOT_NETWORK.fullmatch(transport) or device.startswith("memory"):
+            continue
+        if device not in pinned:
+            outside.append(tl)
+    return outside
 
 
 # What a listing shows of a worker: every column but its endpoint (``peer`` holds the NIXL

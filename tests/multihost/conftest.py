@@ -1,16 +1,21 @@
 """Several hosts on one machine (``workers/testing/netbed.py``): the bed, and the demo fleet
 across it.
 
-- ``bed`` (session, in ``tests/conftest.py``): namespaces ``kvp-cp`` (10.77.0.1), ``kvp-ctx``
-  (10.77.0.2), ``kvp-gen`` (10.77.0.3) on the bridge ``kvp-br0``, ``tcp_retries2=3`` in each;
-  removed at the end, also after a failure. Where namespaces cannot be built (not root, no
+- ``bed`` (session, in ``tests/conftest.py``): namespaces ``kvp-cp``, ``kvp-ctx`` and ``kvp-gen``,
+  each with two NICs: ``eth0`` on the control network (10.77.0.1, .2, .3 on the bridge
+  ``kvp-br0``), which carries HTTP (the control plane listens on 10.77.0.1, workers register,
+  heartbeat and hold their command streams there), and ``data0`` on the data network
+  (10.78.0.1, .2, .3 on ``kvp-br1``) for the KV bytes; ``tcp_retries2=3`` in each. The faults
+  (loss, rate, partition, delay) hit the data network unless a test names the control one.
+  Removed at the end, also after a failure. Where namespaces cannot be built (not root, no
   ``ip``/``nft``) the tier is skipped loudly, except under ``CI=true`` where that is a failure.
 - Every test leaves the network healed (``heal`` after it, whatever happened).
 - ``make_fleet``: the demo fleet (TP4 context → TP2 generation) with the control plane in
   ``kvp-cp`` (SQLite in the test's directory: namespaces share the file system), the context
   ranks in ``kvp-ctx``, the generation ranks in ``kvp-gen``, every worker on ``UCX_TLS=tcp``
-  (``--ucx-tls tcp``), so every byte crosses the bed's veths. Pools are pattern-filled and every
-  receive is verified.
+  (``--ucx-tls tcp``), so every byte crosses the bed's veths, and pinned to the data NIC
+  (``--ucx-net-devices data0``) by that option alone: the tier runs with neither ``UCX_TLS`` nor
+  ``UCX_NET_DEVICES`` in its environment. Pools are pattern-filled and every receive is verified.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ NUM_SLOTS = 64
 WAIT_S = 60.0  # how long a helper waits for something that must happen
 
 
+@pytest.fixture(autouse=True, scope="session")
+def ucx_from_options_only() -> Iterator[None]:
+    """No UCX setting reaches a worker through this environment: the options must do it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key in ("UCX_TLS", "UCX_NET_DEVICES"):
+            patch.delenv(key, raising=False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def healed(request: pytest.FixtureRequest) -> Iterator[None]:
     """Whatever a test broke in the network is repaired after it."""
@@ -55,6 +69,7 @@ def make_fleet(
             "fill": True,
             "staging_bytes": 32 << 20,
             "ucx_tls": "tcp",
+            "ucx_net_devices": netbed.DATA_DEVICE,
             **options,
         }
         fleet = Fleet(
@@ -119,6 +134,26 @@ def assert_clean(run: EngineRun) -> None:
     for rank in run.ranks:
         assert rank.verify_errors == []
         assert rank.double_allocations == 0
+
+
+def nic_bytes(bed: netbed.Bed, host: str) -> dict[str, int]:
+    """Bytes through ``host``'s NICs so far, sent and received, by network."""
+    return {
+        network: sum(bed.counters(host, network)[k] for k in ("rx_bytes", "tx_bytes"))
+        for network in netbed.NETWORKS
+    }
+
+
+def assert_on_the_data_network(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], moved: int
+) -> None:
+    """Between two :func:`nic_bytes` snapshots per host, the hosts' data NICs carried at least
+    the ``moved`` KV bytes and their control NICs almost nothing: HTTP (heartbeats, records,
+    commands) only, under 5 % of it."""
+    for host in before:
+        crossed = {net: after[host][net] - before[host][net] for net in before[host]}
+        assert crossed[netbed.DATA] >= moved, (host, crossed, moved)
+        assert crossed[netbed.CONTROL] < moved // 20, (host, crossed, moved)
 
 
 def payload_bytes(blocks: int, num_slots: int = NUM_SLOTS) -> int:

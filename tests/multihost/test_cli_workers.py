@@ -1,7 +1,9 @@
 """The operators' walkthrough (docs/operators.md, "Several hosts"): ``kvplane serve`` in
-``kvp-cp``, ``kvplane worker --ucx-tls tcp --ucx-net-devices eth0`` in ``kvp-ctx`` and
-``kvp-gen``; a REST transfer (``execute=true``, verified) moves across the bed, and
-``GET /v1/workers`` reports each worker's UCX settings and host."""
+``kvp-cp`` on the control network, ``kvplane worker --ucx-tls tcp --ucx-net-devices data0`` in
+``kvp-ctx`` and ``kvp-gen`` (the option alone: no ``UCX_NET_DEVICES`` in their environment); a
+burst of REST transfers (``execute=true``, verified) moves across the bed's data network while
+the control network carries only HTTP, and ``GET /v1/workers`` reports each worker's UCX settings
+and that UCX uses ``tcp/data0`` only."""
 
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ import pytest
 from api.client import Client
 from api.geometry.builders import ViewSpec, instance_body
 from workers.testing.engine import REPO, ControlPlane
-from workers.testing.netbed import Bed
+from workers.testing.netbed import DATA_DEVICE, Bed
 
-from .conftest import wait_until
+from .conftest import assert_on_the_data_network, nic_bytes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=64)]
+TOKENS_PER_BLOCK = 64  # 128 KiB a block: a transfer's bytes dwarf the HTTP around it
+BURST = 8  # transfers of 8 blocks each
 
 
 @pytest.fixture
@@ -41,9 +45,12 @@ def server(bed: Bed, tmp_path: Path) -> Iterator[ControlPlane]:
 def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path) -> None:
     client = Client(server.url, retries=3, backoff_s=0.2)
     processes: list[subprocess.Popen[bytes]] = []
+    environ = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "UCX_NET_DEVICES")}
     try:
         for name, role, tp in (("ctx", "context", 2), ("gen", "generation", 1)):
-            body = instance_body(role=role, views=VIEWS, tp=tp, tokens_per_block=8, num_slots=32)
+            body = instance_body(
+                role=role, views=VIEWS, tp=tp, tokens_per_block=TOKENS_PER_BLOCK, num_slots=32
+            )
             client.register_instance(name, body)
             for rank in range(tp):
                 argv = [
@@ -63,7 +70,7 @@ def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path
                     "--ucx-tls",
                     "tcp",
                     "--ucx-net-devices",
-                    "eth0",
+                    DATA_DEVICE,
                 ]
                 with (tmp_path / f"{name}-{rank}.log").open("wb") as log:
                     processes.append(
@@ -72,7 +79,7 @@ def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path
                             cwd=REPO,
                             stdout=log,
                             stderr=subprocess.STDOUT,
-                            env={**os.environ, "KVPLANE_AUTH": "false"},
+                            env={**environ, "KVPLANE_AUTH": "false"},
                             start_new_session=True,
                         )
                     )
@@ -85,22 +92,28 @@ def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path
 
         workers = wait_until("three workers serving", serving)
         for worker in workers:
-            assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "eth0"}
-        before = bed.counters("ctx")["tx_bytes"]
-        created = client.create_transfer(
-            {
-                "context": "ctx",
-                "generation": "gen",
-                "request_id": "across",
-                "blocks": {"0": {"context": [0, 1, 2, 3], "generation": [7, 8, 9, 10]}},
-                "execute": True,
-                "verify": True,
-                "timeout_s": 30,
-            }
-        )
-        done = client.get_transfer(created["id"], wait_s=60)
-        assert done["status"] == "done", done["error"]
-        assert bed.counters("ctx")["tx_bytes"] - before >= done["bytes"]
+            assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": DATA_DEVICE}
+        hosts = ("ctx", "gen")
+        before = {host: nic_bytes(bed, host) for host in hosts}
+        moved = 0
+        for k in range(BURST):
+            created = client.create_transfer(
+                {
+                    "context": "ctx",
+                    "generation": "gen",
+                    "request_id": f"across-{k}",
+                    "blocks": {"0": {"context": list(range(8)), "generation": list(range(8, 16))}},
+                    "execute": True,
+                    "verify": True,
+                    "timeout_s": 30,
+                }
+            )
+            done = client.get_transfer(created["id"], wait_s=60)
+            assert done["status"] == "done", done["error"]
+            moved += done["bytes"]
+        assert moved == BURST * 8 * (128 << 10)
+        after = {host: nic_bytes(bed, host) for host in hosts}
+        assert_on_the_data_network(before, after, moved)
 
         # What UCX uses, from its log: only the device it was given.
         def reported() -> list[dict[str, Any]] | None:
@@ -108,7 +121,7 @@ def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path
             return items if items and all(w["ucx_in_use"] for w in items) else None
 
         for worker in wait_until("every worker's UCX report", reported):
-            assert worker["ucx_in_use"]["transports"] == ["tcp/eth0"], worker["ucx_in_use"]
+            assert worker["ucx_in_use"]["transports"] == [f"tcp/{DATA_DEVICE}"], worker
     finally:
         client.close()
         for process in processes:

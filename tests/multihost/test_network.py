@@ -1,12 +1,14 @@
 """The demo fleet across three hosts, and what the network does to its transfers.
 
 One fleet for the module: control plane on ``kvp-cp``, TP4 context on ``kvp-ctx``, TP2 generation
-on ``kvp-gen``, every worker on ``--ucx-tls tcp``. Every receive is verified byte for byte.
+on ``kvp-gen``, every worker on ``--ucx-tls tcp --ucx-net-devices data0``. Every receive is
+verified byte for byte.
 
-- the bytes cross the bed's network (the context host's veth carries at least the transfers'
-  bytes), REST transfers run from the root namespace, and ``GET /v1/workers`` says which UCX
-  transports each worker runs with;
-- a lost connection (the context host cut off for longer than TCP's patience,
+- the bytes cross the bed's data network: the context and generation hosts' ``data0`` carry at
+  least the transfers' bytes, their ``eth0`` (the control network) almost nothing; REST transfers
+  run from the root namespace; ``GET /v1/workers`` says which UCX settings each worker runs with
+  and that UCX uses ``tcp/data0`` only, and the dashboard flags nothing;
+- a lost connection (the context host cut off the data network for longer than TCP's patience,
   ``tcp_retries2=3``): NIXL raises ``nixlRemoteDisconnectError``; every handle fails on both
   sides as ``peer_unreachable`` well before its deadline, and once the link is back the next
   transfers between the same processes succeed;
@@ -15,7 +17,9 @@ on ``kvp-gen``, every worker on ``--ucx-tls tcp``. Every receive is verified byt
   both sides, every staging byte comes back, and after the link heals the next transfers succeed
   without restarting anything;
 - 1 % packet loss each way on the context host and 5 ms of delay each way between the two
-  hosts: every transfer completes and verifies.
+  hosts (both on the data network): every transfer completes and verifies.
+
+The faults hit the data network only: the control plane keeps hearing from every worker.
 """
 
 from __future__ import annotations
@@ -24,15 +28,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from workers.testing.engine import CONTEXT, Fleet, run_rest
-from workers.testing.netbed import Bed
+from workers.testing.netbed import DATA_DEVICE, Bed
 
 from .conftest import (
     HOSTS,
     Background,
     assert_clean,
+    assert_on_the_data_network,
+    nic_bytes,
     payload_bytes,
     wait_released,
     wait_until,
@@ -51,6 +58,7 @@ def fleet(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]
         fill=True,
         staging_bytes=32 << 20,
         ucx_tls="tcp",
+        ucx_net_devices=DATA_DEVICE,
         host=bed.address("cp"),
         hosts=HOSTS,
     )
@@ -61,15 +69,20 @@ def fleet(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]
         running.stop()
 
 
-def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fleet: Fleet) -> None:
-    assert fleet.server.url.startswith(f"http://{bed.address('cp')}:")
-    before = bed.counters("ctx")
+def test_bytes_cross_the_data_network_and_workers_report_their_transport(
+    bed: Bed, fleet: Fleet
+) -> None:
+    assert fleet.server.url.startswith(f"http://{bed.address('cp')}:")  # the control network
+    hosts = ("ctx", "gen")
+    before = {host: nic_bytes(bed, host) for host in hosts}
     run = fleet.run_engine(requests=4, blocks=16, in_flight=2, verify=True, timeout_s=60)
     assert_clean(run)
-    sent = bed.counters("ctx")["tx_bytes"] - before["tx_bytes"]
-    # Every byte of the four requests left the context host through its NIC (UCX's default
-    # on one machine would have used shared memory / CMA: almost nothing on the veth).
-    assert sent >= 4 * payload_bytes(16), sent
+    after = {host: nic_bytes(bed, host) for host in hosts}
+    # Every byte of the four requests crossed both hosts' data NICs (UCX's default on one
+    # machine would have used shared memory / CMA: almost nothing on the veths), and not their
+    # control NICs (UCX unpinned spreads its lanes over eth0 and data0).
+    moved = 4 * payload_bytes(16)
+    assert_on_the_data_network(before, after, moved)
     # REST from the driver's namespace: the control plane pushes to the workers' command
     # streams across the bed, and the transfer is recorded done.
     rest = run_rest(
@@ -87,9 +100,9 @@ def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fl
     workers = [w for w in fleet.client.list_workers()["items"] if w["status"] == "alive"]
     assert len(workers) == 6
     for worker in workers:
-        assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "default"}
+        assert worker["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": DATA_DEVICE}
 
-    # What UCX actually uses (from its own log, with the next heartbeat): the hosts' NICs, no
+    # What UCX actually uses (from its own log, with the next heartbeat): the data NIC only, no
     # shared memory, although all three namespaces share one kernel.
     def reported() -> list[dict[str, Any]] | None:
         assert fleet.client is not None
@@ -98,8 +111,11 @@ def test_bytes_cross_the_network_and_workers_report_their_transport(bed: Bed, fl
 
     for worker in wait_until("every worker's UCX report", reported):
         in_use = worker["ucx_in_use"]
-        assert "tcp/eth0" in in_use["transports"], in_use
+        assert in_use["transports"] == [f"tcp/{DATA_DEVICE}"], in_use
         assert in_use["shared_memory"] is False, in_use
+    page = httpx.get(f"{fleet.server.url}/ui/workers", timeout=30).text
+    assert f"in use: tcp/{DATA_DEVICE}" in page
+    assert "outside the pinned devices" not in page
 
 
 def _engine_failures(run_failures: dict[str, str], role: str) -> list[str]:
@@ -169,10 +185,11 @@ def test_partition_outlasting_the_deadline_fails_both_sides_and_heals(
 def test_one_percent_loss_and_5_ms_delay_complete_and_verify(bed: Bed, fleet: Fleet) -> None:
     bed.loss("ctx", 1)
     bed.delay("ctx", "gen", 5)  # each way: a 10 ms round trip between the two hosts
-    before = bed.counters("ctx")
+    before = nic_bytes(bed, "ctx")
     run = fleet.run_engine(requests=8, blocks=16, in_flight=4, verify=True, timeout_s=120)
     assert_clean(run)
-    # The bytes took the delayed detour, not eth0.
-    assert bed.counters("ctx")["tx_bytes"] - before["tx_bytes"] < payload_bytes(16)
+    # The bytes took the delayed detour between the data addresses, neither NIC.
+    after = nic_bytes(bed, "ctx")
+    assert all(after[n] - before[n] < payload_bytes(16) for n in after), (before, after)
     assert fleet.client is not None
     assert fleet.client.get_instance(CONTEXT)["status"] == "ready"

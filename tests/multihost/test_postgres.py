@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from workers.testing.engine import Fleet
-from workers.testing.netbed import Bed
+from workers.testing.netbed import DATA_DEVICE, Bed
 
 from .conftest import HOSTS, assert_clean
 
@@ -30,6 +30,7 @@ def fleet(bed: Bed, postgres_socket_url: str, tmp_path: Path) -> Iterator[Fleet]
         fill=True,
         staging_bytes=16 << 20,
         ucx_tls="tcp",
+        ucx_net_devices=DATA_DEVICE,
         host=bed.address("cp"),
         hosts=HOSTS,
         server_env={"KVPLANE_DATABASE_URL": postgres_socket_url},

@@ -149,10 +149,10 @@ def two_process_fleet(
     request: pytest.FixtureRequest, postgres_url: str, tmp_path: Path
 ) -> Iterator[Any]:
     """Two API processes on one PostgreSQL database and the demo fleet. ``hosts``: across the
-    network-namespace bed: both API processes in ``kvp-cp`` (10.77.0.1, two ports; PostgreSQL
-    through its Unix socket), the context ranks in ``kvp-ctx``, the generation ranks in
-    ``kvp-gen``, every worker on ``UCX_TLS=tcp``; the routers (this process) reach ``kvp-cp``
-    over the bridge."""
+    network-namespace bed: both API processes in ``kvp-cp`` (10.77.0.1 on the control network,
+    two ports; PostgreSQL through its Unix socket), the context ranks in ``kvp-ctx``, the
+    generation ranks in ``kvp-gen``, every worker on ``UCX_TLS=tcp`` pinned to the data network
+    (``data0``); the routers (this process) reach ``kvp-cp`` over the control bridge."""
     pytest.importorskip("nixl")
     pytest.importorskip("torch")
     from workers.testing.engine import ControlPlane, Fleet
@@ -167,6 +167,7 @@ def two_process_fleet(
         placement = {
             "hosts": {"control": "kvp-cp", "context": "kvp-ctx", "generation": "kvp-gen"},
             "ucx_tls": "tcp",
+            "ucx_net_devices": "data0",
         }
     servers = []
     for name in ("a", "b"):

@@ -1,6 +1,7 @@
 """What UCX actually uses (``workers/transport/ucx_log.py``): its endpoint configurations, parsed
 from UCX's own info-level log; and two real NIXL endpoints in a fresh process that report the
-transport the bytes of a WRITE took (shared memory by default on one machine, TCP with ``tcp``)."""
+transport the bytes of a WRITE took (shared memory by default on one machine, TCP with ``tcp``,
+only the pinned device with ``ucx_net_devices``)."""
 
 from __future__ import annotations
 
@@ -127,10 +128,12 @@ PROBE = textwrap.dedent("""
     import numpy as np
     from workers.pools import PoolSpec, allocate_pools
     from workers.transport.nixl import NixlTransport
-    tls = sys.argv[1] or None
+    tls, devices = sys.argv[1] or None, sys.argv[2] or None
     def endpoint(name):
         pools = allocate_pools([PoolSpec(0, 4096, 4096, 4)], "cpu")
-        return NixlTransport(name, pools, staging_bytes=1 << 20, ucx_tls=tls)
+        return NixlTransport(
+            name, pools, staging_bytes=1 << 20, ucx_tls=tls, ucx_net_devices=devices
+        )
     a, b = endpoint("probe-a"), endpoint("probe-b")
     before = a.ucx_in_use()
     a.add_peer(b.peer_info()); b.add_peer(a.peer_info())
@@ -145,11 +148,11 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(tls: str, env: dict[str, str] | None = None) -> dict:
+def _probe(tls: str, env: dict[str, str] | None = None, *, devices: str = "") -> dict:
     pytest.importorskip("nixl")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, tls],
+        [sys.executable, "-c", PROBE, tls, devices],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -179,6 +182,16 @@ def test_with_tcp_the_report_names_tcp_and_no_shared_memory() -> None:
     assert after["shared_memory"] is False
     assert "tcp/lo" in after["transports"]
     assert all(t.startswith("tcp/") for t in after["transports"])
+
+
+@pytest.mark.slow
+def test_pinned_network_devices_are_the_only_ones_ucx_uses() -> None:
+    # Unpinned, UCX_TLS=tcp uses every interface that is up (tcp/lo and tcp/eth0 on a machine
+    # with one NIC); NIXL's own device parameter would have changed nothing here (it is passed
+    # on as lo:1, an RDMA port name).
+    after = _probe("tcp", devices="lo")["after"]
+    assert after is not None
+    assert after["transports"] == ["tcp/lo"], after
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """UCX settings are explicit NIXL transport options: they reach UCX, leave the process's
-environment as it was, and travel with the endpoint's published info."""
+environment as it was, and travel with the endpoint's published info. (That UCX really keeps to
+the devices it was given: ``test_ucx_in_use.py``, ``tests/multihost``.)"""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_ucx_options_are_reported_and_the_environment_is_left_alone(
         ucx_net_devices="lo",
     )
     try:
-        assert "UCX_TLS" not in os.environ
+        assert "UCX_TLS" not in os.environ and "UCX_NET_DEVICES" not in os.environ
         assert transport.ucx.tls == "tcp" and transport.ucx.net_devices == "lo"
         info = transport.peer_info().to_json()
         assert info["ucx"] == {"backend": "UCX", "tls": "tcp", "net_devices": "lo"}
@@ -53,5 +54,26 @@ def test_without_options_the_process_environment_or_ucx_defaults_apply(
         assert transport.ucx.tls == "tcp,self"
         assert transport.ucx.net_devices == "default"
         assert os.environ["UCX_TLS"] == "tcp,self"
+    finally:
+        transport.close()
+
+
+def test_options_win_over_the_process_environment_which_is_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth9")  # no such device: UCX would refuse it
+    transport = NixlTransport(
+        "ucx-over",
+        _pools(),
+        staging_bytes=4096,
+        progress_thread=False,
+        ucx_tls="tcp",
+        ucx_net_devices="lo",
+    )
+    try:
+        assert transport.ucx.tls == "tcp" and transport.ucx.net_devices == "lo"
+        assert os.environ["UCX_TLS"] == "tcp,self"
+        assert os.environ["UCX_NET_DEVICES"] == "eth9"
     finally:
         transport.close()

@@ -45,7 +45,7 @@ control plane and each role's rank processes start inside their namespaces with 
 (a fresh interpreter, ``python -m workers.testing.engine``, talking to the driver over an
 inherited socket), the control plane listens on its host's address and every worker reaches it and
 its peers over the bed's network; ``ucx_tls`` (e.g. ``"tcp"``) is every worker's UCX transport
-list.
+list and ``ucx_net_devices`` (e.g. ``"data0"``, the bed's data NIC) the devices it may use.
 :meth:`Fleet.kill_role` and :meth:`Fleet.restart_role` play a host dying and coming back.
 
 Test and bench equipment, not the data path: ``tests/workers/test_reference_engine.py``,

@@ -19,10 +19,14 @@ Lifecycle of a worker's :class:`NixlTransport`:
 
 UCX settings are explicit options, never a hidden environment: ``ucx_tls`` (UCX's transport list,
 e.g. ``"tcp"`` so that bytes between two processes of one machine cross its network instead of
-shared memory / CMA) and ``ucx_net_devices`` (the network devices UCX may use, e.g. ``"eth0"``;
-NIXL's ``ucx_devices`` backend parameter). Unset, the process's ``UCX_TLS`` / ``UCX_NET_DEVICES``
-apply, and without those UCX's defaults (every transport, every device). :attr:`ucx` says what
-this endpoint runs with; a worker reports it to the control plane.
+shared memory / CMA) and ``ucx_net_devices`` (the network devices every UCX transport may use,
+e.g. ``"data0"`` or ``"mlx5_0:1"``). UCX reads both from the process's environment when NIXL
+creates the backend's UCX context, so they are set as ``UCX_TLS`` / ``UCX_NET_DEVICES`` for the
+duration of that call and restored afterwards. NIXL's own device parameter is not used: NIXL 1.5
+reads ``device_list`` (later versions also ``ucx_devices``) and passes every name on as
+``<name>:1``, an RDMA port, which no TCP device (``data0``) matches. Unset, the process's
+``UCX_TLS`` / ``UCX_NET_DEVICES`` apply, and without those UCX's defaults (every transport, every
+device). :attr:`ucx` says what this endpoint runs with; a worker reports it to the control plane.
 
 A peer that disappears (its host died, the network broke) shows in two ways: a WRITE to it ends
 in NIXL's error state or ``check_xfer_state`` raises (``nixlRemoteDisconnectError``), both a
@@ -83,7 +87,8 @@ _POLL_SLEEP_S = 0.0002
 PREPARED_LISTS_MAX = 512  # prepared descriptor lists kept (per route and peer)
 INBOX_LIMIT = 1 << 16  # notifications kept per peer (a staged route sends one per chunk)
 UCX_DEFAULT = "default"  # what :attr:`NixlTransport.ucx` says for a setting UCX chooses itself
-# UCX reads UCX_TLS when a backend is created: one creation at a time may change it.
+# UCX reads UCX_TLS and UCX_NET_DEVICES when a backend is created: one creation at a time may
+# change them.
 _UCX_ENV_LOCK = threading.Lock()
 
 
@@ -274,23 +279,23 @@ class NixlTransport:
         init: dict[str, str] = {}
         if num_threads > 0:
             init["num_threads"] = str(num_threads)
-        if net_devices:
-            init["ucx_devices"] = net_devices
+        chosen = {"UCX_TLS": tls, "UCX_NET_DEVICES": net_devices}
         with _UCX_ENV_LOCK:
-            before = os.environ.get("UCX_TLS")
-            if tls:
-                os.environ["UCX_TLS"] = tls
+            before = {key: os.environ.get(key) for key in chosen}
             try:
+                for key, value in chosen.items():
+                    if value:
+                        os.environ[key] = value
                 (agent or self._agent).create_backend("UCX", init)
             finally:
-                if tls:
-                    if before is None:
-                        os.environ.pop("UCX_TLS", None)
+                for key, value in before.items():
+                    if value is None:
+                        os.environ.pop(key, None)
                     else:
-                        os.environ["UCX_TLS"] = before
+                        os.environ[key] = value
         return UcxSettings(
-            tls=tls or before or UCX_DEFAULT,
-            net_devices=net_devices or os.environ.get("UCX_NET_DEVICES") or UCX_DEFAULT,
+            tls=tls or before["UCX_TLS"] or UCX_DEFAULT,
+            net_devices=net_devices or before["UCX_NET_DEVICES"] or UCX_DEFAULT,
         )
 
     def ucx_in_use(self) -> dict[str, Any] | None:
