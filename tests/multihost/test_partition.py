@@ -92,6 +92,8 @@ def _cut_and_heal(bed: Bed, fleet: Fleet, tag: str) -> None:
         peer = GENERATION if rank.role == "context" else CONTEXT
         assert f"{peer} rank " in reason, (who, reason)
     assert failed.leaked == 0
+    took = sorted(done - issued for _, (_, issued, done, _, _) in records)
+    print(f"{tag}: {len(records)} handles failed in {took[0]:.2f}-{took[-1]:.2f} s")
 
     # The control plane recorded the ranks' own reasons: no reap as "worker gone".
     def recorded() -> list[dict[str, Any]] | None:
