@@ -191,7 +191,7 @@ def run_demo(
             "call to its last arrival; REST: POST /v1/transfers + GET ?wait= from a client. "
             "Checks 'every byte': crc32 on both sides, and each receiving rank checks every "
             "byte the request wrote before it says arrived (numpy, its fragments against the "
-            "sender's pattern: about a millisecond per request and rank). Checks 'none' pays "
+            "sender's pattern: 1-3 ms per request and rank here). Checks 'none' pays "
             "nothing for the fill pattern: a receive is only noted, its bytes marked when a "
             "check or the final sweep needs them. bench/latency.py measures the paths without "
             "fill mode, in more shapes."
