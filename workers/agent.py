@@ -68,6 +68,9 @@ OUTAGE_BACKOFF_S = 2.0
 FAILOVER_DELAY_S = 0.05  # a stream that failed on one API process reconnects to the next at once
 STREAM_READ_TIMEOUT_S = 30.0  # the control plane sends a keep-alive every 10 s
 SEEN_COMMANDS = 65_536  # command ids remembered to drop a re-sent command
+# Fill mode: receives noted but not yet marked in _touched; past this, each new one marks the
+# oldest (a worker that runs unverified receives for a long while, then checks, stays bounded).
+UNMARKED_MAX = 1024
 
 
 class WorkerError(RuntimeError):
@@ -132,6 +135,9 @@ class Worker:
         self._attach_lock = threading.RLock()
         self._tensors: Mapping[int, torch.Tensor] | None = None
         self._touched: dict[int, np.ndarray] = {}  # fill mode: bytes some transfer targeted
+        # Fill mode: receives started whose bytes are not in _touched yet (see _note_receive).
+        self._unmarked: OrderedDict[Handle, None] = OrderedDict()
+        self._marks_lock = threading.Lock()
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
         self._seen_lock = threading.Lock()
         self.duplicate_commands = 0
@@ -186,6 +192,7 @@ class Worker:
                 self._touched = {
                     pid: np.zeros(p.tensor.numel(), dtype=bool) for pid, p in self.pools.items()
                 }
+                self._unmarked.clear()
             if self.handover is not None:
                 self.handover.close(
                     f"peer_restarted: {self.instance} re-registered; this worker attached again"
@@ -226,7 +233,7 @@ class Worker:
                 instance=self.instance,
                 rank=self.rank,
                 on_finished=self._on_finished,
-                on_start=self._mark_targeted if self.fill else None,
+                on_start=self._note_receive if self.fill else None,
                 check=self._check_filled if self.fill else None,
                 chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
                 hold_s=self.hold_s,
@@ -641,19 +648,39 @@ class Worker:
 
     # --- fill-pattern verification -------------------------------------------------------
 
-    def _mark_targeted(self, handle: Handle) -> None:
-        """Fill mode, before the first byte lands: the bytes this receive will write."""
+    def _note_receive(self, handle: Handle) -> None:
+        """Fill mode, before the first byte lands: remember the receive. The bytes it will write
+        are marked in ``_touched`` only when a check needs them (:meth:`_mark_noted`), so a
+        receive without ``verify`` pays this one dict entry and nothing else."""
         if handle.side != "receive":
             return
-        for _, dst_pool, _, starts in self._planned_writes(handle, sources=False):
-            self._touched[dst_pool][starts] = True
+        self._unmarked[handle] = None
+        if len(self._unmarked) > UNMARKED_MAX:  # no check for a long while: keep it bounded
+            with self._marks_lock:
+                if self._unmarked:
+                    self._mark_targeted(self._unmarked.popitem(last=False)[0])
 
-    def _planned_writes(
-        self, handle: Handle, *, sources: bool = True
-    ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """What ``handle`` writes into this rank's pools, byte by byte, per pool pair:
+    def _mark_noted(self) -> None:
+        """Mark the bytes of every receive noted so far, before a check reads ``_touched``."""
+        with self._marks_lock:  # a check that returns from here sees every earlier mark done
+            while self._unmarked:
+                self._mark_targeted(self._unmarked.popitem(last=False)[0])
+
+    def _mark_targeted(self, handle: Handle, writes: list[_Writes] | None = None) -> None:
+        """The bytes ``handle`` (a receive) writes, marked in ``_touched`` (from its already
+        planned ``writes`` where given)."""
+        if writes is None:
+            writes = self._planned_writes(handle, sources=False)
+        for _, dst_pool, _, dst, lengths in writes:
+            touched = self._touched[dst_pool]
+            for d, n in zip(dst.tolist(), lengths.tolist(), strict=True):
+                touched[d : d + n] = True
+
+    def _planned_writes(self, handle: Handle, *, sources: bool = True) -> list[_Writes]:
+        """What ``handle`` writes into this rank's pools, fragment by fragment, per pool pair:
         ``(sender rank × 10⁶ + sender pool, destination pool, source offsets, destination
-        offsets)``; without ``sources`` the source offsets are meaningless (no peer needed)."""
+        offsets, lengths)`` (empty fragments left out); without ``sources`` the source offsets
+        are meaningless (no peer needed)."""
         from workers.executors import align_request
         from workers.handover import normalize_blocks
 
@@ -675,13 +702,14 @@ class Worker:
             lanes, src, dst = align_request(route, pairs, num_tokens)
             fragments = expand_fragments(lanes, src_specs, self.pools, src, dst)
             for (src_pool, dst_pool), (so, do, ln) in fragments.items():
-                within = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
+                keep = ln > 0
                 out.append(
                     (
                         route.sender_rank * 1_000_000 + src_pool,
                         dst_pool,
-                        np.repeat(so, ln) + within,
-                        np.repeat(do, ln) + within,
+                        so[keep],
+                        do[keep],
+                        ln[keep],
                     )
                 )
         return out
@@ -702,39 +730,69 @@ class Worker:
     def verify_transfer(self, handle: Handle) -> int:
         """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned
         source offsets) and, in the slots it wrote, every byte no transfer has targeted (still
-        this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools."""
-        from workers.pools import pattern_at
+        this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools.
 
+        Per pool pair, the fragments' bytes side by side against the sender's pattern at their
+        sources (:func:`~workers.pools.pattern_spans`): one comparison, so the check costs about
+        what reading the bytes twice does. Other receives' bytes are marked only where a slot
+        this one wrote still holds bytes it did not target."""
+        from workers.pools import pattern_spans
+
+        writes = self._planned_writes(handle)
+        with self._marks_lock:
+            self._unmarked.pop(handle, None)
+            self._mark_targeted(handle, writes)
         checked = 0
-        images = {
-            pid: pool.tensor.detach().cpu().numpy().reshape(-1) for pid, pool in self.pools.items()
-        }
+        images: dict[int, np.ndarray] = {}
         slots: dict[int, set[int]] = {}
-        for source, dst_pool, sources, starts in self._planned_writes(handle):
+        for source, dst_pool, src, dst, lengths in writes:
+            if not dst.size:
+                continue
             sender, src_pool = divmod(source, 1_000_000)
-            expected = pattern_at(sender, src_pool, sources)
-            wrong = np.flatnonzero(images[dst_pool].view(np.uint8)[starts] != expected)
-            if wrong.size:
+            if dst_pool not in images:
+                images[dst_pool] = self.pools[dst_pool].tensor.detach().cpu().numpy().view(np.uint8)
+            image = images[dst_pool]
+            sizes = lengths.tolist()
+            got = np.concatenate(
+                [image[d : d + n] for d, n in zip(dst.tolist(), sizes, strict=True)]
+            )
+            expected = pattern_spans(sender, src_pool, src, lengths)
+            if not np.array_equal(got, expected):
+                wrong = np.flatnonzero(got != expected)
+                ends = np.cumsum(lengths)
+                fragment = int(np.searchsorted(ends, wrong[0], side="right"))
+                first = int(dst[fragment] + wrong[0] - (ends[fragment] - lengths[fragment]))
                 raise VerificationError(
                     f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes among "
-                    f"those written from rank {sender} (first at offset "
-                    f"{int(starts[wrong[0]])})"
+                    f"those written from rank {sender} (first at offset {first})"
                 )
-            checked += starts.size
+            checked += got.size
             stride = self.pools[dst_pool].spec.slot_stride_bytes
-            heads = starts[np.flatnonzero(np.diff(starts, prepend=-2) != 1)]  # run starts
-            slots.setdefault(dst_pool, set()).update(np.unique(heads // stride).tolist())
-        for pid, touched in slots.items():
+            within = slots.setdefault(dst_pool, set())
+            for lo, hi in set(
+                zip((dst // stride).tolist(), ((dst + lengths - 1) // stride).tolist(), strict=True)
+            ):
+                within.update(range(lo, hi + 1))
+        # A slot this receive filled whole has nothing of its own left to compare. Elsewhere,
+        # bytes that other receives target are marked first (they may write there too).
+        partial = []
+        for pid, written in slots.items():
             spec = self.pools[pid].spec
-            for slot in sorted(touched):
+            for slot in sorted(written):
                 lo = slot * spec.slot_stride_bytes
-                checked += self._check_untouched(pid, lo, lo + spec.slot_bytes)
+                if not self._touched[pid][lo : lo + spec.slot_bytes].all():
+                    partial.append((pid, lo, lo + spec.slot_bytes))
+        if partial:
+            self._mark_noted()
+        for pid, lo, hi in partial:
+            checked += self._check_untouched(pid, lo, hi)
         self.stats.verified_bytes += checked
         return checked
 
     def verify_untouched(self) -> int:
         """Fill mode: every byte of every pool that no transfer targeted still holds this
         rank's pattern (a stray write anywhere shows up). Returns the bytes checked."""
+        self._mark_noted()
         checked = sum(
             self._check_untouched(pid, 0, pool.tensor.numel()) for pid, pool in self.pools.items()
         )
@@ -742,20 +800,25 @@ class Worker:
         return checked
 
     def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
-        from workers.pools import pattern_at
+        from workers.pools import pattern_span
 
-        image = (
-            self.pools[pid].tensor.detach().cpu().reshape(-1).view(-1).numpy().view(np.uint8)[lo:hi]
-        )
-        own = pattern_at(self.rank, pid, np.arange(lo, hi, dtype=np.int64))
-        untouched = ~self._touched[pid][lo:hi]
-        wrong = np.flatnonzero((image != own) & untouched)
+        touched = self._touched[pid][lo:hi]
+        if touched.all():  # a slot the transfers filled whole: nothing of its own left
+            return 0
+        untouched = ~touched
+        image = self.pools[pid].tensor[lo:hi].detach().cpu().numpy().view(np.uint8)
+        wrong = np.flatnonzero((image != pattern_span(self.rank, pid, lo, hi - lo)) & untouched)
         if wrong.size:
             raise VerificationError(
                 f"verification failed: pool {pid} has {wrong.size} bytes that no transfer "
                 f"targeted but that changed (first at offset {lo + int(wrong[0])})"
             )
         return int(untouched.sum())
+
+
+# One pool pair of a receive (Worker._planned_writes): sender rank × 10⁶ + sender pool,
+# destination pool, then per fragment the source offsets, destination offsets and lengths.
+_Writes = tuple[int, int, np.ndarray, np.ndarray, np.ndarray]
 
 
 class VerificationError(RuntimeError):

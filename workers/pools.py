@@ -17,6 +17,7 @@ and a per-page constant, which makes filling a multi-GiB pool one broadcast add 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -173,13 +174,61 @@ def expected_bytes(rank: int, pool_id: int, offsets: torch.Tensor) -> torch.Tens
     return ((lo.to(torch.uint8)) + _hi_term(o >> 16, rank, pool_id)).to(torch.uint8)
 
 
-def pattern_at(rank: int, pool_id: int, offsets: np.ndarray) -> np.ndarray:
-    """:func:`expected_bytes` in numpy (host-side checks: no torch kernel per call)."""
-    o = np.asarray(offsets, dtype=np.int64)
-    lo = ((o & 0xFF) + 7 * ((o & (_PAGE_BYTES - 1)) >> 8)) & 0xFF
-    h = o >> 16
-    hi = (13 * h + 31 * (h >> 8) + 59 * rank + 97 * pool_id + 1) & 0xFF
-    return ((lo + hi) & 0xFF).astype(np.uint8)
+def pattern_span(rank: int, pool_id: int, start: int, length: int) -> np.ndarray:
+    """The pattern bytes at offsets ``[start, start + length)`` of ``rank``'s pool ``pool_id``, in
+    numpy (host-side checks: no torch kernel per call)."""
+    return pattern_spans(rank, pool_id, [start], [length])
+
+
+def pattern_spans(
+    rank: int, pool_id: int, starts: Iterable[int], lengths: Iterable[int]
+) -> np.ndarray:
+    """The pattern bytes of several spans of ``rank``'s pool ``pool_id``, one after another:
+    what a receiver expects of the fragments a sender wrote from these offsets.
+
+    Within a 256-byte row of a page the pattern is ``column + constant(row)``. When every span
+    is whole rows (KV fragments are: a head's bytes are a multiple of 256), all of them are one
+    broadcast add of the row constants onto ``0..255``; otherwise one ``uint8`` add per span and
+    page it touches onto a slice of the ``lo`` table. Either way no per-byte ``int64`` offsets,
+    which made a fill check of a 4-block request take 50-200 ms."""
+    start = np.asarray(starts, dtype=np.int64).reshape(-1)
+    length = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    base = 59 * rank + 97 * pool_id + 1
+    if not ((start | length) & 0xFF).any():
+        per_span = length >> 8
+        row = np.repeat((start >> 8) - (np.cumsum(per_span) - per_span), per_span)
+        row += np.arange(row.size)  # the rows of every span, in order
+        page = row >> 8
+        constant = (7 * (row & 0xFF) + 13 * page + 31 * (page >> 8) + base) & 0xFF
+        rows = np.add(
+            constant.astype(np.uint8)[:, None], _COLUMNS[None, :]
+        )  # rows outer: 2× faster
+        return rows.reshape(-1)
+    lo = _lo_np()
+    out = np.empty(int(length.sum()), dtype=np.uint8)
+    pos = 0
+    for first, n in zip(start.tolist(), length.tolist(), strict=True):
+        offset, end = first, first + n
+        while offset < end:
+            within = offset & (_PAGE_BYTES - 1)
+            k = min(end - offset, _PAGE_BYTES - within)
+            h = offset >> 16
+            hi = (13 * h + 31 * (h >> 8) + base) & 0xFF
+            np.add(lo[within : within + k], np.uint8(hi), out=out[pos : pos + k])
+            offset += k
+            pos += k
+    return out
+
+
+_COLUMNS = np.arange(256, dtype=np.uint8)
+
+
+@functools.cache
+def _lo_np() -> np.ndarray:
+    x = np.arange(_PAGE_BYTES, dtype=np.int64)
+    table = (((x & 0xFF) + 7 * (x >> 8)) & 0xFF).astype(np.uint8)
+    table.flags.writeable = False
+    return table
 
 
 def pattern_tensor(rank: int, pool_id: int, nbytes: int, device: str | torch.device = "cpu"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,8 @@ from workers.pools import (
     attach_pools,
     expected_bytes,
     fill_pattern,
+    pattern_span,
+    pattern_spans,
     pattern_tensor,
 )
 
@@ -69,6 +72,38 @@ def test_pattern_is_deterministic_and_distinguishes_rank_pool_and_offset():
     big = torch.arange(0, 1 << 25, 4099)
     for delta in (1, 256, 1 << 16, 1 << 24):
         assert (expected_bytes(0, 0, big) != expected_bytes(0, 0, big + delta)).all()
+
+
+def test_pattern_spans_are_the_pattern_across_page_boundaries():
+    """Any spans (one add per page), and spans of whole 256-byte rows (one broadcast add for
+    all of them, the shape of KV fragments), one after another as a receiver checks them."""
+    rng = np.random.default_rng(3)
+    n = (1 << 18) + 777
+    rows = n // 256
+    for rank, pool in ((0, 0), (3, 1)):
+        whole = pattern_tensor(rank, pool, n).numpy()
+        spans = [(0, n), (0, 0), ((1 << 16) - 5, 10), (1 << 17, 1)]
+        spans += [
+            (int(a), int(b))
+            for a, b in zip(rng.integers(0, n // 2, 20), rng.integers(0, n // 2, 20), strict=True)
+        ]
+        in_rows = [(0, rows * 256), ((1 << 16) - 512, 1024), (256 * 7, 0), (1 << 17, 256)]
+        in_rows += [
+            (256 * int(a), 256 * int(b))
+            for a, b in zip(
+                rng.integers(0, rows // 2, 20), rng.integers(0, rows // 2, 20), strict=True
+            )
+        ]
+        for start, length in spans + in_rows:
+            got = pattern_span(rank, pool, start, length)
+            assert got.dtype == np.uint8 and got.shape == (length,)
+            assert np.array_equal(got, whole[start : start + length]), (start, length)
+        for group in (spans, in_rows):
+            starts, lengths = zip(*group, strict=True)
+            assert np.array_equal(
+                pattern_spans(rank, pool, starts, lengths),
+                np.concatenate([whole[a : a + b] for a, b in group]),
+            )
 
 
 def test_worker_modules_import_without_the_control_plane():

@@ -316,15 +316,17 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
         {"blocks": {"0": {"context": [3, 0], "generation": [1, 2]}}, "verify": True}
     )
 
-    worker._mark_targeted(handle)
+    worker._note_receive(handle)  # as the handover's on_start: noted, nothing marked yet
+    assert not worker._touched[0].any() and list(worker._unmarked) == [handle]
     target = worker.pools[0].tensor
     before = target.clone()
     reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
     changed = (target != before).numpy()
     written = 2 * route.segments[0].runs[0].len * len(route.segments[0].runs)
+    assert worker.verify_transfer(handle) == 2 * recv_spec.slot_bytes  # written + the rest
+    assert not worker._unmarked  # the check marked what was noted first:
     assert int(worker._touched[0].sum()) == written  # exactly the fragments' bytes ...
     assert not (changed & ~worker._touched[0]).any()  # ... and every changed byte among them
-    assert worker.verify_transfer(handle) == 2 * recv_spec.slot_bytes  # written + the rest
 
     written_at = int(np.flatnonzero(worker._touched[0])[5])
     target[written_at] ^= 0x01
@@ -347,6 +349,83 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
         match=f"1 bytes that no transfer targeted but that changed \\(first at offset {stray}\\)",
     ):
         worker.verify_transfer(handle)
+
+
+def test_fill_mode_marks_unverified_receives_only_when_a_check_needs_them(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receive without verify is only noted when it starts. A check marks the noted bytes
+    before it judges a slot they share (sender rank 2 wrote heads 0-1 of the slot whose heads
+    2-3 the checked receive wrote: no false corruption), and so does the sweep; with no check
+    for a long while the noted receives stay bounded."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import workers.agent
+    from workers.pools import Pool, pattern_tensor
+    from workers.testing.oracles import HeadSlice, reference_copy
+
+    def route_of(sender_rank: int, dst_head: int) -> Any:
+        hs = HeadSlice(
+            "HND",
+            layers=2,
+            tokens_per_block=4,
+            head_dim=8,
+            elem_bytes=2,
+            sender_heads=2,
+            receiver_heads=4,
+            src_head=0,
+            dst_head=dst_head,
+            heads=2,
+        )
+        route = dataclasses.replace(hs.route(), sender_rank=sender_rank, receiver_rank=0)
+        return route, hs.sender_spec(4), hs.receiver_spec(4)
+
+    high, send_spec, recv_spec = route_of(1, 2)
+    low, _, _ = route_of(2, 0)
+    per_block = high.bytes_per_block(0)  # either route's bytes in one receiver slot
+    senders = {
+        r: {0: Pool(send_spec, pattern_tensor(r, 0, send_spec.nbytes).clone())} for r in (1, 2)
+    }
+    pools_wire = [{"id": 0, "slot_bytes": send_spec.slot_bytes, "num_slots": 4}]
+    worker.handover = SimpleNamespace(  # type: ignore[assignment]
+        peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire})
+    )
+    worker.rank = 0
+
+    def reset() -> None:
+        worker.pools = {0: Pool(recv_spec, pattern_tensor(0, 0, recv_spec.nbytes).clone())}
+        worker._touched = {0: np.zeros(recv_spec.nbytes, dtype=bool)}
+
+    def receive(route: Any, src: list[int], dst: list[int], verify: bool = False) -> Handle:
+        handle = Handle("r", "receive", "ctx", dataclasses.replace(ENTRY, routes=(route,)), 30.0)
+        handle.context.update({"blocks": {"0": {"context": src, "generation": dst}}})
+        handle.context["verify"] = verify
+        worker._note_receive(handle)
+        reference_copy(route, senders[route.sender_rank], worker.pools, {0: src}, {0: dst})
+        return handle
+
+    reset()
+    first, second = receive(high, [0], [1]), receive(low, [1], [3])
+    assert not worker._touched[0].any() and list(worker._unmarked) == [first, second]
+    assert worker.verify_untouched() == recv_spec.nbytes - 2 * per_block  # the sweep marks
+    assert not worker._unmarked
+
+    reset()
+    other = receive(low, [2], [1])  # unverified, into heads 0-1 of slot 1 ...
+    checked = receive(high, [3], [1], verify=True)  # ... whose heads 2-3 this one writes
+    assert worker.verify_transfer(checked) == recv_spec.slot_bytes - per_block
+    assert not worker._unmarked and int(worker._touched[0].sum()) == 2 * per_block
+    assert other not in worker._unmarked
+
+    reset()
+    monkeypatch.setattr(workers.agent, "UNMARKED_MAX", 1)
+    receive(high, [2], [0])
+    assert not worker._touched[0].any()
+    second = receive(high, [3], [2])  # past the bound: the oldest is marked now, on this call
+    assert list(worker._unmarked) == [second]
+    assert int(worker._touched[0].sum()) == per_block
+    assert worker.verify_untouched() == recv_spec.nbytes - 2 * per_block
 
 
 def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
