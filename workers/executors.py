@@ -1020,9 +1020,12 @@ def fragments_crc32(
     ``fragments`` is :func:`expand_fragments` of the route; sender (``side="src"``) and receiver
     (``"dst"``) compute it from the same route and block lists, so they read the same bytes in
     the same order when the transfer was right. A CPU pool is read in place; of a device pool
-    only the touched slots are copied to the host. Then one ``zlib.crc32`` per fragment over a
-    buffer view: measured faster than a vectorized gather for both 16 KiB (HND) and 512-byte
-    (NHD) fragments.
+    only the touched slots are copied to the host. Small fragments of one length are gathered
+    into one buffer by a row index into a sliding-window view and summed by one ``zlib.crc32``
+    (the same sum as fragment by fragment: crc32 chains); longer ones get one ``zlib.crc32``
+    per fragment over a buffer view. Measured on the 2-core dev host (loaded): 34,000 fragments
+    of 64 bytes 2.6 ms gathered against 23 ms one by one, 4,300 of 512 bytes 1.4 against
+    3.6 ms; from 4 KiB on both take the same, and 140 of 16 KiB 1.1 ms one by one against 1.3.
     """
     import zlib
 
@@ -1030,6 +1033,29 @@ def fragments_crc32(
     for (src_pool, dst_pool), (so, do, ln) in fragments.items():
         pid, offsets = (src_pool, so) if side == "src" else (dst_pool, do)
         image, local = _host_image(pools[pid], offsets)
+        gathered = _gather_uniform(image, local, ln)
+        if gathered is not None:
+            crc = zlib.crc32(gathered, crc)
+            continue
         for offset, length in zip(local.tolist(), ln.tolist(), strict=True):
             crc = zlib.crc32(image[offset : offset + length], crc)
     return crc & 0xFFFFFFFF
+
+
+GATHER_MAX = 2048  # fragments shorter than this are gathered in one go (see fragments_crc32)
+
+
+def _gather_uniform(
+    image: memoryview, offsets: np.ndarray, lengths: np.ndarray
+) -> np.ndarray | None:
+    """The fragments' bytes in order as one contiguous array, when they all have one length
+    below GATHER_MAX (a row index into a sliding window over the image: one copy in C); else
+    None."""
+    if not lengths.size:
+        return None
+    length = int(lengths[0])
+    if length <= 0 or length >= GATHER_MAX or not bool(np.all(lengths == length)):
+        return None
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    return sliding_window_view(np.frombuffer(image, dtype=np.uint8), length)[offsets]

@@ -404,3 +404,38 @@ def test_align_request_runs_a_ratio_as_one_lane_per_sub_block_and_a_partial_tail
     with pytest.raises(BlockRangeError) as error:
         align_request(route, {0: lists})
     assert error.value.code == "ambiguous_alignment"
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fragments_crc32_gathered_sums_as_fragment_by_fragment(layout, monkeypatch):
+    from workers import executors
+
+    hs = HeadSlice(layout, 3, 8, 16, 2, 2, 4, 0, 2, 2)
+    route = hs.route()
+    src, dst = _pools_pair([hs.sender_spec(20, pad=48)], [hs.receiver_spec(24, pad=16)])
+    src[0].tensor.copy_(torch.randint(0, 256, src[0].tensor.shape, dtype=torch.uint8))
+    bs, bd = np.array([3, 1, 7, 7, 0]), np.array([10, 2, 23, 5, 6])
+    fragments = expand_fragments(route, src, dst, bs, bd)
+    ((so, do, ln),) = fragments.values()
+    image, local = executors._host_image(src[0], so)
+    gathered = executors._gather_uniform(image, local, ln)
+    pieces = [bytes(image[o : o + n]) for o, n in zip(so.tolist(), ln.tolist(), strict=True)]
+    assert gathered is not None  # fragments of one length: one buffer, the fragments in order
+    assert gathered.tobytes() == b"".join(pieces)
+    crc = fragments_crc32(src, fragments, side="src")
+    monkeypatch.setattr(executors, "GATHER_MAX", 0)  # fragment by fragment
+    assert executors._gather_uniform(image, local, ln) is None
+    assert fragments_crc32(src, fragments, side="src") == crc
+
+
+def test_gather_takes_fragments_of_one_length_at_any_offset():
+    from workers.executors import _gather_uniform
+
+    image = memoryview(bytes(range(256)) * 4)
+    got = _gather_uniform(image, np.array([512, 0, 100]), np.array([256, 256, 256]))
+    assert got is not None
+    assert got.tobytes() == bytes(image[512:768]) + bytes(image[0:256]) + bytes(image[100:356])
+    assert _gather_uniform(image, np.array([0, 256]), np.array([256, 128])) is None  # two lengths
+    assert _gather_uniform(image, np.array([0]), np.array([4096])) is None  # long: one by one
+    empty = np.array([], dtype=np.int64)
+    assert _gather_uniform(image, empty, empty) is None
