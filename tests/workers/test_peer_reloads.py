@@ -54,9 +54,10 @@ def test_a_failed_peer_is_probed_with_backoff_without_blocking_the_caller(
 
         network.up.set()
         assert woken.wait(2.0)
-        assert peers.ready() == ["gen-0"]
+        assert peers.ready() == ["gen-0"] and peers.any_ready
         peers.done("gen-0")
         assert peers.stale("gen-0") is None and peers.why("gen-0") is None
+        assert not peers.any_ready
         assert "gen-0" in peers.reloaded
     finally:
         peers.close()
@@ -80,7 +81,7 @@ def test_a_failed_reload_probes_again_and_a_retired_peer_is_forgotten(monkeypatc
         assert peers.ready() == ["gen-0"]
         woken.clear()
         peers.mark("gen-0", "reload failed")  # the reload itself failed: not ready any more
-        assert peers.ready() == []
+        assert peers.ready() == [] and not peers.any_ready
         assert woken.wait(2.0) and peers.ready() == ["gen-0"]
 
         known.clear()  # retired: its rank has another worker now

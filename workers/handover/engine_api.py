@@ -438,7 +438,7 @@ class Handover(GrantExchange):
             return False, progressed
         finished = len(self._finished)
         progressed = self._drain() or progressed
-        if self.reloads.ready():
+        if self.reloads.any_ready:
             progressed = self._reload_ready() or progressed
         now = time.monotonic()
         for state in list(self._send.values()):

@@ -68,6 +68,7 @@ class PeerReloads:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.reloaded: dict[str, float] = {}  # agent: when it was last loaded again
+        self._any_ready = False
 
     def mark(self, agent: str, error: BaseException | str) -> None:
         """``agent``'s connection failed (again): stop using it until a probe reaches it."""
@@ -83,6 +84,7 @@ class PeerReloads:
             else:  # a reload that failed, or another failure before it: probe again
                 stale.ready = False
                 stale.next_probe = now + stale.backoff
+                self._any_ready = any(s.ready for s in self._stale.values())
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(
                     target=self._watch, daemon=True, name=f"kvplane-reloads-{self.name}"
@@ -104,6 +106,11 @@ class PeerReloads:
             f"({stale.probes} probe(s) since): {stale.error}"
         )
 
+    @property
+    def any_ready(self) -> bool:
+        """Whether a probe reached a failed peer (no lock: the progress thread asks every step)."""
+        return self._any_ready
+
     def ready(self) -> list[str]:
         """Peers a probe reached since they failed: reload them now."""
         with self._lock:
@@ -113,6 +120,7 @@ class PeerReloads:
         """``agent`` was loaded again: usable."""
         with self._lock:
             stale = self._stale.pop(agent, None)
+            self._any_ready = any(s.ready for s in self._stale.values())
         self.reloaded[agent] = time.monotonic()
         if stale is not None:
             log.info(
@@ -126,6 +134,7 @@ class PeerReloads:
         """``agent`` was retired (its rank has another worker now): stop probing it."""
         with self._lock:
             self._stale.pop(agent, None)
+            self._any_ready = any(s.ready for s in self._stale.values())
         self.reloaded.pop(agent, None)
 
     def close(self) -> None:
@@ -154,6 +163,7 @@ class PeerReloads:
                     stale.probes += 1
                     if error is None:
                         stale.ready = True
+                        self._any_ready = True
                     else:
                         stale.error = error
                         stale.backoff = min(PROBE_MAX_S, stale.backoff * 2)
