@@ -16,13 +16,17 @@ from workers.handover.reloads import PeerReloads
 class SlowNetwork:
     """``probe_peer`` that takes ``block_s`` and fails until ``up`` is set."""
 
+    name = "ctx-0"
+
     def __init__(self, block_s: float) -> None:
         self.block_s = block_s
         self.up = threading.Event()
         self.probes: list[float] = []
+        self.notes: list[bytes | None] = []
 
-    def probe_peer(self, info: Any) -> str | None:
+    def probe_peer(self, info: Any, note: bytes | None = None) -> str | None:
         self.probes.append(time.monotonic())
+        self.notes.append(note)
         time.sleep(self.block_s)
         return None if self.up.is_set() else "NIXL_ERR_BACKEND: Destination is unreachable"
 
@@ -55,6 +59,8 @@ def test_a_failed_peer_is_probed_with_backoff_without_blocking_the_caller(
         network.up.set()
         assert woken.wait(2.0)
         assert peers.ready() == ["gen-0"] and peers.any_ready
+        # Every probe asks the peer to load this rank again too (both sides start over).
+        assert set(network.notes) == {reloads.RELOAD_ME + b"ctx-0"}
         peers.done("gen-0")
         assert peers.stale("gen-0") is None and peers.why("gen-0") is None
         assert not peers.any_ready
@@ -87,5 +93,27 @@ def test_a_failed_reload_probes_again_and_a_retired_peer_is_forgotten(monkeypatc
         known.clear()  # retired: its rank has another worker now
         peers.forget("gen-0")
         assert peers.stale("gen-0") is None and peers.ready() == []
+    finally:
+        peers.close()
+
+
+def test_a_peer_that_asks_is_reloaded_at_the_next_step_without_asking_back() -> None:
+    network = SlowNetwork(block_s=0.0)
+    woken = threading.Event()
+    peers = PeerReloads(
+        network,  # type: ignore[arg-type]
+        woken.set,
+        "t",
+        lambda agent: {"agent": agent} if agent == "gen-0" else None,
+    )
+    try:
+        peers.requested("stranger")  # not a peer of this rank: ignored
+        assert peers.stale("stranger") is None and not peers.any_ready
+        peers.requested("gen-0")
+        assert woken.is_set() and peers.any_ready and peers.ready() == ["gen-0"]
+        stale = peers.stale("gen-0")
+        assert stale is not None and stale.asked is False
+        peers.done("gen-0")
+        assert network.probes == []  # it answered: no probe, and nothing asked back
     finally:
         peers.close()

@@ -32,7 +32,7 @@ from workers.handover.blocks import BlockMap, blocks_of, normalize_blocks
 from workers.handover.grants import GRANT_RESEND_S, MODES, GrantExchange, route_mode_of
 from workers.handover.handles import FAILED, Finished, Handle, Op, RouteState
 from workers.handover.notices import Ask, decode, notice, reason_field
-from workers.handover.reloads import PeerReloads
+from workers.handover.reloads import RELOAD_ME, PeerReloads
 from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
 from workers.transport import PeerUnreachable, TransportError
 
@@ -462,6 +462,9 @@ class Handover(GrantExchange):
         notifications = self.transport.drain_notifications()
         for agent, msgs in notifications.items():
             for msg in msgs:
+                if msg.startswith(RELOAD_ME):  # a peer's probe: its connection to us failed
+                    self.reloads.requested(msg[len(RELOAD_ME) :].decode(errors="replace"))
+                    continue
                 try:
                     self._on_notification(agent, msg)
                 except Exception:  # one bad message must not drop the rest of the batch

@@ -264,7 +264,11 @@ class GrantExchange(HandleLifecycle):
             return
         state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
         # Before the directory names the receiver's worker, the route waits in _waiting.
-        if state.agent == agent and (time.monotonic() < op.hold_until or not self._write(state)):
+        if state.agent == agent and (
+            time.monotonic() < op.hold_until
+            or self.reloads.stale(agent) is not None  # written once the peer is loaded again
+            or not self._write(state)
+        ):
             self._waiting.append(state)
 
     def _write(self, state: RouteState) -> bool:

@@ -349,7 +349,19 @@ class HandleLifecycle:
         for op in list(self._ops.values()):
             if op is spare:  # nothing of it left over that connection: it waits for the reload
                 continue
-            lost = next((s for s in op.routes if s.agent == agent and not s.done), None)
+            # Lost with the connection: what this rank sent over it (a sender's posted or
+            # completed WRITEs, a receiver's grant). A route that sent nothing yet waits for
+            # the reload instead.
+            lost = next(
+                (
+                    s
+                    for s in op.routes
+                    if s.agent == agent
+                    and not s.done
+                    and (s.written if op.side == "send" else s.granted)
+                ),
+                None,
+            )
             if lost is not None and not op.handle.done:
                 reason = (
                     f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvplane.handover")
 
+# What a probe that reached a peer tells it: load this rank again too. One side's failed
+# connection can leave the other side's endpoint half dead (its messages lost without an error),
+# so both sides start over.
+RELOAD_ME = b"kvplane-reload|"
 PROBE_FIRST_S = 0.25  # first probe this long after the failure, then twice as long each time
 PROBE_MAX_S = 2.0
 
@@ -46,6 +50,7 @@ class Stale:
     backoff: float
     probes: int = 0
     ready: bool = False  # the last probe reached it: reload at the next step
+    asked: bool = True  # the probe asks the peer to load this rank again too
 
 
 class PeerReloads:
@@ -83,6 +88,7 @@ class PeerReloads:
                 )
             else:  # a reload that failed, or another failure before it: probe again
                 stale.ready = False
+                stale.asked = True
                 stale.next_probe = now + stale.backoff
                 self._any_ready = any(s.ready for s in self._stale.values())
             if self._thread is None and not self._closed:
@@ -91,6 +97,24 @@ class PeerReloads:
                 )
                 self._thread.start()
         self._event.set()
+
+    def requested(self, agent: str) -> None:
+        """``agent`` reached this rank with a probe after its connection to this rank failed:
+        load it again at the next step (it answered, no probe needed)."""
+        if self.info_of(agent) is None:
+            return  # not a peer of this rank (or retired)
+        now = time.monotonic()
+        with self._lock:
+            stale = self._stale.get(agent)
+            if stale is None:
+                stale = self._stale[agent] = Stale(
+                    now, "the peer asked for a new connection", now, PROBE_FIRST_S
+                )
+            stale.ready = True
+            stale.asked = False  # reloaded on request: do not ask it back
+            self._any_ready = True
+        log.info("peer %s asked for a new connection", agent)
+        self.wake()
 
     def stale(self, agent: str) -> Stale | None:
         """The failure that keeps ``agent`` out of use, or None."""
@@ -155,7 +179,9 @@ class PeerReloads:
                 if self._closed:
                     return
                 info = self.info_of(agent)
-                error = "retired" if info is None else self.transport.probe_peer(info)
+                stale = self._stale.get(agent)
+                note = RELOAD_ME + self.transport.name.encode() if stale and stale.asked else None
+                error = "retired" if info is None else self.transport.probe_peer(info, note)
                 with self._lock:
                     stale = self._stale.get(agent)
                     if stale is None:

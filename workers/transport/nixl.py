@@ -372,7 +372,9 @@ class NixlTransport:
         """WRITEs to ``agent`` posted and not yet released."""
         return self._outstanding.get(agent, 0)
 
-    def probe_peer(self, info: PeerInfo | Mapping[str, Any]) -> str | None:
+    def probe_peer(
+        self, info: PeerInfo | Mapping[str, Any], note: bytes | None = None
+    ) -> str | None:
         """Whether a peer (its ``PeerInfo`` or JSON) answers now: None when it does, else the
         error.
 
@@ -380,7 +382,8 @@ class NixlTransport:
         memory), which connects to the peer, and drops it again: nothing of this endpoint waits
         on it, and no request of this endpoint rides on the probe's connection. It blocks for as
         long as the network takes to answer (seconds for an unreachable host): call it off the
-        progress thread. One probe at a time per endpoint."""
+        progress thread. One probe at a time per endpoint. ``note``: a notification the probe
+        sends the peer once connected (it is given up to 50 ms to leave)."""
         if not isinstance(info, PeerInfo):
             info = PeerInfo.from_json(info)
         with self._probe_lock:
@@ -406,10 +409,15 @@ class NixlTransport:
                         self._probe_agent.remove_remote_agent(info.agent)
                 self._probe_agent = None
                 return f"{type(e).__name__}: {e}"
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if note is not None:
+                with contextlib.suppress(Exception):
+                    self._probe_agent.send_notif(name, note)
+                    for _ in range(25):  # no progress thread: progress it until the note left
+                        self._probe_agent.get_new_notifs()
+                        time.sleep(0.002)
             with contextlib.suppress(Exception):
-                self._probe_agent.remove_remote_agent(
-                    name.decode() if isinstance(name, bytes) else str(name)
-                )
+                self._probe_agent.remove_remote_agent(name)
             return None
 
     def has_peer(self, agent: str) -> bool:
