@@ -146,8 +146,8 @@ def test_lost_connection_fails_both_sides_as_peer_unreachable_then_reconnects(
     assert any(r.startswith("peer_unreachable") for r in generation), failed.failures
     for reason in generation:
         assert reason.startswith(("peer_unreachable", "deadline: 30 s passed")), failed.failures
-        if reason.startswith("deadline"):
-            assert "did not write" in reason, failed.failures
+        if reason.startswith("deadline"):  # the sender unreachable, or its bytes lost
+            assert "did not write" in reason or "peer_unreachable" in reason, failed.failures
     assert failed.leaked == 0
     wait_released(fleet)
 

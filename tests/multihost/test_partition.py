@@ -4,7 +4,8 @@ The demo fleet across the bed with its data plane pinned to the data NIC (``--uc
 data0``), so the control plane keeps hearing every worker while the data network is cut. The
 context host's data link is cut for 12 s; requests with a 3 s deadline start 0.5 s before the
 cut (their bytes on a slow wire), at the cut and 6 s into it. Every one of them must end
-``failed`` on every rank within its deadline + 1 s, with a reason that names the peer: a rank
+``failed`` on every rank within its deadline + 1 s, with a reason that names the peer (but a
+sender whose share of the first request left whole before the cut): a rank
 whose connection failed reloads the peer off its progress thread (probing it with an agent of
 its own), so nothing blocks the handles that could fail meanwhile. After the heal every transfer
 succeeds between the same processes, and no worker died. Three cuts in a row: every rank still
@@ -79,21 +80,35 @@ def _cut_and_heal(bed: Bed, fleet: Fleet, tag: str) -> None:
     time.sleep(max(0.0, cut + CUT_S - time.time()))
     bed.heal("ctx")
 
-    # Every handle of every request failed on every rank, each within its deadline + 1 s of
-    # its start, while the link was still down, with the peer named.
+    # Every handle of every request ended within its deadline + 1 s of its start, while the
+    # link was still down: failed, with the peer named (a sender whose share left whole before
+    # the cut excepted; every receiver failed).
     assert failed.complete, failed.stalled
     assert ended < cut + CUT_S, f"{tag}: the handles ended only after the heal"
     records = [(rank, rec) for rank in failed.ranks for rec in rank.records]
     assert len(records) == len(ARRIVALS) * len(failed.ranks)
     for rank, (index, issued, done, state, reason) in records:
         who = f"{tag}: {rank.role} rank {rank.rank} request {index}"
-        assert state == "failed", (who, state, reason)
         assert done - issued <= DEADLINE_S + 1.0, (who, round(done - issued, 2), reason)
+        if state == "released" and rank.role == "context" and index == 0:
+            # The request started before the cut: this sender's share may have left whole
+            # (UCX done with it, the bytes in the kernel's socket buffer) before the link
+            # went down; its receiver fails it.
+            continue
+        assert state == "failed", (who, state, reason)
         peer = GENERATION if rank.role == "context" else CONTEXT
         assert f"{peer} rank " in reason, (who, reason)
     assert failed.leaked == 0
-    took = sorted(done - issued for _, (_, issued, done, _, _) in records)
-    print(f"{tag}: {len(records)} handles failed in {took[0]:.2f}-{took[-1]:.2f} s")
+    took = sorted(done - issued for _, (_, issued, done, state, _) in records if state == "failed")
+    print(f"{tag}: {len(took)} of {len(records)} handles failed, in {took[0]:.2f}-{took[-1]:.2f} s")
+    for index in range(len(ARRIVALS)):  # every receiver of every request failed it
+        assert all(
+            rec[3] == "failed"
+            for rank in failed.ranks
+            if rank.role == "generation"
+            for rec in rank.records
+            if rec[0] == index
+        ), (tag, index)
 
     # The control plane recorded the ranks' own reasons: no reap as "worker gone".
     def recorded() -> list[dict[str, Any]] | None:

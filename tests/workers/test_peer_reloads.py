@@ -86,7 +86,9 @@ def test_a_failed_reload_probes_again_and_a_retired_peer_is_forgotten(monkeypatc
         assert woken.wait(2.0)
         assert peers.ready() == ["gen-0"]
         woken.clear()
-        peers.mark("gen-0", "reload failed")  # the reload itself failed: not ready any more
+        peers.mark("gen-0", "lost again")  # the same connection again: still ready
+        assert peers.ready() == ["gen-0"]
+        peers.mark("gen-0", "reload failed", reload_failed=True)  # probe again
         assert peers.ready() == [] and not peers.any_ready
         assert woken.wait(2.0) and peers.ready() == ["gen-0"]
 

@@ -114,6 +114,7 @@ class Handover(GrantExchange):
         self._next_resend = 0.0
         # Routes this rank wrote: to which agent, and when (a reload since lost their bytes)
         self._written: dict[tuple[str, int, int], tuple[str, float]] = {}
+        self._aborted: dict[tuple[str, int, int], tuple[str, str]] = {}  # sends failed: why
         # Peers whose connection failed are probed and reloaded off this thread's critical path
         self.reloads = PeerReloads(transport, self._wake.set, f"{instance}-{rank}", self._info_of)
         transport.reconnect_inline = False
@@ -589,7 +590,7 @@ class Handover(GrantExchange):
                 self.transport.remove_peer(agent)
                 self.transport.add_peer(peer.info)
             except TransportError as error:
-                self.reloads.mark(agent, error)
+                self.reloads.mark(agent, error, reload_failed=True)
                 continue
             self._loaded.add(agent)
             self.reloads.done(agent)
@@ -616,6 +617,10 @@ class Handover(GrantExchange):
             written = self._written.get(key)
             if kind == "G" and written is not None and written[0] == agent:
                 self._probe(agent, fields, written[1])
+                return
+            aborted = self._aborted.get(key)
+            if kind == "G" and aborted is not None and aborted[0] == agent:
+                self._abort_again(agent, fields, aborted[1])
                 return
             if kind == "X" or (kind == "G" and self.directory.role == "context"):
                 # send()/expect() not called yet: a grant, or an abort, waits for it

@@ -29,7 +29,7 @@ import numpy as np
 from workers.directory import PeerWorker
 from workers.executors import Route, expand_fragments, fragments_crc32, gather, scatter
 from workers.handover.handles import HandleLifecycle, RouteState
-from workers.handover.notices import Ask, RouteKey, ask_payload, notice, parse_ask
+from workers.handover.notices import Ask, RouteKey, ask_payload, notice, parse_ask, reason_field
 from workers.transport import PeerUnreachable, TransportError
 
 log = logging.getLogger("kvplane.handover")
@@ -189,6 +189,7 @@ class GrantExchange(HandleLifecycle):
                 and not state.done
                 and not state.op.handle.done
                 and now - state.heard_at > GRANT_RESEND_S
+                and (state.agent is None or self.reloads.stale(state.agent) is None)
             ):
                 offset = -1 if state.mode == "fragments" else int(state.area or 0)
                 if state.op.ask:
@@ -368,6 +369,18 @@ class GrantExchange(HandleLifecycle):
             self._on_unreachable(str(state.agent), error)
         except TransportError as error:
             self._fail(state.op, f"transport: {error}")
+
+    def _abort_again(self, agent: str, fields: list[str], reason: str) -> None:
+        """A grant for a route this rank failed (its abort may have been lost with a failed
+        connection): tell the receiver again."""
+        if agent not in self._loaded or self.reloads.stale(agent) is not None:
+            return
+        try:
+            self.transport.send_notif(agent, notice("X", *fields[1:6], reason_field(reason)))
+        except PeerUnreachable as error:
+            self.reloads.mark(agent, error)
+        except TransportError as error:
+            log.debug("abort to %s failed: %s", agent, error)
 
     def _probe(self, agent: str, fields: list[str], written_at: float) -> None:
         """A grant again for a route this rank wrote: were its bytes lost with a connection?"""

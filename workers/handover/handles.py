@@ -203,6 +203,7 @@ class HandleLifecycle:
     _loaded: set[str]
     _finished: deque[Handle]
     _peers: dict[tuple[str, int], PeerWorker]
+    _aborted: dict[RouteKey, tuple[str, str]]
     reloads: PeerReloads
 
     def _maybe_complete(self, op: Op) -> None:
@@ -267,6 +268,12 @@ class HandleLifecycle:
             state.pending.clear()
             if notify:
                 self._abort_notice(op, state, reason)
+        if op.side == "send":  # a grant that comes again for it gets this reason back
+            for state in op.routes:
+                if state.agent is not None:
+                    self._aborted[state.key] = (state.agent, reason)
+            while len(self._aborted) > 4096:
+                del self._aborted[next(iter(self._aborted))]
         op.handle.routes = self._route_results(op)
         self._ops.pop(id(op), None)
         self.stats["failed"] += 1
@@ -349,17 +356,12 @@ class HandleLifecycle:
         for op in list(self._ops.values()):
             if op is spare:  # nothing of it left over that connection: it waits for the reload
                 continue
-            # Lost with the connection: what this rank sent over it (a sender's posted or
-            # completed WRITEs, a receiver's grant). A route that sent nothing yet waits for
-            # the reload instead.
+            # Lost with the connection: a sender's posted or completed WRITEs. What else goes
+            # over this rank's side of it (grants, asks, aborts) is sent again once the peer
+            # is loaded again: a receiver keeps waiting for its bytes, a sender that has not
+            # written yet for its grant.
             lost = next(
-                (
-                    s
-                    for s in op.routes
-                    if s.agent == agent
-                    and not s.done
-                    and (s.written if op.side == "send" else s.granted)
-                ),
+                (s for s in op.routes if s.agent == agent and not s.done and s.written),
                 None,
             )
             if lost is not None and not op.handle.done:

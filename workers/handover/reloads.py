@@ -75,8 +75,10 @@ class PeerReloads:
         self.reloaded: dict[str, float] = {}  # agent: when it was last loaded again
         self._any_ready = False
 
-    def mark(self, agent: str, error: BaseException | str) -> None:
-        """``agent``'s connection failed (again): stop using it until a probe reaches it."""
+    def mark(self, agent: str, error: BaseException | str, reload_failed: bool = False) -> None:
+        """``agent``'s connection failed: stop using it until a probe reaches it. Another
+        failure of the same connection before the reload changes nothing (the reload replaces
+        it); ``reload_failed``: the reload itself failed, probe again."""
         now = time.monotonic()
         text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
         with self._lock:
@@ -86,7 +88,8 @@ class PeerReloads:
                 log.warning(
                     "peer %s unreachable (%s); probing it off the progress thread", agent, text
                 )
-            else:  # a reload that failed, or another failure before it: probe again
+            elif reload_failed:
+                stale.error = text
                 stale.ready = False
                 stale.asked = True
                 stale.next_probe = now + stale.backoff
