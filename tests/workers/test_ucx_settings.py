@@ -21,19 +21,24 @@ def _pools() -> dict:
     )
 
 
-def test_ucx_options_are_reported_and_the_environment_is_left_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("UCX_TLS", raising=False)
-    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    transport = NixlTransport(
-        "ucx-opt",
+def _pinned(name: str) -> NixlTransport:
+    """A transport given both UCX options: TCP on the loopback device."""
+    return NixlTransport(
+        name,
         _pools(),
         staging_bytes=4096,
         progress_thread=False,
         ucx_tls="tcp",
         ucx_net_devices="lo",
     )
+
+
+def test_ucx_options_are_reported_and_the_environment_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    transport = _pinned("ucx-opt")
     try:
         assert "UCX_TLS" not in os.environ and "UCX_NET_DEVICES" not in os.environ
         assert transport.ucx.tls == "tcp" and transport.ucx.net_devices == "lo"
@@ -63,14 +68,7 @@ def test_options_win_over_the_process_environment_which_is_restored(
 ) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     monkeypatch.setenv("UCX_NET_DEVICES", "eth9")  # no such device: UCX would refuse it
-    transport = NixlTransport(
-        "ucx-over",
-        _pools(),
-        staging_bytes=4096,
-        progress_thread=False,
-        ucx_tls="tcp",
-        ucx_net_devices="lo",
-    )
+    transport = _pinned("ucx-over")
     try:
         assert transport.ucx.tls == "tcp" and transport.ucx.net_devices == "lo"
         assert os.environ["UCX_TLS"] == "tcp,self"
