@@ -1035,7 +1035,7 @@ def fragments_crc32(
         image, local = _host_image(pools[pid], offsets)
         gathered = _gather_uniform(image, local, ln)
         if gathered is not None:
-            crc = zlib.crc32(gathered, crc)
+            crc = zlib.crc32(gathered.data, crc)
             continue
         for offset, length in zip(local.tolist(), ln.tolist(), strict=True):
             crc = zlib.crc32(image[offset : offset + length], crc)

@@ -369,6 +369,7 @@ class EngineRank:
         result = RunResult(rank=spec.rank, role=spec.role)
         side = 0 if spec.role == "context" else 1
         call = self.worker.send if spec.role == "context" else self.worker.expect
+        schedule: Sequence[float] | np.ndarray | None
         if at is not None:
             if len(at) != requests:
                 raise ValueError(f"at names {len(at)} arrival times for {requests} requests")
