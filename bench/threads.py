@@ -1,6 +1,6 @@
 """Where the CPU goes: a per-thread CPU account of the demo fleet during one engine-path run.
 
-    .venv/bin/python bench/threads.py [--blocks 4] [--in-flight 16] [--requests 1500]
+    .venv/bin/python bench/threads.py [--blocks 4] [--in-flight 16] [--requests 1500] [--verify]
 
 The same fleet as ``bench/latency.py`` (one control plane on SQLite, six rank processes from
 ``workers/testing/engine.py``). Before and after one run of the engine path (``worker.send`` /
@@ -61,16 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="fill mode: every request's bytes checked (crc32 on both sides, the fill check)",
+    )
+    parser.add_argument(
         "--settle", type=float, default=1.2, help="seconds to wait for the run's batched records"
     )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="kvplane-threads-"))
     num_slots = max(64, args.blocks * args.in_flight * 2)
-    fleet = Fleet(workdir, num_slots=num_slots, staging_bytes=128 << 20)
+    fleet = Fleet(workdir, num_slots=num_slots, staging_bytes=128 << 20, fill=args.verify)
+    checks = {"verify": True} if args.verify else {}
     try:
         fleet.start()
-        fleet.run_engine(requests=8, blocks=args.blocks, in_flight=2, tag="warm")
+        fleet.run_engine(requests=8, blocks=args.blocks, in_flight=2, tag="warm", **checks)
         pids = fleet.pids()
         roles = [spec.role for spec, _, _ in fleet.ranks]
         names = fleet.call_all("threads")
@@ -82,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             in_flight=args.in_flight,
             seed=7,
             tag="threads",
+            **checks,
         )
         after = {pid: thread_cpu(pid) for pid in pids["ranks"]}
         time.sleep(args.settle)
@@ -103,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             kernel[key] += (system - was_system) * 1e3 / args.requests
     total = sum(per_kind.values()) + server_ms
     print(
-        f"{args.requests} requests of {args.blocks} blocks, {args.in_flight} in flight: "
+        f"{args.requests} requests of {args.blocks} blocks, {args.in_flight} in flight"
+        f"{', every byte checked' if args.verify else ''}: "
         f"{run.throughput():.0f} transfers/s; {os.cpu_count()} logical CPUs; load average "
         f"before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
         f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}"

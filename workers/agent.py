@@ -42,12 +42,14 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
 from workers.directory import Directory, HandoverError
@@ -59,6 +61,8 @@ from workers.records import Recorder
 if TYPE_CHECKING:
     import torch
 
+    from workers.executors import Route
+    from workers.handover.handles import RouteState
     from workers.transport.nixl import NixlTransport
 
 log = logging.getLogger("kvplane.worker")
@@ -669,10 +673,16 @@ class Worker:
     def _mark_targeted(self, handle: Handle, writes: list[_Writes] | None = None) -> None:
         """The bytes ``handle`` (a receive) writes, marked in ``_touched`` (from its already
         planned ``writes`` where given)."""
+        from workers.executors import uniform_length
+
         if writes is None:
             writes = self._planned_writes(handle, sources=False)
         for _, dst_pool, _, dst, lengths in writes:
             touched = self._touched[dst_pool]
+            length = uniform_length(lengths)
+            if length:  # one row per fragment of a writeable window: one assignment in C
+                sliding_window_view(touched, length, writeable=True)[dst] = True
+                continue
             for d, n in zip(dst.tolist(), lengths.tolist(), strict=True):
                 touched[d : d + n] = True
 
@@ -690,89 +700,125 @@ class Worker:
         for route in handle.entry.routes:
             if route.receiver_rank != self.rank:
                 continue
-            src_specs: Mapping[int, PoolSpec] = _AnySpec()
-            if sources:
-                assert self.handover is not None
-                peer = self.handover.peer(handle.peer, route.sender_rank)
-                if peer is None:
-                    raise VerificationError(
-                        f"no endpoint of {handle.peer} rank {route.sender_rank} to verify against"
-                    )
-                src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer.info["pools"]}
-            lanes, src, dst = align_request(route, pairs, num_tokens)
-            fragments = expand_fragments(lanes, src_specs, self.pools, src, dst)
-            for (src_pool, dst_pool), (so, do, ln) in fragments.items():
-                keep = ln > 0
-                out.append(
-                    (
-                        route.sender_rank * 1_000_000 + src_pool,
-                        dst_pool,
-                        so[keep],
-                        do[keep],
-                        ln[keep],
-                    )
-                )
+            aligned, src, dst = align_request(route, pairs, num_tokens)
+            out += self._route_writes(handle, aligned, src, dst, sources=sources)
         return out
 
-    def _check_filled(self, handle: Handle) -> str | None:
-        """Before a verified receive resolves (fill mode): check its bytes; a reason fails it."""
+    def _route_writes(
+        self,
+        handle: Handle,
+        route: Route,
+        src: Mapping[int, np.ndarray],
+        dst: Mapping[int, np.ndarray],
+        *,
+        sources: bool = True,
+    ) -> list[_Writes]:
+        """:meth:`_planned_writes` of one route, already aligned to the request's blocks."""
+        src_specs: Mapping[int, PoolSpec] = _AnySpec()
+        if sources:
+            assert self.handover is not None
+            peer = self.handover.peer(handle.peer, route.sender_rank)
+            if peer is None:
+                raise VerificationError(
+                    f"no endpoint of {handle.peer} rank {route.sender_rank} to verify against"
+                )
+            src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer.info["pools"]}
+        out = []
+        fragments = expand_fragments(route, src_specs, self.pools, src, dst)
+        for (src_pool, dst_pool), (so, do, ln) in fragments.items():
+            keep = ln > 0
+            out.append(
+                (route.sender_rank * 1_000_000 + src_pool, dst_pool, so[keep], do[keep], ln[keep])
+            )
+        return out
+
+    def _check_filled(self, handle: Handle, routes: Sequence[RouteState]) -> str | None:
+        """Before a verified receive resolves (fill mode): check its bytes; a reason fails it.
+        The receive's own ``routes`` (aligned already) give the fragments; a route written
+        fragment by fragment gets its receiver crc32 here, from the bytes the check gathers."""
         if not handle.context.get("verify", False):
             return None
         started = time.perf_counter()
         try:
-            handle.context["verified_bytes"] = self.verify_transfer(handle)
+            handle.context["verified_bytes"] = self.verify_transfer(handle, routes)
         except VerificationError as error:
             return str(error)
         finally:
             log.debug("fill check of %s: %.3f s", handle.request_id, time.perf_counter() - started)
         return None
 
-    def verify_transfer(self, handle: Handle) -> int:
+    def verify_transfer(self, handle: Handle, routes: Sequence[RouteState] | None = None) -> int:
         """Check the bytes ``handle`` was meant to write (the sender's pattern at the planned
         source offsets) and, in the slots it wrote, every byte no transfer has targeted (still
         this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools.
 
-        Per pool pair, the fragments' bytes side by side against the sender's pattern at their
-        sources (:func:`~workers.pools.pattern_spans`): one comparison, so the check costs about
-        what reading the bytes twice does. Other receives' bytes are marked only where a slot
-        this one wrote still holds bytes it did not target."""
-        from workers.pools import pattern_spans
+        Per pool pair, the fragments' bytes gathered in one copy (a row per fragment of a
+        sliding window, when they have one length) side by side against the sender's pattern
+        at their sources (:func:`~workers.pools.pattern_spans`), compared as 8-byte words: the
+        check costs about what reading the bytes three times does. Given the receive's
+        ``routes``, a fragments-mode route without a checksum gets the crc32 of those gathered
+        bytes (the sender's order: :func:`~workers.executors.fragments_crc32`). Other receives'
+        bytes are marked only where a slot this one wrote still holds bytes it did not target."""
+        from workers.executors import gather_bytes
+        from workers.pools import pattern_image, pattern_spans
 
-        writes = self._planned_writes(handle)
+        planned: list[tuple[RouteState | None, list[_Writes]]]
+        if routes is None:
+            planned = [(None, self._planned_writes(handle))]
+        else:
+            planned = [
+                (state, self._route_writes(handle, state.route, state.src, state.dst))
+                for state in routes
+            ]
         with self._marks_lock:
             self._unmarked.pop(handle, None)
-            self._mark_targeted(handle, writes)
+            for _, writes in planned:
+                self._mark_targeted(handle, writes)
         checked = 0
         images: dict[int, np.ndarray] = {}
         slots: dict[int, set[int]] = {}
-        for source, dst_pool, src, dst, lengths in writes:
-            if not dst.size:
-                continue
-            sender, src_pool = divmod(source, 1_000_000)
-            if dst_pool not in images:
-                images[dst_pool] = self.pools[dst_pool].tensor.detach().cpu().numpy().view(np.uint8)
-            image = images[dst_pool]
-            sizes = lengths.tolist()
-            got = np.concatenate(
-                [image[d : d + n] for d, n in zip(dst.tolist(), sizes, strict=True)]
-            )
-            expected = pattern_spans(sender, src_pool, src, lengths)
-            if not np.array_equal(got, expected):
-                wrong = np.flatnonzero(got != expected)
-                ends = np.cumsum(lengths)
-                fragment = int(np.searchsorted(ends, wrong[0], side="right"))
-                first = int(dst[fragment] + wrong[0] - (ends[fragment] - lengths[fragment]))
-                raise VerificationError(
-                    f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes among "
-                    f"those written from rank {sender} (first at offset {first})"
-                )
-            checked += got.size
-            stride = self.pools[dst_pool].spec.slot_stride_bytes
-            within = slots.setdefault(dst_pool, set())
-            for lo, hi in set(
-                zip((dst // stride).tolist(), ((dst + lengths - 1) // stride).tolist(), strict=True)
-            ):
-                within.update(range(lo, hi + 1))
+        for state, writes in planned:
+            summed = state is not None and state.mode == "fragments" and state.checksum is None
+            crc: int | None = 0 if summed else None
+            for source, dst_pool, src, dst, lengths in writes:
+                if not dst.size:
+                    continue
+                sender, src_pool = divmod(source, 1_000_000)
+                if dst_pool not in images:
+                    images[dst_pool] = (
+                        self.pools[dst_pool].tensor.detach().cpu().numpy().view(np.uint8)
+                    )
+                got = gather_bytes(images[dst_pool], dst, lengths)
+                if crc is not None:
+                    crc = zlib.crc32(got.data, crc)
+                image = pattern_image(sender, src_pool, int((src + lengths).max()))
+                if image is None:  # past the images' budget
+                    expected = pattern_spans(sender, src_pool, src, lengths)
+                else:
+                    expected = gather_bytes(image, src, lengths)
+                words = np.uint64 if got.size % 8 == 0 else np.uint8
+                if not np.array_equal(got.view(words), expected.view(words)):
+                    wrong = np.flatnonzero(got != expected)
+                    ends = np.cumsum(lengths)
+                    fragment = int(np.searchsorted(ends, wrong[0], side="right"))
+                    first = int(dst[fragment] + wrong[0] - (ends[fragment] - lengths[fragment]))
+                    raise VerificationError(
+                        f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes "
+                        f"among those written from rank {sender} (first at offset {first})"
+                    )
+                checked += got.size
+                stride = self.pools[dst_pool].spec.slot_stride_bytes
+                within = slots.setdefault(dst_pool, set())
+                for lo, hi in set(
+                    zip(
+                        (dst // stride).tolist(),
+                        ((dst + lengths - 1) // stride).tolist(),
+                        strict=True,
+                    )
+                ):
+                    within.update(range(lo, hi + 1))
+            if state is not None and crc is not None:
+                state.checksum = crc & 0xFFFFFFFF
         # A slot this receive filled whole has nothing of its own left to compare. Elsewhere,
         # bytes that other receives target are marked first (they may write there too).
         partial = []

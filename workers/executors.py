@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from workers.pools import Pool
 
@@ -384,6 +385,7 @@ def align_request(
     route: Route | Mapping[str, Any],
     blocks: Mapping[int, tuple[Any, Any]],
     num_tokens: int | None = None,
+    memo: dict[Any, tuple[dict[int, np.ndarray], dict[int, np.ndarray]]] | None = None,
 ) -> tuple[Route, dict[int, np.ndarray], dict[int, np.ndarray]]:
     """The route as this request runs it, with its aligned block lists.
 
@@ -394,6 +396,10 @@ def align_request(
     another one whose segment has every run cut to the tokens that exist; every lane is a
     plain list pair, so gather, scatter, fragments and checksums run it like any group. The
     sender and the receiver derive the same lanes from the same inputs.
+
+    ``memo`` (a dict kept for one request's routes): routes of equal block sizes that cover the
+    same layer groups on the same CP ranks align alike, so the second one reuses the first's
+    lists (the same arrays: read only).
     """
     from api.geometry.align import (
         align_equal,
@@ -404,6 +410,19 @@ def align_request(
     from api.geometry.errors import GeometryError
 
     route = as_route(route)
+    key = None
+    if memo is not None and route.large_side is None:
+        key = (
+            route.layer_groups,
+            route.state_groups,
+            route.cp_modulus,
+            route.cp_remainder if route.cp_modulus > 1 else 0,
+            route.cp_side,
+            route.small_tokens_per_block,
+            route.block_ratio,
+        )
+        if key in memo:
+            return (route, *memo[key])
     for g in route.layer_groups:
         if g not in blocks:
             raise BlockRangeError(f"no block lists for layer group {g}")
@@ -468,6 +487,8 @@ def align_request(
     except GeometryError as error:
         raise BlockRangeError(str(error), code=error.code) from None
     if route.large_side is None:
+        if memo is not None:
+            memo[key] = (src, dst)
         return route, src, dst
     segments = tuple(seg for seg in route.segments if seg.state) + tuple(lanes)
     lanes_route = replace(route, segments=segments, block_ratio=1, large_side=None)
@@ -1051,11 +1072,29 @@ def _gather_uniform(
     """The fragments' bytes in order as one contiguous array, when they all have one length
     below GATHER_MAX (a row index into a sliding window over the image: one copy in C); else
     None."""
-    if not lengths.size:
+    length = uniform_length(lengths)
+    if not length or length >= GATHER_MAX:
         return None
-    length = int(lengths[0])
-    if length <= 0 or length >= GATHER_MAX or not bool(np.all(lengths == length)):
-        return None
-    from numpy.lib.stride_tricks import sliding_window_view
-
     return sliding_window_view(np.frombuffer(image, dtype=np.uint8), length)[offsets]
+
+
+def uniform_length(lengths: np.ndarray) -> int:
+    """The one length every fragment has (> 0), or 0 when they differ (or there are none)."""
+    if not lengths.size:
+        return 0
+    length = int(lengths[0])
+    return length if length > 0 and bool(np.all(lengths == length)) else 0
+
+
+def gather_bytes(image: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The bytes of fragments ``(offsets, lengths)`` of the flat ``uint8`` ``image``, one after
+    another, as a new contiguous array: of one length, a row per fragment of a sliding window
+    (one copy in C); else one slice each, joined."""
+    length = uniform_length(lengths)
+    if length:
+        return sliding_window_view(image, length)[offsets].reshape(-1)
+    if not lengths.size:
+        return np.empty(0, dtype=np.uint8)
+    return np.concatenate(
+        [image[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
+    )

@@ -18,6 +18,7 @@ and a per-page constant, which makes filling a multi-GiB pool one broadcast add 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -221,6 +222,40 @@ def pattern_spans(
 
 
 _COLUMNS = np.arange(256, dtype=np.uint8)
+
+# Fill-mode checks compare a receive's bytes with the sender's pattern at their sources: a
+# cached image of each sender pool's pattern turns that into one gather (about 2.5x faster than
+# :func:`pattern_spans` for a 4-block request's 16 KiB fragments). Bounded: past this budget the
+# checks compute the spans instead.
+PATTERN_CACHE_BYTES = 512 << 20
+_IMAGE_ROUND = 1 << 20  # images grow in whole MiB
+_images: dict[tuple[int, int], np.ndarray] = {}
+_images_lock = threading.Lock()
+
+
+def pattern_image(rank: int, pool_id: int, nbytes: int) -> np.ndarray | None:
+    """The pattern of ``rank``'s pool ``pool_id`` from offset 0, at least ``nbytes`` long, as a
+    read-only array cached per (rank, pool) (an image grows when a later call needs more); None
+    when it would take the cache past :data:`PATTERN_CACHE_BYTES`."""
+    key = (rank, pool_id)
+    image = _images.get(key)
+    if image is not None and image.size >= nbytes:
+        return image
+    size = -(-max(nbytes, 1) // _IMAGE_ROUND) * _IMAGE_ROUND
+    with _images_lock:
+        image = _images.get(key)
+        if image is not None and image.size >= nbytes:
+            return image
+        if sum(v.size for k, v in _images.items() if k != key) + size > PATTERN_CACHE_BYTES:
+            return None
+        pages = size // _PAGE_BYTES
+        h = np.arange(pages, dtype=np.int64)
+        hi = ((13 * h + 31 * (h >> 8) + 59 * rank + 97 * pool_id + 1) & 0xFF).astype(np.uint8)
+        image = np.empty(size, dtype=np.uint8)
+        np.add(_lo_np()[None, :], hi[:, None], out=image.reshape(pages, _PAGE_BYTES))
+        image.flags.writeable = False
+        _images[key] = image
+    return image
 
 
 @functools.cache

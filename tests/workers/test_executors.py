@@ -378,6 +378,33 @@ def test_align_blocks_pairs_suffixes_and_filters_cp():
     assert src[0].tolist() == [1, 3] and dst[0].tolist() == [20, 21]
 
 
+def test_align_request_reuses_the_lists_of_a_route_over_the_same_groups_and_cp_ranks():
+    """One request's routes (another sender, other runs) that cover the same layer groups on
+    the same CP rank share their aligned lists; another CP remainder does not."""
+
+    def route(remainder: int) -> Route:
+        return Route.from_dict(
+            {
+                "segments": [
+                    {"src_pool": 0, "dst_pool": 0, "runs": [{"src": 0, "dst": 0, "len": 4}]}
+                ],
+                "cp_modulus": 2,
+                "cp_remainder": remainder,
+            }
+        )
+
+    blocks = {0: ([9, 1, 2, 3, 4], [7, 8, 5, 6])}
+    memo: dict = {}
+    first = align_request(route(1), blocks, memo=memo)
+    again = align_request(dataclasses.replace(route(1), sender_rank=3), blocks, memo=memo)
+    assert again[0].sender_rank == 3 and again[1] is first[1] and again[2] is first[2]
+    other = align_request(route(0), blocks, memo=memo)
+    assert other[1][0].tolist() == [2, 4] and other[2][0].tolist() == [8, 6]
+    alone = align_request(route(0), blocks)
+    assert alone[1][0].tolist() == [2, 4] and alone[2][0].tolist() == [8, 6]
+    assert len(memo) == 2
+
+
 @pytest.mark.parametrize("large_side", ["context", "generation"])
 def test_align_request_runs_a_ratio_as_one_lane_per_sub_block_and_a_partial_tail(large_side):
     segments = [

@@ -106,6 +106,27 @@ def test_pattern_spans_are_the_pattern_across_page_boundaries():
             )
 
 
+def test_pattern_images_are_the_pattern_and_grow_within_their_budget(monkeypatch):
+    """The cached image of a sender pool's pattern (what fill checks gather from) is the
+    pattern at every offset, grows when a later check reaches further, and is refused past
+    the cache's budget (the checks then compute the spans)."""
+    from workers import pools as pools_module
+
+    monkeypatch.setattr(pools_module, "_images", {})
+    n = (3 << 20) + 12345
+    for rank, pool in ((0, 0), (5, 2)):
+        small = pools_module.pattern_image(rank, pool, 1000)
+        assert small is not None and small.size == 1 << 20 and not small.flags.writeable
+        assert np.array_equal(small, pattern_tensor(rank, pool, small.size).numpy())
+        grown = pools_module.pattern_image(rank, pool, n)
+        assert grown is not None and grown.size >= n
+        assert np.array_equal(grown[:n], pattern_tensor(rank, pool, n).numpy())
+        assert pools_module.pattern_image(rank, pool, 10) is grown  # cached
+    monkeypatch.setattr(pools_module, "PATTERN_CACHE_BYTES", 9 << 20)
+    assert pools_module.pattern_image(1, 1, 2 << 20) is None  # 8 MiB cached + 2 > 9
+    assert pools_module.pattern_image(1, 1, 1 << 20) is not None
+
+
 def test_worker_modules_import_without_the_control_plane():
     code = (
         "import sys; import workers.pools, workers.executors, workers.testing.oracles, "

@@ -286,6 +286,8 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     from types import SimpleNamespace
 
     from workers.agent import VerificationError
+    from workers.executors import align_request, expand_fragments, fragments_crc32
+    from workers.handover import normalize_blocks
     from workers.pools import Pool, pattern_tensor
     from workers.testing.oracles import HeadSlice, reference_copy
 
@@ -327,9 +329,19 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     assert not worker._unmarked  # the check marked what was noted first:
     assert int(worker._touched[0].sum()) == written  # exactly the fragments' bytes ...
     assert not (changed & ~worker._touched[0]).any()  # ... and every changed byte among them
+    # As the handover runs it: from the receive's own aligned routes; a fragments-mode route
+    # gets the crc32 of the gathered bytes, equal to the sender's sum over its sources.
+    aligned, src, dst = align_request(route, normalize_blocks(handle.context["blocks"]))
+    state = SimpleNamespace(route=aligned, src=src, dst=dst, mode="fragments", checksum=None)
+    assert worker.verify_transfer(handle, [state]) == 2 * recv_spec.slot_bytes  # type: ignore[list-item]
+    frags = expand_fragments(aligned, {0: send_spec}, worker.pools, src, dst)
+    assert state.checksum == fragments_crc32(sender, frags, side="src")
 
     written_at = int(np.flatnonzero(worker._touched[0])[5])
     target[written_at] ^= 0x01
+    state.checksum = None
+    with pytest.raises(VerificationError, match="1 wrong bytes among those written from rank 1"):
+        worker.verify_transfer(handle, [state])  # type: ignore[list-item]
     with pytest.raises(
         VerificationError,
         match=f"1 wrong bytes among those written from rank 1 \\(first at offset {written_at}\\)",

@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from workers.directory import Directory, HandoverError, PeerWorker
@@ -68,7 +68,7 @@ class Handover(GrantExchange):
         directory: Directory | None = None,
         on_finished: Callable[[Handle], None] | None = None,
         on_start: Callable[[Handle], None] | None = None,
-        check: Callable[[Handle], str | None] | None = None,
+        check: Callable[[Handle, Sequence[RouteState]], str | None] | None = None,
         chunk_blocks: int = CHUNK_BLOCKS,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         hold_s: float = 0.0,
@@ -82,6 +82,8 @@ class Handover(GrantExchange):
         self.on_finished = on_finished
         self.on_start = on_start  # caller's thread, before the first byte can move
         # Progress thread, before a receive resolves: a reason fails it (fill-pattern checks).
+        # It gets the receive's route states, and may set the checksum of a fragments-mode
+        # route of a verified receive (the receiver then does not sum those bytes itself).
         self.check = check
         self.chunk_blocks = chunk_blocks
         self.default_timeout_s = default_timeout_s
@@ -316,6 +318,7 @@ class Handover(GrantExchange):
             ask=ask and side == "receive",
             dp=(context_dp_rank, generation_dp_rank),
         )
+        aligned: dict[Any, Any] = {}  # routes over the same groups align alike
         for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
             mine = route.sender_rank if side == "send" else route.receiver_rank
             if mine != self.rank:
@@ -327,7 +330,7 @@ class Handover(GrantExchange):
                 )
             route_mode = route_mode_of(route) if mode == "auto" else mode  # the plan's route
             try:  # a ratio: the route as this request runs it (see align_request)
-                route, src, dst = align_request(route, pairs, num_tokens)
+                route, src, dst = align_request(route, pairs, num_tokens, aligned)
             except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
                 raise HandoverError(str(error), code=error.code) from None
             layout = staging_layout(route, src)

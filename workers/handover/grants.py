@@ -235,7 +235,7 @@ class GrantExchange(HandleLifecycle):
 
     def _on_fragments_done(self, state: RouteState) -> None:
         op = state.op
-        if op.verify:
+        if op.verify and self.check is None:  # a fill check gathers these bytes: it sums them
             info = self.transport.peer_info_of(str(state.agent))
             src_specs = {pid: p.spec for pid, p in info.pools.items()}
             fragments = expand_fragments(
@@ -290,11 +290,6 @@ class GrantExchange(HandleLifecycle):
         tp = self.transport
         if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
             notif = notice("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
-            if op.verify:
-                frags = expand_fragments(
-                    state.route, tp.pools, tp.peer_info_of(agent).pools, state.src, state.dst
-                )
-                state.checksum = fragments_crc32(tp.pools, frags, side="src")
             try:
                 pending = tp.post_fragments(
                     agent,
@@ -309,6 +304,11 @@ class GrantExchange(HandleLifecycle):
                 self._on_unreachable(agent, error, spare=op)
                 return False
             state.written = True
+            if op.verify:  # while the WRITEs move: the blocks stay as they are until released
+                frags = expand_fragments(
+                    state.route, tp.pools, tp.peer_info_of(agent).pools, state.src, state.dst
+                )
+                state.checksum = fragments_crc32(tp.pools, frags, side="src")
             if pending is None:  # no block to move: the notification alone
                 tp.send_notif(agent, notif)
                 self._route_sent(state)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -194,7 +194,7 @@ class HandleLifecycle:
     transport: NixlTransport
     directory: Directory
     areas: StagingAreas
-    check: Callable[[Handle], str | None] | None
+    check: Callable[[Handle, Sequence[RouteState]], str | None] | None
     on_finished: Callable[[Handle], None] | None
     stats: dict[str, int]
     _ops: dict[int, Op]
@@ -211,16 +211,20 @@ class HandleLifecycle:
             self._complete(op)
 
     def _complete(self, op: Op) -> None:
+        reason = None
+        if self.check is not None and op.side == "receive" and op.routes:
+            reason = self.check(op.handle, op.routes)  # may fill in the routes' checksums
+        self._end(op, reason)
+
+    def _end(self, op: Op, reason: str | None) -> None:
         handle = op.handle
         handle.bytes = sum(state.layout.nbytes for state in op.routes)
         handle.routes = self._route_results(op)
-        if self.check is not None and op.side == "receive" and op.routes:
-            reason = self.check(handle)
-            if reason is not None:
-                self._ops.pop(id(op), None)
-                self.stats["failed"] += 1
-                self._resolve(handle, FAILED, reason)
-                return
+        if reason is not None:
+            self._ops.pop(id(op), None)
+            self.stats["failed"] += 1
+            self._resolve(handle, FAILED, reason)
+            return
         self._ops.pop(id(op), None)
         self.stats["sent" if op.side == "send" else "received"] += 1
         self.stats["bytes"] += handle.bytes
