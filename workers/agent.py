@@ -42,7 +42,6 @@ import socket
 import threading
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
+from workers.crc import crc32
 from workers.directory import Directory, HandoverError
 from workers.executors import expand_fragments
 from workers.handover import CHUNK_BLOCKS, FAILED, Ask, BlockMap, Finished, Handle, Handover
@@ -790,7 +790,7 @@ class Worker:
                     )
                 got = gather_bytes(images[dst_pool], dst, lengths)
                 if crc is not None:
-                    crc = zlib.crc32(got.data, crc)
+                    crc = crc32(got.data, crc)
                 image = pattern_image(sender, src_pool, int((src + lengths).max()))
                 if image is None:  # past the images' budget
                     expected = pattern_spans(sender, src_pool, src, lengths)

@@ -1042,13 +1042,14 @@ def fragments_crc32(
     (``"dst"``) compute it from the same route and block lists, so they read the same bytes in
     the same order when the transfer was right. A CPU pool is read in place; of a device pool
     only the touched slots are copied to the host. Small fragments of one length are gathered
-    into one buffer by a row index into a sliding-window view and summed by one ``zlib.crc32``
-    (the same sum as fragment by fragment: crc32 chains); longer ones get one ``zlib.crc32``
-    per fragment over a buffer view. Measured on the 2-core dev host (loaded): 34,000 fragments
-    of 64 bytes 2.6 ms gathered against 23 ms one by one, 4,300 of 512 bytes 1.4 against
-    3.6 ms; from 4 KiB on both take the same, and 140 of 16 KiB 1.1 ms one by one against 1.3.
+    into one buffer by a row index into a sliding-window view and summed by one
+    :func:`~workers.crc.crc32` (the same sum as fragment by fragment: crc32 chains); longer ones
+    get one ``crc32`` per fragment over a buffer view. Measured on the 2-core dev host (loaded,
+    with zlib's crc32): 34,000 fragments of 64 bytes 2.6 ms gathered against 23 ms one by one,
+    4,300 of 512 bytes 1.4 against 3.6 ms; from 4 KiB on both take the same, and 140 of 16 KiB
+    1.1 ms one by one against 1.3.
     """
-    import zlib
+    from workers.crc import crc32
 
     crc = 0
     for (src_pool, dst_pool), (so, do, ln) in fragments.items():
@@ -1056,10 +1057,10 @@ def fragments_crc32(
         image, local = _host_image(pools[pid], offsets)
         gathered = _gather_uniform(image, local, ln)
         if gathered is not None:
-            crc = zlib.crc32(gathered.data, crc)
+            crc = crc32(gathered.data, crc)
             continue
         for offset, length in zip(local.tolist(), ln.tolist(), strict=True):
-            crc = zlib.crc32(image[offset : offset + length], crc)
+            crc = crc32(image[offset : offset + length], crc)
     return crc & 0xFFFFFFFF
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 
+from workers.crc import crc32
 from workers.directory import PeerWorker
 from workers.executors import Route, expand_fragments, fragments_crc32, gather, scatter
 from workers.handover.handles import HandleLifecycle, RouteState
@@ -225,7 +225,7 @@ class GrantExchange(HandleLifecycle):
                 torch.cuda.current_stream(staging.device).synchronize()
             if op.verify:
                 area = staging[state.area : state.area + state.layout.nbytes]
-                state.checksum = zlib.crc32(area.detach().cpu().numpy().tobytes()) & 0xFFFFFFFF
+                state.checksum = crc32(area.detach().cpu().numpy().data) & 0xFFFFFFFF
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
         state.done = True
@@ -331,7 +331,7 @@ class GrantExchange(HandleLifecycle):
                 torch.cuda.current_stream(tp.staging.device).synchronize()
             if op.verify:
                 piece = tp.staging[area + chunk.offset : area + chunk.offset + chunk.nbytes]
-                crc = zlib.crc32(piece.detach().cpu().numpy().tobytes(), crc)
+                crc = crc32(piece.detach().cpu().numpy().data, crc)
             remote = tp.desc(
                 np.array([info.staging_address + offset + chunk.offset]),
                 np.array([chunk.nbytes]),
