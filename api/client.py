@@ -178,12 +178,22 @@ class _Calls:
         return self._request("POST", "/v1/compatibility", json=body)
 
     # transfers --------------------------------------------------------------------------
-    def create_transfer(self, body: Mapping[str, Any], idempotency_key: str | None = None) -> Any:
+    def create_transfer(
+        self, body: Mapping[str, Any], idempotency_key: str | None = None, wait_s: float = 0.0
+    ) -> Any:
         """Plan (and with ``execute``, dispatch) a transfer. Without ``idempotency_key`` one is
         generated, so a retry after a lost answer (or through another API process) returns
-        the transfer the first attempt created instead of a duplicate."""
+        the transfer the first attempt created instead of a duplicate. ``wait_s`` (with
+        ``execute``): the answer comes once the transfer settled (or after that long)."""
         key = idempotency_key or uuid.uuid4().hex
-        return self._request("POST", "/v1/transfers", json=body, headers={"Idempotency-Key": key})
+        return self._request(
+            "POST",
+            "/v1/transfers",
+            json=body,
+            headers={"Idempotency-Key": key},
+            params={"wait": wait_s} if wait_s else None,
+            timeout=DEFAULT_TIMEOUT_S + wait_s,
+        )
 
     def get_transfer(self, transfer_id: str, wait_s: float = 0.0) -> Any:
         params = {"wait": wait_s} if wait_s else {}

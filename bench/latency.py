@@ -27,9 +27,9 @@ flight (closed loop), three paths between the same six processes:
   generation handle ``arrived`` − last context rank's ``send``: the handover on the time-to-
   first-token path. ``in flight`` counts a context rank's requests in prefill too, and the
   rate includes the modelled prefill, so the row has no rate ratio.
-- **REST**: ``POST /v1/transfers`` (``execute=true``) + ``GET /v1/transfers/{id}?wait=30``
-  from ``in flight`` client threads; the same workers serve it through their command stream.
-  Latency = POST sent → GET answered ``done``.
+- **REST**: ``POST /v1/transfers?wait=30`` (``execute=true``, answered once the transfer
+  settled) from ``in flight`` client threads; the same workers serve it through their command
+  stream. Latency = POST sent → answered ``done``.
 
 ``--hosts``: the same three paths across three hosts (``workers/testing/netbed.py``, root only): the
 control plane in ``kvp-cp``, the context ranks in ``kvp-ctx``, the generation ranks in ``kvp-gen``,

@@ -188,7 +188,8 @@ def run_demo(
         print(
             "raw: the same routes as plain NIXL WRITEs with one notification each (no "
             "gather, scatter or checks); engine: send/expect in process, the request's last "
-            "call to its last arrival; REST: POST /v1/transfers + GET ?wait= from a client. "
+            "call to its last arrival; REST: POST /v1/transfers?wait= from a client (answered "
+            "once the transfer settled). "
             "Checks 'every byte': crc32 on both sides, and each receiving rank checks every "
             "byte the request wrote before it says arrived (numpy, its fragments against the "
             "sender's pattern: 1-3 ms per request and rank here). Checks 'none' pays "

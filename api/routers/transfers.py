@@ -37,7 +37,7 @@ TransferId = Annotated[str, Path(min_length=1, max_length=64, description="Trans
         **problem_responses(400, 404, 409, 413, 422, 503),
     },
 )
-def create_transfer(
+async def create_transfer(
     body: schemas.TransferCreate,
     request: Request,
     response: Response,
@@ -53,39 +53,96 @@ def create_transfer(
             "Keys are scoped to the calling token (auth on).",
         ),
     ] = None,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            le=MAX_WAIT_S,
+            description="With `execute`: answer once the transfer is done or failed, or after "
+            "this many seconds (still `queued` or `running`: `GET ?wait=` goes on), in one "
+            "round trip instead of a `GET ?wait=` after the `201`",
+        ),
+    ] = 0.0,
 ) -> schemas.TransferRead:
     """Plan one request's KV transfer from the pairing's templates and both block lists; with
     `execute`, push it to the workers of every rank taking part (503 when one has none). A
-    replay of a running transfer pushes again what no rank has recorded yet."""
+    replay of a running transfer pushes again what no rank has recorded yet. `?wait=S` (with
+    `execute`) answers when it settles, like `GET /v1/transfers/{id}?wait=S`."""
+    deadline = time.monotonic() + wait
     principal = getattr(request.state, "principal", None)
-    commands: list[tuple[str, dict[str, Any]]] = []
-    with db.write() as session:
-        row, created = service.create_transfer(
-            session=session,
-            body=body,
-            idempotency_key=idempotency_key,
-            idempotency_scope=None if principal is None else principal.token_id,
-            commands=commands,
-        )
-        if not created and row.execute and row.status in ("queued", "running"):
-            # A replay: the first attempt may have died with the API process that took it,
-            # after its commit and before its push. Send again what no rank has recorded yet
-            # (a worker drops a command it already has).
-            commands = execution.commands_owed(
-                session=session, now=request.app.state.clock(), transfers=[row]
+
+    def create() -> tuple[schemas.TransferRead, bool, list[tuple[str, dict[str, Any]]]]:
+        commands: list[tuple[str, dict[str, Any]]] = []
+        with db.write() as session:
+            row, created = service.create_transfer(
+                session=session,
+                body=body,
+                idempotency_key=idempotency_key,
+                idempotency_scope=None if principal is None else principal.token_id,
+                commands=commands,
             )
-        result = service.transfer_read(row)
-    push_commands(request, commands)
-    if created:
-        metrics.transfer_planned(
-            context=result.context,
-            generation=result.generation,
-            bytes_=result.bytes,
-            fragments=result.fragments,
-            runs=sum(int(getattr(route, "runs", 0) or 0) for route in result.routes),
-        )
+            if not created and row.execute and row.status in ("queued", "running"):
+                # A replay: the first attempt may have died with the API process that took
+                # it, after its commit and before its push. Send again what no rank has
+                # recorded yet (a worker drops a command it already has).
+                commands = execution.commands_owed(
+                    session=session, now=request.app.state.clock(), transfers=[row]
+                )
+            return service.transfer_read(row), created, commands
+
+    result, created, commands = await run_in_threadpool(create)
+    waiting = wait > 0 and result.status in ("queued", "running")
+    completions: Completions = request.app.state.completions
+    # Listen before the push: a transfer that settles at once still wakes the wait.
+    event = completions.event(result.id) if waiting else None
+    try:
+        await run_in_threadpool(push_commands, request, commands)
+        if created:
+            metrics.transfer_planned(
+                context=result.context,
+                generation=result.generation,
+                bytes_=result.bytes,
+                fragments=result.fragments,
+                runs=sum(int(getattr(route, "runs", 0) or 0) for route in result.routes),
+            )
+        if event is not None:
+            result = await _settled(db, result.id, event, deadline)
+    finally:
+        if event is not None:
+            completions.release(result.id)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return result
+
+
+async def _settled(
+    db: Any, transfer_id: str, event: asyncio.Event, deadline: float
+) -> schemas.TransferRead:
+    """The transfer once it is no longer queued or running, or as it is at ``deadline``.
+    Nothing here polls the database: the records route of this process, the relay from the
+    others, and the process's housekeeping (app.py: settled elsewhere, or reaped at its
+    deadline) set ``event``."""
+
+    def read() -> schemas.TransferRead:
+        with db.read() as session:
+            return service.transfer_read(
+                service.get_transfer(session=session, transfer_id=transfer_id)
+            )
+
+    while True:
+        # A set before this read is answered by the read (or was stale: a transfer that
+        # settled, was retried and runs again); a set after it ends the wait below.
+        event.clear()
+        result = await run_in_threadpool(read)
+        if result.status not in ("queued", "running"):
+            return result
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return result
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await event.wait()
+        if not event.is_set():
+            return await run_in_threadpool(read)
 
 
 def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) -> None:
@@ -189,26 +246,9 @@ async def get_transfer(
     if wait <= 0:
         return await run_in_threadpool(read)
     # Listen before the first read: a settle between the read and the wait still wakes us.
-    # Nothing here polls the database: the records route of this process, the relay from the
-    # others, and the process's housekeeping (app.py: settled elsewhere, or reaped at its
-    # deadline) set the event.
     event = completions.event(transfer_id)
     try:
-        while True:
-            # A set before this read is answered by the read (or was stale: a transfer that
-            # settled, was retried and runs again); a set after it ends the wait below.
-            event.clear()
-            result = await run_in_threadpool(read)
-            if result.status not in ("queued", "running"):
-                return result
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return result
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await event.wait()
-            if not event.is_set():
-                return await run_in_threadpool(read)
+        return await _settled(db, transfer_id, event, deadline)
     finally:
         completions.release(transfer_id)
 

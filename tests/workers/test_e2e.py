@@ -233,6 +233,43 @@ def test_transfer_moves_exactly_the_planned_bytes_and_every_byte_verifies(
     assert None not in received.values()
 
 
+def test_a_post_with_wait_answers_once_the_transfer_settled(fleet: Fleet) -> None:
+    """``POST /v1/transfers?wait=`` (with execute) answers in one round trip once the transfer
+    is done, a replay of it too; at the end of the wait it answers as the transfer is (still
+    running: ``GET ?wait=`` goes on); without execute, at once."""
+    ctx, gen = fleet.register(ctx_tp=2, gen_tp=1)
+    body = {
+        "context": "ctx",
+        "generation": "gen",
+        "request_id": "waited",
+        "blocks": BLOCKS,
+        "execute": True,
+        "verify": True,
+        "timeout_s": 30,
+    }
+    for rank in range(2):
+        fleet.start_worker("ctx", rank)
+    # The receiver holds its grants 2.5 s after each handle starts: a slow peer.
+    fleet.start_worker("gen", 0, env={"KVPLANE_WORKER_HOLD_S": "2.5"})
+    _serving(fleet, 3)
+    started = time.monotonic()
+    planned = fleet.client.create_transfer({**body, "execute": False}, wait_s=30)
+    assert planned["status"] == "planned" and time.monotonic() - started < 10
+    started = time.monotonic()
+    slow = fleet.client.create_transfer({**body, "request_id": "slow"}, wait_s=0.5)
+    assert slow["status"] in ("queued", "running")
+    assert 0.4 <= time.monotonic() - started < 10
+    assert fleet.client.get_transfer(slow["id"], wait_s=60)["status"] == "done"
+    done = fleet.client.create_transfer(body, idempotency_key="waited-1", wait_s=60)
+    assert done["status"] == "done", done["error"]
+    assert done["bytes"] == _expected_bytes(ctx, gen)
+    again = fleet.client.create_transfer(body, idempotency_key="waited-1", wait_s=60)
+    assert again["id"] == done["id"] and again["status"] == "done"
+    # the answer came when the transfer settled: every rank's part is in
+    parts = fleet.client.list_parts(done["id"])["items"]
+    assert {part["state"] for part in parts} == {"done"} and len(parts) == 3
+
+
 def test_a_later_verified_transfer_judges_only_its_own_bytes(fleet: Fleet) -> None:
     """An unverified transfer into some slots, then a verified one into others: no false
     alarm about the first one's bytes (they were legitimately written)."""

@@ -1192,7 +1192,8 @@ def run_rest(
     verify: bool = False,
 ) -> dict[str, Any]:
     """The REST path as a router drives it: ``in_flight`` client threads, each ``POST
-    /v1/transfers`` (``execute``) and then ``GET ?wait=`` in turn, over its own block lane."""
+    /v1/transfers?wait=30`` (``execute``: answered once the transfer settled, in one round
+    trip) in turn, over its own block lane; ``GET ?wait=`` only if it had not settled."""
     latencies: list[float] = []
     errors: list[str] = []
     retries: list[str] = []
@@ -1215,6 +1216,7 @@ def run_rest(
                     for attempt in range(REST_RETRIES + 1):
                         created = http.post(
                             "/v1/transfers",
+                            params={"wait": 30},
                             json={
                                 "context": CONTEXT,
                                 "generation": GENERATION,
@@ -1231,8 +1233,10 @@ def run_rest(
                             retries.append(created.json().get("code", "503"))
                         time.sleep(float(created.headers.get("Retry-After", "0.1") or 0.1))
                     created.raise_for_status()
-                    done = http.get(f"/v1/transfers/{created.json()['id']}", params={"wait": 30})
-                    done.raise_for_status()
+                    done = created
+                    while done.json()["status"] in ("queued", "running"):
+                        done = http.get(f"/v1/transfers/{done.json()['id']}", params={"wait": 30})
+                        done.raise_for_status()
                     status = done.json()["status"]
                     if status != "done":
                         status = f"{status}: {done.json().get('error')}"
