@@ -754,8 +754,9 @@ class Worker:
 
         Per pool pair, the fragments' bytes gathered in one copy (a row per fragment of a
         sliding window, when they have one length) side by side against the sender's pattern
-        at their sources (:func:`~workers.pools.pattern_spans`), compared as 8-byte words: the
-        check costs about what reading the bytes three times does. Given the receive's
+        at their sources (gathered alike from :func:`~workers.pools.pattern_image`, or
+        :func:`~workers.pools.pattern_spans` past the images' budget), compared as 8-byte
+        words: the check costs about what reading the bytes four times does. Given the receive's
         ``routes``, a fragments-mode route without a checksum gets the crc32 of those gathered
         bytes (the sender's order: :func:`~workers.executors.fragments_crc32`). Other receives'
         bytes are marked only where a slot this one wrote still holds bytes it did not target."""
