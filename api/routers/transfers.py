@@ -13,6 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from api import schemas
+from api.db import Database
 from api.dispatch import RECONNECT_GRACE_S, CommandHub, Completions, RelayError
 from api.errors import Unavailable, problem_responses
 from api.routers.deps import DbDep, MetricsDep
@@ -115,7 +116,7 @@ async def create_transfer(
 
 
 async def _settled(
-    db: Any, transfer_id: str, event: asyncio.Event, deadline: float
+    db: Database, transfer_id: str, event: asyncio.Event, deadline: float
 ) -> schemas.TransferRead:
     """The transfer once it is no longer queued or running, or as it is at ``deadline``.
     Nothing here polls the database: the records route of this process, the relay from the
