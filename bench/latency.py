@@ -47,7 +47,8 @@ transfers/s the median repetition's, and the goals list each repetition's ratio.
 transfers/s = requests / (first issue → last outcome). CPU ms/request: user + system CPU time
 of the six rank processes and of the control plane during the measurement (read 1.2 s after the
 engine path's last outcome, so its batched records are in), per request. Prints a markdown
-table, the CPU and the load average before and after, and whether the goals of issue 11 are met.
+table, the CPU and the load average before and after, and whether the goals of issues 11 and 29
+are met.
 """
 
 from __future__ import annotations
@@ -519,6 +520,12 @@ def print_report(
     print("Goals (issue 11):")
     for goal, met in goals(rows):
         print(f"- {goal}: {'met' if met else 'NOT met'}")
+    cpu = cpu_goals(rows)
+    if cpu:
+        print()
+        print("CPU goals (issue 29; CPU ms/request as in the table):")
+        for goal, met in cpu:
+            print(f"- {goal}: {'met' if met else 'NOT met'}")
     ahead = [r for r in rows if r["path"] == AHEAD and (r["blocks"], r["in_flight"]) in raw]
     if ahead:
         print()
@@ -600,6 +607,42 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
             (
                 f"REST at 4 blocks, 8 in flight: ≥ 50 transfers/s ({rest['per_s']:.1f}/s)",
                 rest["per_s"] >= 50,
+            )
+        )
+    return out
+
+
+def cpu_goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """The per-request CPU goals (issue 29): the engine ranks' CPU per request ≤ 1.5 × raw's at
+    4 blocks and 4 and 16 in flight; REST at 4 blocks and 8 in flight ≥ 100 transfers/s and
+    ≤ 3 ms of control-plane CPU per transfer (its p50 goal, ≤ 30 ms, is in :func:`goals`)."""
+    at = {(r["path"], r["blocks"], r["in_flight"]): r for r in rows}
+    out: list[tuple[str, bool]] = []
+    for n in (4, 16):
+        engine, raw = at.get(("engine", 4, n)), at.get(("raw", 4, n))
+        if engine and raw:
+            e, r = engine["cpu_ms"]["ranks"], raw["cpu_ms"]["ranks"]
+            out.append(
+                (
+                    f"engine ranks' CPU ≤ 1.5 × raw's at 4 blocks, {n} in flight "
+                    f"({e:.1f} vs {r:.1f} ms/request: {e / r:.1f}×)",
+                    e <= 1.5 * r,
+                )
+            )
+    rest = at.get(("REST", 4, 8))
+    if rest:
+        out.append(
+            (
+                f"REST at 4 blocks, 8 in flight: ≥ 100 transfers/s ({rest['per_s']:.1f}/s)",
+                rest["per_s"] >= 100,
+            )
+        )
+        server = rest["cpu_ms"]["server"]
+        out.append(
+            (
+                f"REST at 4 blocks, 8 in flight: control plane ≤ 3 ms of CPU per transfer "
+                f"({server:.1f} ms)",
+                server <= 3,
             )
         )
     return out
