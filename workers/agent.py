@@ -53,9 +53,18 @@ from numpy.lib.stride_tricks import sliding_window_view
 from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
 from workers.crc import crc32
 from workers.directory import Directory, HandoverError
-from workers.executors import expand_fragments
+from workers.executors import expand_fragments, gather_bytes, uniform_length
 from workers.handover import CHUNK_BLOCKS, FAILED, Ask, BlockMap, Finished, Handle, Handover
-from workers.pools import Pool, PoolSpec, allocate_pools, attach_pools, fill_pattern
+from workers.pools import (
+    Pool,
+    PoolSpec,
+    allocate_pools,
+    attach_pools,
+    fill_pattern,
+    pattern_image,
+    pattern_span,
+    pattern_spans,
+)
 from workers.records import Recorder
 
 if TYPE_CHECKING:
@@ -673,8 +682,6 @@ class Worker:
     def _mark_targeted(self, handle: Handle, writes: list[_Writes] | None = None) -> None:
         """The bytes ``handle`` (a receive) writes, marked in ``_touched`` (from its already
         planned ``writes`` where given)."""
-        from workers.executors import uniform_length
-
         if writes is None:
             writes = self._planned_writes(handle, sources=False)
         for _, dst_pool, _, dst, lengths in writes:
@@ -760,9 +767,6 @@ class Worker:
         ``routes``, a fragments-mode route without a checksum gets the crc32 of those gathered
         bytes (the sender's order: :func:`~workers.executors.fragments_crc32`). Other receives'
         bytes are marked only where a slot this one wrote still holds bytes it did not target."""
-        from workers.executors import gather_bytes
-        from workers.pools import pattern_image, pattern_spans
-
         planned: list[tuple[RouteState | None, list[_Writes]]]
         if routes is None:
             planned = [(None, self._planned_writes(handle))]
@@ -847,8 +851,6 @@ class Worker:
         return checked
 
     def _check_untouched(self, pid: int, lo: int, hi: int) -> int:
-        from workers.pools import pattern_span
-
         touched = self._touched[pid][lo:hi]
         if touched.all():  # a slot the transfers filled whole: nothing of its own left
             return 0

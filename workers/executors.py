@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from workers.crc import crc32
 from workers.pools import Pool
 
 if TYPE_CHECKING:
@@ -1049,8 +1050,6 @@ def fragments_crc32(
     4,300 of 512 bytes 1.4 against 3.6 ms; from 4 KiB on both take the same, and 140 of 16 KiB
     1.1 ms one by one against 1.3.
     """
-    from workers.crc import crc32
-
     crc = 0
     for (src_pool, dst_pool), (so, do, ln) in fragments.items():
         pid, offsets = (src_pool, so) if side == "src" else (dst_pool, do)
@@ -1076,7 +1075,7 @@ def _gather_uniform(
     length = uniform_length(lengths)
     if not length or length >= GATHER_MAX:
         return None
-    return sliding_window_view(np.frombuffer(image, dtype=np.uint8), length)[offsets]
+    return gather_bytes(np.frombuffer(image, dtype=np.uint8), offsets, lengths)
 
 
 def uniform_length(lengths: np.ndarray) -> int:

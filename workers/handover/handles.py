@@ -211,13 +211,10 @@ class HandleLifecycle:
             self._complete(op)
 
     def _complete(self, op: Op) -> None:
+        handle = op.handle
         reason = None
         if self.check is not None and op.side == "receive" and op.routes:
-            reason = self.check(op.handle, op.routes)  # may fill in the routes' checksums
-        self._end(op, reason)
-
-    def _end(self, op: Op, reason: str | None) -> None:
-        handle = op.handle
+            reason = self.check(handle, op.routes)  # may fill in the routes' checksums
         handle.bytes = sum(state.layout.nbytes for state in op.routes)
         handle.routes = self._route_results(op)
         if reason is not None:
