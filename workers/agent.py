@@ -48,12 +48,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
 from workers.crc import crc32
 from workers.directory import Directory, HandoverError
-from workers.executors import expand_fragments, gather_bytes, uniform_length
+from workers.executors import (
+    Windows,
+    expand_fragments,
+    gather_bytes,
+    uniform_length,
+)
 from workers.handover import CHUNK_BLOCKS, FAILED, Ask, BlockMap, Finished, Handle, Handover
 from workers.pools import (
     Pool,
@@ -151,6 +155,9 @@ class Worker:
         # Fill mode: receives started whose bytes are not in _touched yet (see _note_receive).
         self._unmarked: OrderedDict[Handle, None] = OrderedDict()
         self._marks_lock = threading.Lock()
+        self._windows = Windows()  # fill checks: sliding windows over pools and patterns
+        self._images: dict[int, tuple[Pool, np.ndarray]] = {}  # CPU pools' bytes, in place
+        self._peer_specs: tuple[object, dict[int, PoolSpec]] | None = None  # (info, its pools)
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
         self._seen_lock = threading.Lock()
         self.duplicate_commands = 0
@@ -684,11 +691,12 @@ class Worker:
         planned ``writes`` where given)."""
         if writes is None:
             writes = self._planned_writes(handle, sources=False)
-        for _, dst_pool, _, dst, lengths in writes:
+        for _, dst_pool, _, dst, lengths, length in writes:
             touched = self._touched[dst_pool]
-            length = uniform_length(lengths)
             if length:  # one row per fragment of a writeable window: one assignment in C
-                sliding_window_view(touched, length, writeable=True)[dst] = True
+                self._windows.rows(("touched", dst_pool), touched, length, writeable=True)[dst] = (
+                    True
+                )
                 continue
             for d, n in zip(dst.tolist(), lengths.tolist(), strict=True):
                 touched[d : d + n] = True
@@ -696,8 +704,8 @@ class Worker:
     def _planned_writes(self, handle: Handle, *, sources: bool = True) -> list[_Writes]:
         """What ``handle`` writes into this rank's pools, fragment by fragment, per pool pair:
         ``(sender rank × 10⁶ + sender pool, destination pool, source offsets, destination
-        offsets, lengths)`` (empty fragments left out); without ``sources`` the source offsets
-        are meaningless (no peer needed)."""
+        offsets, lengths, their one length or 0)`` (empty fragments left out); without
+        ``sources`` the source offsets are meaningless (no peer needed)."""
         from workers.executors import align_request
         from workers.handover import normalize_blocks
 
@@ -729,15 +737,38 @@ class Worker:
                 raise VerificationError(
                     f"no endpoint of {handle.peer} rank {route.sender_rank} to verify against"
                 )
-            src_specs = {int(p["id"]): PoolSpec.from_dict(p) for p in peer.info["pools"]}
+            src_specs = self._specs_of(peer.info)
         out = []
         fragments = expand_fragments(route, src_specs, self.pools, src, dst)
         for (src_pool, dst_pool), (so, do, ln) in fragments.items():
             keep = ln > 0
-            out.append(
-                (route.sender_rank * 1_000_000 + src_pool, dst_pool, so[keep], do[keep], ln[keep])
-            )
+            if not keep.all():
+                so, do, ln = so[keep], do[keep], ln[keep]
+            source = route.sender_rank * 1_000_000 + src_pool
+            out.append((source, dst_pool, so, do, ln, uniform_length(ln)))
         return out
+
+    def _specs_of(self, info: Mapping[str, Any]) -> dict[int, PoolSpec]:
+        """A peer's pool specs from its published info (parsed once per info)."""
+        kept = self._peer_specs
+        if kept is not None and kept[0] is info:
+            return kept[1]
+        specs = {int(p["id"]): PoolSpec.from_dict(p) for p in info["pools"]}
+        self._peer_specs = (info, specs)
+        return specs
+
+    def _pool_image(self, pool_id: int) -> tuple[np.ndarray, bool]:
+        """Pool ``pool_id``'s bytes as a flat ``uint8`` array, and whether it lasts: a CPU pool
+        in place (the same array while the pool is, so its windows are kept), a device pool
+        copied to the host (once per check)."""
+        pool = self.pools[pool_id]
+        if pool.tensor.device.type != "cpu":
+            return pool.tensor.detach().cpu().numpy().view(np.uint8), False
+        kept = self._images.get(pool_id)
+        if kept is None or kept[0] is not pool:
+            kept = (pool, pool.tensor.detach().numpy().view(np.uint8))
+            self._images[pool_id] = kept
+        return kept[1], True
 
     def _check_filled(self, handle: Handle, routes: Sequence[RouteState]) -> str | None:
         """Before a verified receive resolves (fill mode): check its bytes; a reason fails it.
@@ -780,27 +811,38 @@ class Worker:
             for _, writes in planned:
                 self._mark_targeted(handle, writes)
         checked = 0
-        images: dict[int, np.ndarray] = {}
-        slots: dict[int, set[int]] = {}
+        images: dict[int, tuple[np.ndarray, bool]] = {}
+        slots: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         for state, writes in planned:
             summed = state is not None and state.mode == "fragments" and state.checksum is None
             crc: int | None = 0 if summed else None
-            for source, dst_pool, src, dst, lengths in writes:
+            for source, dst_pool, src, dst, lengths, length in writes:
                 if not dst.size:
                     continue
                 sender, src_pool = divmod(source, 1_000_000)
                 if dst_pool not in images:
-                    images[dst_pool] = (
-                        self.pools[dst_pool].tensor.detach().cpu().numpy().view(np.uint8)
-                    )
-                got = gather_bytes(images[dst_pool], dst, lengths)
+                    images[dst_pool] = self._pool_image(dst_pool)
+                pool_image, lasting = images[dst_pool]
+                got = gather_bytes(
+                    pool_image,
+                    dst,
+                    lengths,
+                    length=length,
+                    windows=(self._windows, ("pool", dst_pool)) if lasting else None,
+                )
                 if crc is not None:
                     crc = crc32(got.data, crc)
                 image = pattern_image(sender, src_pool, int((src + lengths).max()))
                 if image is None:  # past the images' budget
                     expected = pattern_spans(sender, src_pool, src, lengths)
                 else:
-                    expected = gather_bytes(image, src, lengths)
+                    expected = gather_bytes(
+                        image,
+                        src,
+                        lengths,
+                        length=length,
+                        windows=(self._windows, ("pattern", sender, src_pool)),
+                    )
                 words = np.uint64 if got.size % 8 == 0 else np.uint8
                 if not np.array_equal(got.view(words), expected.view(words)):
                     wrong = np.flatnonzero(got != expected)
@@ -813,25 +855,29 @@ class Worker:
                     )
                 checked += got.size
                 stride = self.pools[dst_pool].spec.slot_stride_bytes
-                within = slots.setdefault(dst_pool, set())
-                for lo, hi in set(
-                    zip(
-                        (dst // stride).tolist(),
-                        ((dst + lengths - 1) // stride).tolist(),
-                        strict=True,
-                    )
+                first_slot, last_slot = dst // stride, (dst + lengths - 1) // stride
+                within = slots.setdefault(dst_pool, [])
+                crossing = first_slot != last_slot  # never a plan's fragment: no slot count
+                within.append((first_slot, np.where(crossing, 0, lengths)))
+                for lo, hi in zip(
+                    first_slot[crossing].tolist(), last_slot[crossing].tolist(), strict=True
                 ):
-                    within.update(range(lo, hi + 1))
+                    within.append((np.arange(lo + 1, hi + 1), np.zeros(hi - lo, np.int64)))
             if state is not None and crc is not None:
                 state.checksum = crc & 0xFFFFFFFF
         # A slot this receive filled whole has nothing of its own left to compare. Elsewhere,
         # bytes that other receives target are marked first (they may write there too).
+        # A slot is whole when this receive's fragments (which never overlap) sum to its bytes,
+        # else when the marks of every receive so far cover it.
         partial = []
         for pid, written in slots.items():
             spec = self.pools[pid].spec
-            for slot in sorted(written):
+            touched = self._touched[pid]
+            ids, where = np.unique(np.concatenate([w[0] for w in written]), return_inverse=True)
+            filled = np.bincount(where, weights=np.concatenate([w[1] for w in written]))
+            for slot in ids[filled != spec.slot_bytes].tolist():
                 lo = slot * spec.slot_stride_bytes
-                if not self._touched[pid][lo : lo + spec.slot_bytes].all():
+                if not touched[lo : lo + spec.slot_bytes].all():
                     partial.append((pid, lo, lo + spec.slot_bytes))
         if partial:
             self._mark_noted()
@@ -866,8 +912,9 @@ class Worker:
 
 
 # One pool pair of a receive (Worker._planned_writes): sender rank × 10⁶ + sender pool,
-# destination pool, then per fragment the source offsets, destination offsets and lengths.
-_Writes = tuple[int, int, np.ndarray, np.ndarray, np.ndarray]
+# destination pool, then per fragment the source offsets, destination offsets and lengths, and
+# the one length they all have (0 when they differ).
+_Writes = tuple[int, int, np.ndarray, np.ndarray, np.ndarray, int]
 
 
 class VerificationError(RuntimeError):

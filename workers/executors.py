@@ -424,6 +424,12 @@ def align_request(
         )
         if key in memo:
             return (route, *memo[key])
+    if num_tokens is None and route.large_side is None and route.cp_modulus == 1:
+        flat = _align_plain(route, blocks)
+        if flat is not None:
+            if memo is not None:
+                memo[key] = flat
+            return (route, *flat)
     for g in route.layer_groups:
         if g not in blocks:
             raise BlockRangeError(f"no block lists for layer group {g}")
@@ -494,6 +500,40 @@ def align_request(
     segments = tuple(seg for seg in route.segments if seg.state) + tuple(lanes)
     lanes_route = replace(route, segments=segments, block_ratio=1, large_side=None)
     return lanes_route, src, dst
+
+
+def _align_plain(
+    route: Route, blocks: Mapping[int, tuple[Any, Any]]
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]] | None:
+    """:func:`align_request`'s most common case in plain Python: equal block sizes, no CP, no
+    per-request state, no ``num_tokens``, both sides flat lists of distinct ids ≥ 0 and the
+    generation's no longer than the context's (where both list blocks). The lists then pair
+    from their ends, as :func:`api.geometry.align.align_equal` pairs them; anything else
+    (including every error) is None, for the general path. A 4-block request's lists align in
+    about a tenth of the general path's time, which is numpy calls on arrays of four."""
+    src: dict[int, np.ndarray] = {}
+    dst: dict[int, np.ndarray] = {}
+    for g in route.layer_groups:
+        if g in route.state_groups:
+            return None
+        pair = blocks.get(g)
+        if pair is None:
+            return None
+        context, generation = pair
+        if type(context) is not list or type(generation) is not list:
+            return None
+        for ids in (context, generation):
+            if ids and (
+                not all(type(x) is int for x in ids) or min(ids) < 0 or len(set(ids)) != len(ids)
+            ):
+                return None
+        n_context, n_generation = len(context), len(generation)
+        if n_context and n_generation > n_context:
+            return None
+        n = min(n_context, n_generation)
+        src[g] = np.array(context[n_context - n :], dtype=np.int64)
+        dst[g] = np.array(generation[n_generation - n :], dtype=np.int64)
+    return src, dst
 
 
 def _lane(group: int, sub_block: int, ratio: int) -> int:
@@ -1086,13 +1126,52 @@ def uniform_length(lengths: np.ndarray) -> int:
     return length if length > 0 and bool(np.all(lengths == length)) else 0
 
 
-def gather_bytes(image: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+class Windows:
+    """Sliding-window views (a row of ``length`` bytes at every offset) of long-lived flat byte
+    images, kept per caller's key (e.g. a pool id) and length: building one costs about 70 µs of
+    numpy's argument checks, more than gathering a 4-block request's fragments through it. A
+    key's entry holds its image and is replaced when the key names another image (a pattern
+    image that grew), so an image no longer named is not kept alive; at most ``limit``."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._views: dict[tuple[Any, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+
+    def rows(
+        self, key: Any, image: np.ndarray, length: int, *, writeable: bool = False
+    ) -> np.ndarray:
+        entry = (key, length, writeable)
+        hit = self._views.get(entry)
+        if hit is not None and hit[0] is image:
+            return hit[1]
+        view = sliding_window_view(image, length, writeable=writeable)
+        if hit is None and len(self._views) >= self.limit:
+            self._views.clear()
+        self._views[entry] = (image, view)
+        return view
+
+
+def gather_bytes(
+    image: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    length: int | None = None,
+    windows: tuple[Windows, Any] | None = None,
+) -> np.ndarray:
     """The bytes of fragments ``(offsets, lengths)`` of the flat ``uint8`` ``image``, one after
     another, as a new contiguous array: of one length, a row per fragment of a sliding window
-    (one copy in C); else one slice each, joined."""
-    length = uniform_length(lengths)
+    (one copy in C); else one slice each, joined. ``length``: the caller's
+    :func:`uniform_length` of ``lengths``; ``windows``: ``(Windows, key)`` where ``image``
+    lives long (its sliding windows are kept there under the key)."""
+    if length is None:
+        length = uniform_length(lengths)
     if length:
-        return sliding_window_view(image, length)[offsets].reshape(-1)
+        if windows is not None:
+            rows = windows[0].rows(windows[1], image, length)
+        else:
+            rows = sliding_window_view(image, length)
+        return rows[offsets].reshape(-1)
     if not lengths.size:
         return np.empty(0, dtype=np.uint8)
     return np.concatenate(

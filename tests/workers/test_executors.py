@@ -466,3 +466,46 @@ def test_gather_takes_fragments_of_one_length_at_any_offset():
     assert _gather_uniform(image, np.array([0]), np.array([4096])) is None  # long: one by one
     empty = np.array([], dtype=np.int64)
     assert _gather_uniform(image, empty, empty) is None
+
+
+def test_gather_bytes_through_kept_windows_equals_a_plain_gather():
+    from workers.executors import Windows, gather_bytes
+
+    image = np.frombuffer(bytes(range(256)) * 64, dtype=np.uint8)
+    windows = Windows(limit=2)
+    for offsets, length in (([512, 0, 100], 256), ([7, 3000], 64), ([0, 1, 2, 3, 4], 1000)):
+        offs, lengths = np.array(offsets), np.full(len(offsets), length)
+        plain = gather_bytes(image, offs, lengths)
+        kept = gather_bytes(image, offs, lengths, windows=(windows, "img"))
+        assert (
+            kept.tobytes()
+            == plain.tobytes()
+            == b"".join(image[o : o + length].tobytes() for o in offsets)
+        )
+    assert windows.rows("img", image, 64) is windows.rows("img", image, 64)  # kept
+    grown = np.concatenate([image, image])  # the key names another image: a new window
+    assert windows.rows("img", grown, 64) is not windows.rows("img", image, 64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    context=st.lists(st.integers(-2, 40), max_size=7),
+    generation=st.lists(st.integers(-2, 40), max_size=7),
+)
+def test_align_request_plain_lists_align_as_the_general_path_does(context, generation):
+    """Plain lists take a shortcut (equal sizes, no CP, no num_tokens); the same lists as numpy
+    arrays take the general path: the same pairs, or the same refusal."""
+    route = Route.from_dict(
+        {"segments": [{"src_pool": 0, "dst_pool": 0, "runs": [{"src": 0, "dst": 0, "len": 4}]}]}
+    )
+
+    def run(blocks):
+        try:
+            _, src, dst = align_request(route, blocks)
+        except BlockRangeError as error:
+            return ("refused", error.code, str(error))
+        return (src[0].dtype, src[0].tolist(), dst[0].tolist())
+
+    shortcut = run({0: (list(context), list(generation))})
+    general = run({0: (np.array(context, dtype=np.int64), np.array(generation, dtype=np.int64))})
+    assert shortcut == general
