@@ -50,9 +50,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
-from workers.crc import crc32
+from workers.crc import crc32, crc32_combine
 from workers.directory import Directory, HandoverError
 from workers.executors import (
+    GATHER_MAX,
     Windows,
     expand_fragments,
     gather_bytes,
@@ -85,6 +86,9 @@ OUTAGE_BACKOFF_S = 2.0
 FAILOVER_DELAY_S = 0.05  # a stream that failed on one API process reconnects to the next at once
 STREAM_READ_TIMEOUT_S = 30.0  # the control plane sends a keep-alive every 10 s
 SEEN_COMMANDS = 65_536  # command ids remembered to drop a re-sent command
+# Fill checks keep the crc32 of the sender's pattern per fragment (a few per slot); past this
+# many they start over.
+PATTERN_SUMS_MAX = 1 << 20
 # Fill mode: receives noted but not yet marked in _touched; past this, each new one marks the
 # oldest (a worker that runs unverified receives for a long while, then checks, stays bounded).
 UNMARKED_MAX = 1024
@@ -158,6 +162,8 @@ class Worker:
         self._windows = Windows()  # fill checks: sliding windows over pools and patterns
         self._images: dict[int, tuple[Pool, np.ndarray]] = {}  # CPU pools' bytes, in place
         self._peer_specs: tuple[object, dict[int, PoolSpec]] | None = None  # (info, its pools)
+        # Fill checks: crc32 of the sender's pattern per (rank, pool, offset, length) fragment
+        self._pattern_sums: dict[tuple[int, int, int, int], int] = {}
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
         self._seen_lock = threading.Lock()
         self.duplicate_commands = 0
@@ -790,14 +796,15 @@ class Worker:
         source offsets) and, in the slots it wrote, every byte no transfer has targeted (still
         this rank's pattern). :meth:`verify_untouched` sweeps the rest of the pools.
 
-        Per pool pair, the fragments' bytes gathered in one copy (a row per fragment of a
-        sliding window, when they have one length) side by side against the sender's pattern
-        at their sources (gathered alike from :func:`~workers.pools.pattern_image`, or
-        :func:`~workers.pools.pattern_spans` past the images' budget), compared as 8-byte
-        words: the check costs about what reading the bytes four times does. Given the receive's
-        ``routes``, a fragments-mode route without a checksum gets the crc32 of those gathered
-        bytes (the sender's order: :func:`~workers.executors.fragments_crc32`). Other receives'
-        bytes are marked only where a slot this one wrote still holds bytes it did not target."""
+        Per pool pair (:meth:`_check_pair`), long fragments of one length by crc32: the bytes
+        summed where they lie against the sender's pattern summed at their sources (per-fragment
+        sums of :func:`~workers.pools.pattern_image`, kept and combined), so the check reads the
+        request's bytes once; other fragments, and any difference, byte by byte against the
+        pattern gathered alike (or :func:`~workers.pools.pattern_spans` past the images'
+        budget), which says where. Given the receive's ``routes``, a fragments-mode route
+        without a checksum gets the crc32 of its bytes (the sender's order:
+        :func:`~workers.executors.fragments_crc32`). Other receives' bytes are marked only
+        where a slot this one wrote still holds bytes it did not target."""
         planned: list[tuple[RouteState | None, list[_Writes]]]
         if routes is None:
             planned = [(None, self._planned_writes(handle))]
@@ -823,37 +830,10 @@ class Worker:
                 if dst_pool not in images:
                     images[dst_pool] = self._pool_image(dst_pool)
                 pool_image, lasting = images[dst_pool]
-                got = gather_bytes(
-                    pool_image,
-                    dst,
-                    lengths,
-                    length=length,
-                    windows=(self._windows, ("pool", dst_pool)) if lasting else None,
+                crc = self._check_pair(
+                    sender, src_pool, dst_pool, src, dst, lengths, length, pool_image, lasting, crc
                 )
-                if crc is not None:
-                    crc = crc32(got.data, crc)
-                image = pattern_image(sender, src_pool, int((src + lengths).max()))
-                if image is None:  # past the images' budget
-                    expected = pattern_spans(sender, src_pool, src, lengths)
-                else:
-                    expected = gather_bytes(
-                        image,
-                        src,
-                        lengths,
-                        length=length,
-                        windows=(self._windows, ("pattern", sender, src_pool)),
-                    )
-                words = np.uint64 if got.size % 8 == 0 else np.uint8
-                if not np.array_equal(got.view(words), expected.view(words)):
-                    wrong = np.flatnonzero(got != expected)
-                    ends = np.cumsum(lengths)
-                    fragment = int(np.searchsorted(ends, wrong[0], side="right"))
-                    first = int(dst[fragment] + wrong[0] - (ends[fragment] - lengths[fragment]))
-                    raise VerificationError(
-                        f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes "
-                        f"among those written from rank {sender} (first at offset {first})"
-                    )
-                checked += got.size
+                checked += int(lengths.sum())
                 stride = self.pools[dst_pool].spec.slot_stride_bytes
                 first_slot, last_slot = dst // stride, (dst + lengths - 1) // stride
                 within = slots.setdefault(dst_pool, [])
@@ -885,6 +865,82 @@ class Worker:
             checked += self._check_untouched(pid, lo, hi)
         self.stats.verified_bytes += checked
         return checked
+
+    def _check_pair(
+        self,
+        sender: int,
+        src_pool: int,
+        dst_pool: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        lengths: np.ndarray,
+        length: int,
+        pool_image: np.ndarray,
+        lasting: bool,
+        crc: int | None,
+    ) -> int | None:
+        """One pool pair of :meth:`verify_transfer`: the bytes at ``dst`` in this rank's pool
+        against ``sender``'s pattern at ``src`` in its pool ``src_pool``; raises
+        :class:`VerificationError`. Returns ``crc`` (None: not summed) chained over the bytes.
+
+        Fragments of one length of at least ``GATHER_MAX`` bytes are compared by their crc32:
+        the bytes summed where they lie, fragment by fragment, against the pattern's sum at the
+        sources, combined from sums kept per fragment (the pattern never changes), so a
+        request's check reads its bytes once. A difference, and every other shape of fragments,
+        compares byte by byte (gathered side by side as 8-byte words), which says where.
+        """
+        image = pattern_image(sender, src_pool, int((src + lengths).max()))
+        start = crc or 0
+        if image is not None and crc32_combine is not None and length >= GATHER_MAX:
+            view, pattern = pool_image.data, image.data
+            got = start
+            for offset in dst.tolist():
+                got = crc32(view[offset : offset + length], got)
+            want = start
+            sums = self._pattern_sums
+            if len(sums) > PATTERN_SUMS_MAX:
+                sums.clear()
+            for offset in src.tolist():
+                key = (sender, src_pool, offset, length)
+                one = sums.get(key)
+                if one is None:
+                    one = sums[key] = crc32(pattern[offset : offset + length])
+                want = crc32_combine(want, one, length)
+            if got == want:
+                return got if crc is not None else None
+        received = gather_bytes(
+            pool_image,
+            dst,
+            lengths,
+            length=length,
+            windows=(self._windows, ("pool", dst_pool)) if lasting else None,
+        )
+        if image is None:  # past the images' budget
+            expected = pattern_spans(sender, src_pool, src, lengths)
+        else:
+            expected = gather_bytes(
+                image,
+                src,
+                lengths,
+                length=length,
+                windows=(self._windows, ("pattern", sender, src_pool)),
+            )
+        words = np.uint64 if received.size % 8 == 0 else np.uint8
+        if not np.array_equal(received.view(words), expected.view(words)):
+            wrong = np.flatnonzero(received != expected)
+            ends = np.cumsum(lengths)
+            fragment = int(np.searchsorted(ends, wrong[0], side="right"))
+            first = int(dst[fragment] + wrong[0] - (ends[fragment] - lengths[fragment]))
+            raise VerificationError(
+                f"verification failed: pool {dst_pool} has {wrong.size} wrong bytes "
+                f"among those written from rank {sender} (first at offset {first})"
+            )
+        if image is not None and crc32_combine is not None and length >= GATHER_MAX:
+            raise VerificationError(  # the sums differed, the bytes not: they changed meanwhile
+                f"verification failed: pool {dst_pool}: the bytes written from rank {sender} "
+                "changed while they were checked"
+            )
+        return crc32(received.data, crc) if crc is not None else None
 
     def verify_untouched(self) -> int:
         """Fill mode: every byte of every pool that no transfer targeted still holds this

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+import workers.agent as agent_module
 from api.client import ApiError, TransportError, UnavailableError
 from workers.agent import Worker
 from workers.directory import PlanEntry
+from workers.executors import GATHER_MAX
 from workers.handover import ARRIVED, FAILED, RELEASED, Handle
 from workers.metrics import WorkerMetrics, describe_worker, instrument
 from workers.records import Recorder
@@ -275,13 +277,18 @@ def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> No
     assert torch.equal(worker.pools[0].tensor[:64], pattern_tensor(0, 0, 64))
 
 
+@pytest.mark.parametrize(
+    ("tokens_per_block", "head_dim"),
+    [(4, 8), (16, 128)],  # 128-byte fragments: compared byte by byte; 8 KiB: by crc32 first
+)
 def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
-    worker: Worker,
+    worker: Worker, tokens_per_block: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real head-slice route (sender rank 1's 2 heads into heads 2-3 of receiver rank 0, HND,
     blocks 3 and 0 into slots 1 and 2): a correct copy passes and counts both slots; a wrong
     byte, a block copied from the wrong slot or a stray write beside the fragments fails it,
-    naming the first offset."""
+    naming the first offset. Long fragments are compared by their crc32 sums (the pattern's
+    kept per fragment); a difference still names the first wrong byte."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -294,8 +301,8 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     hs = HeadSlice(
         "HND",
         layers=3,
-        tokens_per_block=4,
-        head_dim=8,
+        tokens_per_block=tokens_per_block,
+        head_dim=head_dim,
         elem_bytes=2,
         sender_heads=2,
         receiver_heads=4,
@@ -325,7 +332,17 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
     changed = (target != before).numpy()
     written = 2 * route.segments[0].runs[0].len * len(route.segments[0].runs)
+    long_fragments = route.segments[0].runs[0].len >= GATHER_MAX
+    compared = []  # pool pairs compared byte by byte
+    gather = agent_module.gather_bytes
+    monkeypatch.setattr(
+        agent_module, "gather_bytes", lambda *a, **k: compared.append(1) or gather(*a, **k)
+    )
     assert worker.verify_transfer(handle) == 2 * recv_spec.slot_bytes  # written + the rest
+    assert bool(compared) != long_fragments  # long fragments: by their sums alone
+    assert (
+        not long_fragments or len(worker._pattern_sums) == written // route.segments[0].runs[0].len
+    )
     assert not worker._unmarked  # the check marked what was noted first:
     assert int(worker._touched[0].sum()) == written  # exactly the fragments' bytes ...
     assert not (changed & ~worker._touched[0]).any()  # ... and every changed byte among them
