@@ -11,7 +11,7 @@ SSM heads, SECTIONED conv state).
 """
 
 from api.geometry.errors import GeometryError, Problem
-from api.geometry.expand import Expansion, expand
+from api.geometry.expand import Expansion, expand, summarize
 from api.geometry.heads import ViewGeometry
 from api.geometry.model import Buffer, Instance, Pool, RankTable, View
 from api.geometry.parse import parse_instance, parse_rank
@@ -47,6 +47,7 @@ __all__ = [
     "active_ranks",
     "compile_plan",
     "expand",
+    "summarize",
     "parse_instance",
     "parse_rank",
     "validate_pairing",

@@ -362,6 +362,62 @@ def expand(plan: Plan, blocks: BlockLists, num_tokens: int | None = None) -> Exp
     return Expansion(plan, tuple(expanded))
 
 
+def summarize(
+    plan: Plan,
+    blocks: BlockLists,
+    num_tokens: int | None = None,
+    memo: dict[Any, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``expand(plan, blocks, num_tokens).to_summary()`` (raises alike).
+
+    A summary depends on the block lists only through how many blocks pair, and ``memo`` (a
+    dict the caller keeps for this one plan) keeps it per count: lists in the plain case (equal
+    block sizes, no CP, no per-request state, no ``num_tokens``; flat lists of distinct ids
+    within every pool of their side, the generation's no longer than the context's where both
+    list blocks) are checked here in plain Python and take a kept summary; anything else
+    expands. The control plane summarizes every engine-path transfer from its first record:
+    a batch of them over one plan expands once.
+    """
+    shape = _plain_shape(plan, blocks) if memo is not None and num_tokens is None else None
+    if shape is None or memo is None or shape not in memo:
+        summary = expand(plan, blocks, num_tokens).to_summary()
+        if shape is not None and memo is not None:
+            memo[shape] = summary
+    else:
+        summary = memo[shape]
+    return {**summary, "routes": [dict(route) for route in summary["routes"]]}
+
+
+def _plain_shape(plan: Plan, blocks: BlockLists) -> tuple[tuple[int, int, int], ...] | None:
+    """Per layer group ``(group, context blocks, generation blocks)`` when :func:`expand` would
+    take ``blocks`` as they are and pair them from their ends (see :func:`summarize`), else
+    None."""
+    if plan.block_ratio[1] is not None or plan.state_groups or _cp_sizes(plan) != (1, 1):
+        return None
+    limits: dict[tuple[str, int], int] = {}
+    for (side, _, _), ref in plan.pools.items():
+        key = (side, ref.layer_group)
+        limits[key] = min(limits.get(key, ref.num_slots), ref.num_slots)
+    if set(blocks) != {group for _, group in limits}:
+        return None
+    shape = []
+    for group, (context, generation) in sorted(blocks.items()):
+        for side, ids in (("context", context), ("generation", generation)):
+            if type(ids) is not list:
+                return None
+            if ids and (
+                not all(type(x) is int for x in ids)
+                or min(ids) < 0
+                or max(ids) >= limits.get((side, group), 0)
+                or len(set(ids)) != len(ids)
+            ):
+                return None
+        if context and len(generation) > len(context):
+            return None
+        shape.append((group, len(context), len(generation)))
+    return tuple(shape)
+
+
 def _trimmed(segment: Segment, tokens: int, small_tokens_per_block: int) -> Segment:
     """A ratio segment cut to the first ``tokens`` tokens of its small block: every run is one
     head of one small block (``len = t × u``, see :func:`api.geometry.plan._ratio_runs`)."""

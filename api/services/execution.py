@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, Forbidden, KvplaneError, NotFound, Unavailable
-from api.geometry import Plan, expand
+from api.geometry import Plan, summarize
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
 from api.services.pairings import plan_for_pairing
 from api.services.workers import current_worker, instance_by_name, live_worker_ids, live_workers
@@ -683,11 +683,12 @@ def _insert_engine_rows(
         session.connection().execute(_EXISTING, {"ids": sorted(engine_ids)}).scalars()
     )
     rows: dict[str, dict[str, Any]] = {}
+    summaries: dict[tuple[Any, ...], dict[Any, dict[str, Any]]] = {}
     for tid, record in records:
         if tid in engine_ids and tid not in rows:
             rows[tid] = _engine_row(tid, record, now)
             if record.blocks:  # described at once: no UPDATE of the new row later
-                rows[tid].update(_description(session, tid, record, plans))
+                rows[tid].update(_description(session, tid, record, plans, summaries))
     if not rows:
         return
     from sqlalchemy.dialects import postgresql, sqlite
@@ -763,9 +764,12 @@ def _description(
     tid: str,
     record: wire.TransferRecord,
     plans: dict[tuple[Any, ...], tuple[PairingRow | None, PlanRow | None, Plan | None]],
+    summaries: dict[tuple[Any, ...], dict[Any, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """An engine-path transfer's pairing, plan, blocks and summary from a record, as column
-    values (``plans``: the batch's pairings and plans, looked up and parsed once)."""
+    values (``plans``: the batch's pairings and plans, looked up and parsed once;
+    ``summaries``: the batch's summaries per plan, kept per block count, see
+    :func:`~api.geometry.expand.summarize`)."""
     key = (
         record.pairing_id,
         record.context_epoch,
@@ -780,14 +784,15 @@ def _description(
     summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
     if plan is not None:
         try:
-            summary = expand(
+            summary = summarize(
                 plan,
                 {
                     int(g): (v.get("context", []), v.get("generation", []))
                     for g, v in blocks.items()
                 },
                 record.num_tokens,
-            ).to_summary()
+                None if summaries is None else summaries.setdefault(key, {}),
+            )
         except Exception as error:  # stored, it would settle the transfer with 0 bytes
             raise BadRequest(
                 f"engine transfer {tid}: its blocks do not fit the pairing's plan: {error}",

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from api.geometry import GeometryError, compile_plan, expand, parse_instance
+from api.geometry import GeometryError, compile_plan, expand, parse_instance, summarize
 from api.geometry.builders import ViewSpec, instance_body
 
 ONE_HEAD = [ViewSpec("target", 1, 2, 4)]  # TP1: K and V of 32 bytes, slot 64 bytes
@@ -133,3 +135,47 @@ def test_fragment_pages_concatenate_to_the_full_list(
         ]
         offset = page["next_offset"]
     assert paged == full
+
+
+def _summary_or_error(call) -> Any:
+    try:
+        return call()
+    except GeometryError as error:
+        return ("refused", [(p.code, p.loc, p.message) for p in error.problems])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lists=st.lists(
+        st.tuples(
+            st.lists(st.integers(-1, 9), max_size=6), st.lists(st.integers(-1, 9), max_size=6)
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_summarize_keeps_a_summary_per_block_count_and_equals_the_expansion(lists) -> None:
+    """Requests of one plan (TP4 target + draft into TP2, 8 slots) one after another through
+    one memo: every summary (or refusal) is the expansion's own."""
+    views = [ViewSpec("target", 2, 8, 4), ViewSpec("draft", 1, 2, 4)]
+    plan = compile_plan(
+        parse_instance(instance_body(role="context", views=views, tp=4, num_slots=8), "ctx"),
+        parse_instance(instance_body(role="generation", views=views, tp=2, num_slots=8), "gen"),
+    )
+    memo: dict = {}
+    for context_ids, generation_ids in lists:
+        blocks = {0: (list(context_ids), list(generation_ids))}
+        want = _summary_or_error(lambda b=blocks: expand(plan, b).to_summary())
+        assert _summary_or_error(lambda b=blocks: summarize(plan, b, None, memo)) == want
+    shapes = {(len(c), len(g)) for c, g in lists}
+    assert len(memo) <= len(shapes)  # one kept summary per block count at most
+
+
+def test_summarize_returns_a_copy_of_the_kept_summary() -> None:
+    plan = plan_for({"tp": 2}, {"tp": 2})
+    memo: dict = {}
+    first = summarize(plan, {0: ([0, 1], [2, 3])}, None, memo)
+    first["routes"][0]["bytes"] = -1
+    first["num_tokens"] = 7
+    again = summarize(plan, {0: ([1, 3], [0, 2])}, None, memo)
+    assert again == expand(plan, {0: ([1, 3], [0, 2])}).to_summary() and len(memo) == 1
