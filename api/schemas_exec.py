@@ -204,6 +204,14 @@ class RouteResult(_Request):
     receiver_rank: int = Field(ge=0, lt=MAX_PARALLEL)
     bytes: int = Field(ge=0, le=1 << 50)
     checksum: int | None = Field(default=None, ge=0, le=(1 << 32) - 1)
+    sender_checksum: int | None = Field(
+        default=None,
+        ge=0,
+        le=(1 << 32) - 1,
+        description="A receive with verify: the sender's crc32 of the route, as its last "
+        "notification carried it; the receiving rank compared it with its own (`checksum`) "
+        "before the bytes counted as arrived, so this route needs no send record",
+    )
 
 
 class PartRead(BaseModel):

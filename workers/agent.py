@@ -606,11 +606,12 @@ class Worker:
             del self.stats.errors[:-100]
         if self.recorder is not None and self._recorded(handle):
             # A REST transfer's waiter needs the receivers' parts now (and, with verify, the
-            # senders' checksums too); everything else rides the next batch.
+            # senders' checksums too, unless the receivers compared them); everything else
+            # rides the next batch.
             urgent = "transfer_id" in handle.context and (
                 handle.side == "receive"
                 or handle.state == FAILED
-                or bool(handle.context.get("verify"))
+                or (bool(handle.context.get("verify")) and not handle.context.get("compared"))
             )
             self.recorder.add(self._record(handle, verified), urgent=urgent)
         for listener in self._listeners:
@@ -626,16 +627,18 @@ class Worker:
         receivers' parts settle the transfer and list every route's bytes, sender by sender.
         Leaving it out makes the record one row per receiving rank instead of one per rank
         (2 instead of 6 for TP4 -> TP2), which halved the control plane's CPU per engine
-        transfer. Failures, verified transfers (the senders' checksums), REST-dispatched
-        transfers (their parts are each rank's answer to a command) and every send of a
-        worker made with ``record_releases=True`` are recorded.
+        transfer. With ``verify`` the same holds when every receiver compared the sums itself
+        (its grant said so; the receivers' parts carry both sums): only a send to a receiver
+        that does not compare carries a checksum the control plane needs. Failures,
+        REST-dispatched transfers (their parts are each rank's answer to a command) and every
+        send of a worker made with ``record_releases=True`` are recorded.
         """
         return (
             handle.side == "receive"
             or handle.state == FAILED
             or self.record_releases
             or "transfer_id" in handle.context
-            or bool(handle.context.get("verify"))
+            or (bool(handle.context.get("verify")) and not handle.context.get("compared"))
         )
 
     def _record(self, handle: Handle, verified: int | None) -> dict[str, Any]:

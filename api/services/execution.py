@@ -950,12 +950,35 @@ def _outcome(transfer: Any, parts: Sequence[Any], now: datetime) -> tuple[str, s
     if not all(("receive", r) in done for r in receivers):
         return None
     if transfer.verify:
-        if not all(("send", r) in done for r in senders):
+        # A route whose receiver compared both sums (its part carries the sender's) needs no
+        # send record; the senders of the other routes' sums do.
+        compared = _compared_routes(parts)
+        routes = [r for r in transfer.summary.get("routes", []) if r.get("bytes", 0) > 0]
+        needed = {
+            int(r["sender_rank"])
+            for r in routes
+            if (int(r["sender_rank"]), int(r["receiver_rank"])) not in compared
+        }
+        if not routes:  # an engine record without blocks: every sender that recorded
+            needed = set(senders)
+        if not all(("send", r) in done for r in needed):
             return None
         mismatch = _checksum_mismatch(parts)
         if mismatch is not None:
             return "failed", f"checksum_mismatch: {mismatch}"
     return "done", None
+
+
+def _compared_routes(parts: Sequence[Any]) -> set[tuple[int, int]]:
+    """Routes whose receiving rank recorded the sender's crc32 beside its own (it compared
+    them before it said arrived)."""
+    return {
+        (int(route["sender_rank"]), int(route["receiver_rank"]))
+        for part in parts
+        if part.kind == "receive" and part.state == "done"
+        for route in (part.result or {}).get("routes", [])
+        if route.get("sender_checksum") is not None
+    }
 
 
 def _checksum_mismatch(parts: Sequence[Any]) -> str | None:
@@ -964,7 +987,10 @@ def _checksum_mismatch(parts: Sequence[Any]) -> str | None:
     for part in parts:
         target = sent if part.kind == "send" else received
         for route in (part.result or {}).get("routes", []):
-            target[(route["sender_rank"], route["receiver_rank"])] = route.get("checksum")
+            key = (route["sender_rank"], route["receiver_rank"])
+            target[key] = route.get("checksum")
+            if part.kind == "receive" and route.get("sender_checksum") is not None:
+                sent.setdefault(key, route["sender_checksum"])
     for key, checksum in sent.items():
         if key in received and received[key] != checksum:
             return (

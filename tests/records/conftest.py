@@ -106,6 +106,7 @@ def record(
     attempt: int = 1,
     error: str | None = None,
     checksum: int | None = None,
+    sender_checksum: int | None = None,
     routes: list[tuple[int, int]] = (),
     request_id: str = "r",
     now: datetime | None = None,
@@ -140,7 +141,17 @@ def record(
                     "started_at": when,
                     "finished_at": when + 0.001,
                     "routes": [
-                        {"sender_rank": s, "receiver_rank": r, "bytes": 1, "checksum": checksum}
+                        {
+                            "sender_rank": s,
+                            "receiver_rank": r,
+                            "bytes": 1,
+                            "checksum": checksum,
+                            **(
+                                {}
+                                if sender_checksum is None
+                                else {"sender_checksum": sender_checksum}
+                            ),
+                        }
                         for s, r in routes
                     ],
                     **extra,

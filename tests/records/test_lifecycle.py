@@ -107,6 +107,35 @@ def test_verify_waits_for_senders_and_compares_checksums(db: Database) -> None:
     assert error is not None and error.startswith("checksum_mismatch: route 0->0")
 
 
+def test_verify_settles_on_receivers_that_compared_the_senders_sums(db: Database) -> None:
+    """A receive part that carries its sender's crc32 beside its own (the rank compared them
+    before it said arrived) settles its routes without send parts; a route without it still
+    waits for its sender; a receive part whose two sums differ fails the transfer."""
+    fleet = setup_fleet(db, ctx_tp=2, gen_tp=1)
+    gen, ctx1 = fleet["workers"][("gen", 0)], fleet["workers"][("ctx", 1)]
+    both = submit(db, "both", verify=True)
+    record(
+        db, gen, both, side="receive", rank=0, checksum=7, sender_checksum=7,
+        routes=[(0, 0), (1, 0)],
+    )  # fmt: skip
+    assert status_of(db, both) == ("done", None)
+
+    half = submit(db, "half", verify=True)
+    record(db, gen, half, side="receive", rank=0, checksum=7, sender_checksum=7, routes=[(0, 0)])
+    assert status_of(db, half)[0] == "running"  # route 1->0 was not compared: its sender's sum
+    record(db, ctx1, half, side="send", rank=1, checksum=7, routes=[(1, 0)])
+    assert status_of(db, half) == ("done", None)
+
+    told = submit(db, "told", verify=True)
+    record(
+        db, gen, told, side="receive", rank=0, checksum=8, sender_checksum=7,
+        routes=[(0, 0), (1, 0)],
+    )  # fmt: skip
+    status, error = status_of(db, told)
+    assert status == "failed"
+    assert error == "checksum_mismatch: route 0->0: sender crc32 7, receiver crc32 8"
+
+
 def test_records_of_an_older_attempt_change_nothing(db: Database) -> None:
     fleet = setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")

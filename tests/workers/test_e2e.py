@@ -201,8 +201,10 @@ def test_transfer_moves_exactly_the_planned_bytes_and_every_byte_verifies(
     done = fleet.client.get_transfer(created["id"], wait_s=60)
     assert done["status"] == "done", done["error"]
     assert done["bytes"] == _expected_bytes(ctx, gen)
-    # Senders' parts are recorded in the next batch (about a second) when verify is off;
-    # with verify the transfer waited for them.
+    # The receiving rank compared each route's crc32 with its sender's before it said arrived
+    # (its part carries both): the senders' parts decide nothing and come in their next batch
+    # (about a second), with or without verify.
+    fleet.wait(lambda: len(fleet.client.list_parts(created["id"])["items"]) == 3, "send parts")
     parts = fleet.client.list_parts(created["id"])["items"]
     assert {part["state"] for part in parts} == {"done"}
     assert sorted((p["kind"], p["rank"]) for p in parts) == [
@@ -229,7 +231,11 @@ def test_transfer_moves_exactly_the_planned_bytes_and_every_byte_verifies(
     received = {
         (r["sender_rank"], r["receiver_rank"]): r["checksum"] for r in receive["result"]["routes"]
     }
-    assert received == sent_sums
+    told = {
+        (r["sender_rank"], r["receiver_rank"]): r["sender_checksum"]
+        for r in receive["result"]["routes"]
+    }
+    assert received == sent_sums == told
     assert None not in received.values()
 
 

@@ -664,9 +664,9 @@ class Handover(GrantExchange):
             elif kind == "G" and op.side == "send" and state.grant is None:
                 self._on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
-                self._on_chunk(state, int(fields[6]), int(fields[7]))
+                self._on_chunk(state, fields)
             elif kind == "F" and op.side == "receive":
-                self._on_fragments_done(state)
+                self._on_fragments_done(state, fields)
         except PeerUnreachable as error:  # a WRITE after the grant met a failed connection
             self._on_unreachable(agent, error)
         except Exception as error:  # bad blocks, NIXL errors, a malformed message: fail it

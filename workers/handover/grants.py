@@ -40,6 +40,10 @@ ASKED_TTL_S = 600.0  # an ask already served (or refused) is ignored when it com
 # this many bytes; otherwise staged (gather, one WRITE per chunk, scatter).
 AUTO_FRAGMENT_BYTES = 8192
 MODES = ("auto", "staged", "fragments")
+# The last field of a verified route's grant: "I compare your crc32 with mine before I say
+# arrived" (the writer's sum rides its last chunk's or its fragments' notification), so the
+# writer's released handle decides nothing on the control plane.
+COMPARES = ("1",)
 
 
 def route_mode_of(route: Route) -> str:
@@ -109,6 +113,7 @@ class GrantExchange(HandleLifecycle):
                     state.layout.nbytes,
                     state.chunk_blocks,
                     ttl_ms,
+                    *(COMPARES if op.verify else ()),
                 ),
             )
         except PeerUnreachable as error:
@@ -198,11 +203,14 @@ class GrantExchange(HandleLifecycle):
                     state, offset, max(1, int((state.op.deadline - now) * 1000)), again=True
                 )
 
-    def _on_chunk(self, state: RouteState, i: int, n: int) -> None:
+    def _on_chunk(self, state: RouteState, fields: list[str]) -> None:
+        i = int(fields[6])
         chunk = state.chunks.pop(i, None)
         if chunk is None:  # a duplicate or a chunk of another chunking: not ours
             return
         state.heard_at = time.monotonic()
+        if len(fields) > 8:  # the last chunk of a verified route: the sender's sum
+            state.sender_checksum = int(fields[8])
         assert state.area is not None
         scatter(
             state.route,
@@ -233,8 +241,10 @@ class GrantExchange(HandleLifecycle):
             del self._recv[state.key]
         self._maybe_complete(op)
 
-    def _on_fragments_done(self, state: RouteState) -> None:
+    def _on_fragments_done(self, state: RouteState, fields: list[str]) -> None:
         op = state.op
+        if len(fields) > 7:  # a verified route: the sender's sum
+            state.sender_checksum = int(fields[7])
         if op.verify and self.check is None:  # a fill check gathers these bytes: it sums them
             info = self.transport.peer_info_of(str(state.agent))
             src_specs = {pid: p.spec for pid, p in info.pools.items()}
@@ -264,6 +274,7 @@ class GrantExchange(HandleLifecycle):
             )
             return
         state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
+        state.compared = tuple(fields[10:11]) == COMPARES
         # Before the directory names the receiver's worker, the route waits in _waiting.
         if state.agent == agent and (
             time.monotonic() < op.hold_until
@@ -289,7 +300,16 @@ class GrantExchange(HandleLifecycle):
         ce, ge = op.handle.entry.epochs()
         tp = self.transport
         if offset < 0:  # fragments: one descriptor per fragment, straight into the pools
-            notif = notice("F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes)
+            summed: tuple[int, ...] = ()
+            if op.verify:  # summed before the WRITE: the sum rides its notification
+                frags = expand_fragments(
+                    state.route, tp.pools, tp.peer_info_of(agent).pools, state.src, state.dst
+                )
+                state.checksum = fragments_crc32(tp.pools, frags, side="src")
+                summed = (state.checksum,)
+            notif = notice(
+                "F", op.xid, ce, ge, state.sender_rank, state.receiver_rank, nbytes, *summed
+            )
             try:
                 pending = tp.post_fragments(
                     agent,
@@ -304,11 +324,6 @@ class GrantExchange(HandleLifecycle):
                 self._on_unreachable(agent, error, spare=op)
                 return False
             state.written = True
-            if op.verify:  # while the WRITEs move: the blocks stay as they are until released
-                frags = expand_fragments(
-                    state.route, tp.pools, tp.peer_info_of(agent).pools, state.src, state.dst
-                )
-                state.checksum = fragments_crc32(tp.pools, frags, side="src")
             if pending is None:  # no block to move: the notification alone
                 tp.send_notif(agent, notif)
                 self._route_sent(state)
@@ -329,9 +344,12 @@ class GrantExchange(HandleLifecycle):
                 import torch
 
                 torch.cuda.current_stream(tp.staging.device).synchronize()
+            last: tuple[int, ...] = ()
             if op.verify:
                 piece = tp.staging[area + chunk.offset : area + chunk.offset + chunk.nbytes]
                 crc = crc32(piece.detach().cpu().numpy().data, crc)
+                if i == len(chunks) - 1:  # the route's sum rides its last chunk
+                    last = (crc & 0xFFFFFFFF,)
             remote = tp.desc(
                 np.array([info.staging_address + offset + chunk.offset]),
                 np.array([chunk.nbytes]),
@@ -343,7 +361,15 @@ class GrantExchange(HandleLifecycle):
                     tp.local_staging_desc(area + chunk.offset, chunk.nbytes),
                     remote,
                     notice(
-                        "C", op.xid, ce, ge, state.sender_rank, state.receiver_rank, i, len(chunks)
+                        "C",
+                        op.xid,
+                        ce,
+                        ge,
+                        state.sender_rank,
+                        state.receiver_rank,
+                        i,
+                        len(chunks),
+                        *last,
                     ),
                     f"chunk {i}/{len(chunks)} to rank {state.receiver_rank}",
                 )

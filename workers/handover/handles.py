@@ -164,6 +164,11 @@ class RouteState:
     written: bool = False
     done: bool = False
     checksum: int | None = None
+    # verify: the sender's crc32 of the route, from its last chunk's or its fragments'
+    # notification (receiver); None from a writer that does not send it
+    sender_checksum: int | None = None
+    # verify: the receiver said in its grant that it compares the sums itself (sender)
+    compared: bool = False
 
     @property
     def key(self) -> RouteKey:
@@ -215,6 +220,10 @@ class HandleLifecycle:
         reason = None
         if self.check is not None and op.side == "receive" and op.routes:
             reason = self.check(handle, op.routes)  # may fill in the routes' checksums
+        if reason is None and op.verify and op.side == "receive":
+            reason = _mismatch(op.routes)
+        if op.verify and op.side == "send":  # every receiver compares: this send decides nothing
+            handle.context["compared"] = bool(op.routes) and all(s.compared for s in op.routes)
         handle.bytes = sum(state.layout.nbytes for state in op.routes)
         handle.routes = self._route_results(op)
         if reason is not None:
@@ -234,6 +243,7 @@ class HandleLifecycle:
                 "receiver_rank": s.receiver_rank,
                 "bytes": s.layout.nbytes if s.done else 0,
                 "checksum": s.checksum,
+                **({"sender_checksum": s.sender_checksum} if s.sender_checksum is not None else {}),
             }
             for s in op.routes
         ]
@@ -378,3 +388,19 @@ class HandleLifecycle:
             for state in op.routes:
                 if not state.done:
                     self._abort_notice(op, state, reason)
+
+
+def _mismatch(routes: list[RouteState]) -> str | None:
+    """A verified receive's failure reason when a route's bytes do not sum to what its sender
+    summed (both sides' crc32, compared here before the handle says ``arrived``)."""
+    for state in routes:
+        if (
+            state.sender_checksum is not None
+            and state.checksum is not None
+            and state.sender_checksum != state.checksum
+        ):
+            return (
+                f"checksum_mismatch: route {state.sender_rank}->{state.receiver_rank}: sender "
+                f"crc32 {state.sender_checksum}, receiver crc32 {state.checksum}"
+            )
+    return None

@@ -4,14 +4,22 @@ Every message rides a NIXL notification: ``|``-separated ASCII, ``x`` the transf
 the context and generation epochs the sender and receiver planned with, ``s``/``r`` the route's
 ranks (``(x, s, r)`` is the route's key on both sides):
 
-- ``G|x|ce|ge|s|r|offset|nbytes|chunk_blocks|ttl_ms``: receiver → writer, "write this route into
-  my staging at ``offset``" (``offset`` -1: fragments mode, straight into the pools);
-- ``C|x|ce|ge|s|r|i|n``: writer → receiver with the WRITE of chunk ``i`` of ``n``;
-- ``F|x|ce|ge|s|r|nbytes``: writer → receiver with the fragments WRITE;
+- ``G|x|ce|ge|s|r|offset|nbytes|chunk_blocks|ttl_ms[|1]``: receiver → writer, "write this route
+  into my staging at ``offset``" (``offset`` -1: fragments mode, straight into the pools); the
+  trailing ``1`` (a verified route): "I compare your crc32 with mine";
+- ``C|x|ce|ge|s|r|i|n[|crc]``: writer → receiver with the WRITE of chunk ``i`` of ``n``; the last
+  chunk of a verified route carries the writer's crc32 of the route;
+- ``F|x|ce|ge|s|r|nbytes[|crc]``: writer → receiver with the fragments WRITE (and, verified, the
+  writer's crc32 of the route, summed before the WRITE);
 - ``X|x|ce|ge|s|r|reason``: either way, "this transfer failed here";
 - ``A|x|ce|ge|s|r|json``: receiver → writer before its grant, "send this request" (see
   :class:`Ask`);
 - ``P|x|ce|ge|s|r``: writer → receiver, a probe of a connection that may have lost a WRITE.
+
+A verified receive compares each route's crc32 with its writer's before its handle says
+``arrived``: a difference fails it (``checksum_mismatch``) while the engine can still refuse the
+blocks, and the writer's released handle, whose sum the receiver already had, is not recorded.
+A writer that sends no sum (an older one) is compared on the control plane from its record.
 
 A receiver whose granted route hears nothing for ``GRANT_RESEND_S`` sends its grant again (a
 writer ignores a grant it already has). Lost connections: when NIXL says the connection to a peer
