@@ -107,7 +107,9 @@ async def create_transfer(
                 runs=sum(int(getattr(route, "runs", 0) or 0) for route in result.routes),
             )
         if event is not None:
-            result = await _settled(db, result.id, event, deadline)
+            # A new transfer's commands left after the event listened: no need to read it
+            # again before the first wait.
+            result = await _settled(db, result.id, event, deadline, result if created else None)
     finally:
         if event is not None:
             completions.release(result.id)
@@ -116,12 +118,17 @@ async def create_transfer(
 
 
 async def _settled(
-    db: Database, transfer_id: str, event: asyncio.Event, deadline: float
+    db: Database,
+    transfer_id: str,
+    event: asyncio.Event,
+    deadline: float,
+    current: schemas.TransferRead | None = None,
 ) -> schemas.TransferRead:
     """The transfer once it is no longer queued or running, or as it is at ``deadline``.
     Nothing here polls the database: the records route of this process, the relay from the
     others, and the process's housekeeping (app.py: settled elsewhere, or reaped at its
-    deadline) set ``event``."""
+    deadline) set ``event``. ``current``: the transfer as the caller read it after ``event``
+    started listening (the first read is skipped)."""
 
     def read() -> schemas.TransferRead:
         with db.read() as session:
@@ -132,8 +139,11 @@ async def _settled(
     while True:
         # A set before this read is answered by the read (or was stale: a transfer that
         # settled, was retried and runs again); a set after it ends the wait below.
-        event.clear()
-        result = await run_in_threadpool(read)
+        if current is not None:
+            result, current = current, None
+        else:
+            event.clear()
+            result = await run_in_threadpool(read)
         if result.status not in ("queued", "running"):
             return result
         left = deadline - time.monotonic()
