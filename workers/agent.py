@@ -61,6 +61,7 @@ from workers.executors import (
 )
 from workers.handover import CHUNK_BLOCKS, FAILED, Ask, BlockMap, Finished, Handle, Handover
 from workers.pools import (
+    PATTERN_CACHE_BYTES,
     Pool,
     PoolSpec,
     allocate_pools,
@@ -162,6 +163,7 @@ class Worker:
         self._windows = Windows()  # fill checks: sliding windows over pools and patterns
         self._images: dict[int, tuple[Pool, np.ndarray]] = {}  # CPU pools' bytes, in place
         self._peer_specs: tuple[object, dict[int, PoolSpec]] | None = None  # (info, its pools)
+        self._patterns_prepared: set[tuple[int, int]] = set()  # (peer rank, pool): images built
         # Fill checks: crc32 of the sender's pattern per (rank, pool, offset, length) fragment
         self._pattern_sums: dict[tuple[int, int, int, int], int] = {}
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (xid, side) run here
@@ -395,7 +397,38 @@ class Worker:
         if self.handover is not None:
             self.handover.directory = directory  # visible to the next send/expect at once
             self.handover.set_directory(directory)
+        if self.fill:
+            self._prepare_patterns(directory)
         return directory
+
+    def _prepare_patterns(self, directory: Directory) -> None:
+        """Fill mode, generation side: build the pattern images of the pools of every context
+        peer (what the checks compare with) on a thread of their own, so that the first
+        verified receive from a peer does not wait for them (about 20 ms per 20 MB pool here).
+        Each image once per process, and only while they take at most half the images' budget
+        (the checks build what they need themselves otherwise)."""
+        if directory.role == "context":
+            return
+        wanted = []
+        for peer in directory.peers.values():
+            for pool in peer.info.get("pools", []):
+                try:
+                    key = (peer.rank, int(pool["id"]))
+                    nbytes = int(pool["num_slots"]) * int(pool["slot_stride_bytes"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if key not in self._patterns_prepared:
+                    wanted.append((*key, nbytes))
+        if not wanted or sum(n for _, _, n in wanted) > PATTERN_CACHE_BYTES // 2:
+            return
+        self._patterns_prepared.update((rank, pool) for rank, pool, _ in wanted)
+
+        def build() -> None:
+            for rank, pool_id, nbytes in wanted:
+                if pattern_image(rank, pool_id, nbytes) is None:
+                    return  # the budget is spent: the checks compute spans past it
+
+        threading.Thread(target=build, daemon=True, name="kvplane-patterns").start()
 
     def _refresh_soon(self, agent: str) -> None:
         """Refresh the directory on a thread of its own (at most one at a time, 4 a second)."""
