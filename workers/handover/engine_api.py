@@ -44,6 +44,7 @@ log = logging.getLogger("kvplane.handover")
 DEFAULT_TIMEOUT_S = 30.0
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
+IDLE_HOOK_S = 0.02  # nothing pending this long: the owner's idle hook runs (see on_idle)
 # While a handle is pending, the loop polls NIXL every BUSY_SLEEP_S: a notification (a grant,
 # a chunk) waits at most that long to be seen, and every hop of a handover pays it (0.5 ms here
 # cost ~1 ms per request at 4 blocks: two hops). The raw bench loop polls as often. After
@@ -74,6 +75,7 @@ class Handover(GrantExchange):
         hold_s: float = 0.0,
         on_ask: Callable[[Ask], None] | None = None,
         on_unknown_agent: Callable[[str], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self.transport = transport
         self.instance = instance
@@ -95,6 +97,9 @@ class Handover(GrantExchange):
         # An ask from an agent the directory does not name yet (a peer paired a moment ago):
         # the owner refreshes the directory off this thread; the ask comes again.
         self.on_unknown_agent = on_unknown_agent
+        # Progress thread, after IDLE_HOOK_S with no handle pending (and every IDLE_WAIT_S
+        # while that lasts): the owner's background work (fill mode marks noted receives).
+        self.on_idle = on_idle
         self._asked: dict[str, float] = {}  # request ids asked for here: when
         self.areas = StagingAreas(int(transport.staging.numel()))
         self._inbox: deque[Callable[[], None]] = deque()
@@ -408,6 +413,7 @@ class Handover(GrantExchange):
 
     def _loop(self) -> None:
         quiet = 0  # polls in a row that moved nothing
+        idle_since: float | None = None  # when the last pending handle resolved
         try:
             while not self._closed:
                 woken = self._wake.is_set()
@@ -420,9 +426,17 @@ class Handover(GrantExchange):
                     busy = progressed = False
                 quiet = 0 if progressed or woken else quiet + 1
                 if busy:
+                    idle_since = None
                     time.sleep(BUSY_SLEEP_S if quiet < BUSY_POLLS else PATIENT_SLEEP_S)
-                else:
-                    self._wake.wait(IDLE_WAIT_S)  # cleared (and counted) at the loop's top
+                    continue
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                if self.on_idle is not None and now - idle_since >= IDLE_HOOK_S:
+                    try:
+                        self.on_idle()
+                    except Exception:
+                        log.exception("handover idle hook failed")
+                self._wake.wait(IDLE_WAIT_S)  # cleared (and counted) at the loop's top
         finally:
             # Whatever was started but not finished when the loop ends fails, never hangs.
             self._closed = True
