@@ -456,6 +456,56 @@ def test_fill_mode_marks_unverified_receives_only_when_a_check_needs_them(
     assert int(worker._touched[0].sum()) == per_block
     assert worker.verify_untouched() == recv_spec.nbytes - 2 * per_block
 
+    # While the rank is idle (the handover's on_idle hook), a few noted receives at a time.
+    reset()
+    monkeypatch.setattr(workers.agent, "UNMARKED_MAX", 1024)
+    monkeypatch.setattr(workers.agent, "MARK_WHEN_IDLE", 2)
+    noted = [receive(high, [0], [0]), receive(high, [1], [1]), receive(high, [2], [2])]
+    worker._mark_some()
+    assert list(worker._unmarked) == noted[2:]
+    assert int(worker._touched[0].sum()) == 2 * per_block
+    worker._mark_some()
+    worker._mark_some()  # nothing left: nothing to do
+    assert not worker._unmarked and int(worker._touched[0].sum()) == 3 * per_block
+
+
+def test_the_progress_thread_runs_the_idle_hook_only_while_nothing_is_pending() -> None:
+    """``on_idle`` runs once the handover has had no pending handle for ``IDLE_HOOK_S``, and not
+    while a handle is pending."""
+    from types import SimpleNamespace
+
+    from workers.handover import Handover, engine_api
+
+    calls: list[float] = []
+    pending = threading.Event()
+
+    class Quiet(Handover):
+        def _step(self) -> tuple[bool, bool]:  # no transport: only "is something pending"
+            return pending.is_set(), False
+
+    import torch
+
+    transport = SimpleNamespace(staging=torch.empty(64, dtype=torch.uint8), pools={})
+    pending.set()
+    handover = Quiet(
+        transport,  # type: ignore[arg-type]
+        instance="gen",
+        rank=0,
+        on_idle=lambda: calls.append(time.monotonic()),
+    )
+    try:
+        time.sleep(5 * engine_api.IDLE_HOOK_S)
+        assert not calls  # busy all along
+        idle_at = time.monotonic()
+        pending.clear()
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert calls and calls[0] - idle_at >= engine_api.IDLE_HOOK_S
+    finally:
+        pending.clear()
+        handover._closed = True
+
 
 def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
     code = (
