@@ -88,8 +88,8 @@ FAILOVER_DELAY_S = 0.05  # a stream that failed on one API process reconnects to
 STREAM_READ_TIMEOUT_S = 30.0  # the control plane sends a keep-alive every 10 s
 SEEN_COMMANDS = 65_536  # command ids remembered to drop a re-sent command
 # Fill checks keep the crc32 of the sender's pattern per fragment (a few per slot); past this
-# many they start over.
-PATTERN_SUMS_MAX = 1 << 20
+# many (about 46 MB of dict) they start over.
+PATTERN_SUMS_MAX = 1 << 18
 # Fill mode: receives noted but not yet marked in _touched; past this, each new one marks the
 # oldest (a worker that runs unverified receives for a long while, then checks, stays bounded).
 UNMARKED_MAX = 1024
