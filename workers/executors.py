@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from api.geometry.align import plain_pair
 from workers.crc import crc32
 from workers.pools import Pool
 
@@ -520,16 +521,9 @@ def _align_plain(
         if pair is None:
             return None
         context, generation = pair
-        if type(context) is not list or type(generation) is not list:
+        if not plain_pair(context, generation):
             return None
-        for ids in (context, generation):
-            if ids and (
-                not all(type(x) is int for x in ids) or min(ids) < 0 or len(set(ids)) != len(ids)
-            ):
-                return None
         n_context, n_generation = len(context), len(generation)
-        if n_context and n_generation > n_context:
-            return None
         n = min(n_context, n_generation)
         src[g] = np.array(context[n_context - n :], dtype=np.int64)
         dst[g] = np.array(generation[n_generation - n :], dtype=np.int64)

@@ -71,6 +71,21 @@ def count(ids: Any) -> int:
     return sum(len(item) for item in ids) if is_nested(ids) else len(ids)
 
 
+def plain_pair(context: Any, generation: Any) -> bool:
+    """Both sides flat Python lists of distinct ids ≥ 0, the generation's no longer than the
+    context's where both list blocks: without ``num_tokens`` (equal block sizes, no CP) such
+    lists pair from their ends as :func:`align_equal` pairs them, and nothing in them is
+    refused. The planner's summaries and the workers' alignment take a shortcut for them."""
+    if type(context) is not list or type(generation) is not list:
+        return False
+    for ids in (context, generation):
+        if ids and (
+            not all(type(x) is int for x in ids) or min(ids) < 0 or len(set(ids)) != len(ids)
+        ):
+            return False
+    return not (context and len(generation) > len(context))
+
+
 def block_array(ids: Any, loc: Loc) -> np.ndarray:
     array = np.asarray(ids, dtype=np.int64) if len(ids) else np.empty(0, dtype=np.int64)
     if array.ndim != 1:

@@ -60,6 +60,7 @@ from api.geometry.align import (
     align_equal,
     align_ratio,
     parse_side,
+    plain_pair,
     request_totals,
     trimmed_length,
 )
@@ -402,18 +403,11 @@ def _plain_shape(plan: Plan, blocks: BlockLists) -> tuple[tuple[int, int, int], 
         return None
     shape = []
     for group, (context, generation) in sorted(blocks.items()):
-        for side, ids in (("context", context), ("generation", generation)):
-            if type(ids) is not list:
-                return None
-            if ids and (
-                not all(type(x) is int for x in ids)
-                or min(ids) < 0
-                or max(ids) >= limits.get((side, group), 0)
-                or len(set(ids)) != len(ids)
-            ):
-                return None
-        if context and len(generation) > len(context):
+        if not plain_pair(context, generation):
             return None
+        for side, ids in (("context", context), ("generation", generation)):
+            if ids and max(ids) >= limits.get((side, group), 0):
+                return None
         shape.append((group, len(context), len(generation)))
     return tuple(shape)
 
