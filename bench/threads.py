@@ -9,10 +9,11 @@ from ``/proc/<pid>/task/<tid>/stat`` (Linux) and prints, per request, the CPU of
 thread: the fake engine's own thread (``MainThread``, where ``send``/``expect`` run), the
 handover's progress thread, the record poster, heartbeat and command-stream threads, threads
 that Python does not know (NIXL's and UCX's own), and the control plane (all its threads
-together). The control plane is read ``--settle`` seconds after the run, so that the batched
-records of the run are in. Prints a markdown table (with each kind's kernel time: for shared
-memory, UCX copies a WRITE with process_vm_writev, so the copy shows there), the throughput and
-the load average.
+together). The account starts when the ranks start together (not while they wait 0.3 s for it)
+and ends with the run, the control plane's once every rank's recorder has posted the run's
+batched records (flushed at once). Prints a markdown table (with each kind's kernel time: for
+shared memory, UCX copies a WRITE with process_vm_writev, so the copy shows there), the
+throughput and the load average.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -65,9 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fill mode: every request's bytes checked (crc32 on both sides, the fill check)",
     )
-    parser.add_argument(
-        "--settle", type=float, default=1.2, help="seconds to wait for the run's batched records"
-    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="kvplane-threads-"))
@@ -80,19 +79,30 @@ def main(argv: list[str] | None = None) -> int:
         pids = fleet.pids()
         roles = [spec.role for spec, _, _ in fleet.ranks]
         names = fleet.call_all("threads")
-        before = {pid: thread_cpu(pid) for pid in pids["ranks"]}
-        server_before = cpu_seconds(pids["server"])
+        start_at = time.time() + 0.3
+        before: dict[int, dict[int, tuple[float, float]]] = {}
+        server_before: list[float] = []
+
+        def read_start() -> None:  # at the ranks' common start, not while they wait for it
+            time.sleep(max(0.0, start_at - time.time()))
+            before.update({pid: thread_cpu(pid) for pid in pids["ranks"]})
+            server_before.append(cpu_seconds(pids["server"]))
+
+        reader = threading.Thread(target=read_start)
+        reader.start()
         run = fleet.run_engine(
             requests=args.requests,
             blocks=args.blocks,
             in_flight=args.in_flight,
             seed=7,
             tag="threads",
+            start_at=start_at,
             **checks,
         )
+        reader.join()
         after = {pid: thread_cpu(pid) for pid in pids["ranks"]}
-        time.sleep(args.settle)
-        server_ms = (cpu_seconds(pids["server"]) - server_before) * 1e3 / args.requests
+        fleet.call_all("flush_records")  # the run's batched records belong to it
+        server_ms = (cpu_seconds(pids["server"]) - server_before[0]) * 1e3 / args.requests
     finally:
         fleet.stop()
     if run.failures or run.leaked:

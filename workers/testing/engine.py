@@ -718,6 +718,12 @@ class EngineRank:
             "control_plane": w.client.url,
         }
 
+    def flush_records(self, timeout_s: float = 10.0) -> bool:
+        """Post every queued transfer record now; True when none is left (CPU accounting: a
+        run's records belong to it, without waiting out the recorder's interval)."""
+        recorder = self.worker.recorder
+        return recorder.flush(timeout_s) if recorder is not None else True
+
     def threads(self) -> dict[int, str]:
         """This process's Python threads: native thread id → name (CPU accounting)."""
         return {int(t.native_id): t.name for t in threading.enumerate() if t.native_id}
@@ -1103,9 +1109,12 @@ class Fleet:
         seed: int = 1,
         tag: str | None = None,
         start_delay_s: float = 0.3,
+        start_at: float | None = None,
         **options: Any,
     ) -> EngineRun:
-        """Every rank runs the engine loop over the same requests; the combined account."""
+        """Every rank runs the engine loop over the same requests; the combined account.
+        The ranks start together at ``start_at`` (``time.time()``; default ``start_delay_s``
+        from now)."""
         tag = tag or f"e{seed}-{blocks}x{in_flight}-{time.time_ns() % 10**9}"
         results = self.call_all(
             "run",
@@ -1114,7 +1123,7 @@ class Fleet:
             in_flight=in_flight,
             seed=seed,
             tag=tag,
-            start_at=time.time() + start_delay_s,
+            start_at=time.time() + start_delay_s if start_at is None else start_at,
             **options,
         )
         return EngineRun(tag, requests, [RunResult(**r) for r in results])
@@ -1127,6 +1136,7 @@ class Fleet:
         in_flight: int,
         seed: int = 1,
         start_delay_s: float = 0.3,
+        start_at: float | None = None,
         layout: str = "staging",
     ) -> RawRun:
         results = self.call_all(
@@ -1135,7 +1145,7 @@ class Fleet:
             blocks=blocks,
             in_flight=in_flight,
             seed=seed,
-            start_at=time.time() + start_delay_s,
+            start_at=time.time() + start_delay_s if start_at is None else start_at,
             layout=layout,
         )
         return RawRun(
