@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fill mode: every request's bytes checked (crc32 on both sides, the fill check)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="also profile every rank during the run (yappi, CPU clock; pip install yappi) "
+        "and write its pstats here, one file per rank",
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="kvplane-threads-"))
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             before.update({pid: thread_cpu(pid) for pid in pids["ranks"]})
             server_before.append(cpu_seconds(pids["server"]))
 
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            fleet.call_all("profile")
         reader = threading.Thread(target=read_start)
         reader.start()
         run = fleet.run_engine(
@@ -100,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             **checks,
         )
         reader.join()
+        if args.profile:
+            fleet.call_all("profile", directory=str(args.profile))
         after = {pid: thread_cpu(pid) for pid in pids["ranks"]}
         fleet.call_all("flush_records")  # the run's batched records belong to it
         server_ms = (cpu_seconds(pids["server"]) - server_before[0]) * 1e3 / args.requests

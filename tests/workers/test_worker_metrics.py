@@ -507,6 +507,73 @@ def test_the_progress_thread_runs_the_idle_hook_only_while_nothing_is_pending() 
         handover._closed = True
 
 
+def test_an_idle_progress_loop_slows_down_but_wakes_at_once(monkeypatch) -> None:
+    """Idle for ``IDLE_SLOW_AFTER_S``, the progress loop polls every ``IDLE_SLOW_WAIT_S``
+    instead of every ``IDLE_WAIT_S`` (each wake costs CPU); a call still runs at once, and
+    while the idle hook says it has more to do the loop keeps the short wait."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from workers.handover import Handover, engine_api
+
+    monkeypatch.setattr(engine_api, "IDLE_SLOW_AFTER_S", 0.2)
+    monkeypatch.setattr(engine_api, "IDLE_SLOW_WAIT_S", 5.0)
+    steps: list[float] = []
+    more = threading.Event()
+
+    class Quiet(Handover):
+        def _step(self) -> tuple[bool, bool]:  # no transport: never anything pending
+            steps.append(time.monotonic())
+            while self._inbox:
+                self._inbox.popleft()()
+            return False, False
+
+    transport = SimpleNamespace(staging=torch.empty(64, dtype=torch.uint8), pools={})
+    handover = Quiet(
+        transport,  # type: ignore[arg-type]
+        instance="gen",
+        rank=0,
+        on_idle=more.is_set,
+    )
+    try:
+        time.sleep(0.5)  # past IDLE_SLOW_AFTER_S
+        slow_from = len(steps)
+        time.sleep(1.0)
+        assert len(steps) - slow_from <= 2  # one wake per 5 s (IDLE_WAIT_S: ~200)
+
+        ran = threading.Event()
+        handover._call(ran.set)  # a call (send/expect) wakes it, not the next 5 s poll
+        assert ran.wait(2.0)
+
+        more.set()  # the idle hook has work left: short waits again
+        handover._wake.set()
+        time.sleep(0.5)
+        busy_from = len(steps)
+        time.sleep(0.5)
+        assert len(steps) - busy_from >= 10
+    finally:
+        handover._closed = True
+        handover._wake.set()
+
+    # A rank that serves asks (its KV ready, waiting to be asked) keeps the short wait.
+    steps.clear()
+    asked = Quiet(
+        transport,  # type: ignore[arg-type]
+        instance="ctx",
+        rank=0,
+        on_ask=lambda ask: None,
+    )
+    try:
+        time.sleep(0.5)
+        idle_from = len(steps)
+        time.sleep(0.5)
+        assert len(steps) - idle_from >= 10
+    finally:
+        asked._closed = True
+        asked._wake.set()
+
+
 def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
     code = (
         "import sys, workers.metrics, workers.agent, workers.handover, api.logs; "

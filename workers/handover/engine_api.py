@@ -8,8 +8,12 @@ before their ``send``/``expect`` wait ``EARLY_TTL_S``), polls posted WRITEs, ret
 wait for a peer's endpoint or for staging space, re-sends grants and fails handles whose
 deadline passed. While a handle is pending it polls every ``BUSY_SLEEP_S``, then, after
 ``BUSY_POLLS`` polls without progress, every ``PATIENT_SLEEP_S``; idle, it waits up to
-``IDLE_WAIT_S``. A refreshed directory swaps in on the progress thread: a peer worker is retired
-only when its rank has another worker or its instance another epoch.
+``IDLE_WAIT_S``, and up to ``IDLE_SLOW_WAIT_S`` once idle for ``IDLE_SLOW_AFTER_S`` unless it
+serves asks (``on_ask``). A call of ``send``/``expect`` wakes it at once either way; a peer's
+first contact with an idle rank, e.g. the connection set-up a fresh endpoint needs, may wait
+that long. A refreshed
+directory swaps in on the progress thread: a peer worker is retired only when its rank has
+another worker or its instance another epoch.
 
 The grant exchange is :mod:`workers.handover.grants`, how handles end is
 :mod:`workers.handover.handles`; :class:`Handover` inherits both.
@@ -43,7 +47,9 @@ log = logging.getLogger("kvplane.handover")
 
 DEFAULT_TIMEOUT_S = 30.0
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
-IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often
+IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often ...
+IDLE_SLOW_AFTER_S = 1.0  # ... and, idle this long (its idle hook done), only every
+IDLE_SLOW_WAIT_S = 0.025  # IDLE_SLOW_WAIT_S: each wake costs ~80 us of CPU, 16 ms a second
 IDLE_HOOK_S = 0.02  # nothing pending this long: the owner's idle hook runs (see on_idle)
 # While a handle is pending, the loop polls NIXL every BUSY_SLEEP_S: a notification (a grant,
 # a chunk) waits at most that long to be seen, and every hop of a handover pays it (0.5 ms here
@@ -75,7 +81,7 @@ class Handover(GrantExchange):
         hold_s: float = 0.0,
         on_ask: Callable[[Ask], None] | None = None,
         on_unknown_agent: Callable[[str], None] | None = None,
-        on_idle: Callable[[], None] | None = None,
+        on_idle: Callable[[], bool | None] | None = None,
     ) -> None:
         self.transport = transport
         self.instance = instance
@@ -99,6 +105,7 @@ class Handover(GrantExchange):
         self.on_unknown_agent = on_unknown_agent
         # Progress thread, after IDLE_HOOK_S with no handle pending (and every IDLE_WAIT_S
         # while that lasts): the owner's background work (fill mode marks noted receives).
+        # It returns True while it has more to do (the loop then does not slow down).
         self.on_idle = on_idle
         self._asked: dict[str, float] = {}  # request ids asked for here: when
         self.areas = StagingAreas(int(transport.staging.numel()))
@@ -431,12 +438,17 @@ class Handover(GrantExchange):
                     continue
                 now = time.monotonic()
                 idle_since = now if idle_since is None else idle_since
+                more = False  # the idle hook has more to do
                 if self.on_idle is not None and now - idle_since >= IDLE_HOOK_S:
                     try:
-                        self.on_idle()
+                        more = bool(self.on_idle())
                     except Exception:
                         log.exception("handover idle hook failed")
-                self._wake.wait(IDLE_WAIT_S)  # cleared (and counted) at the loop's top
+                # A rank that serves asks keeps the short wait: an ask comes while it is idle
+                # (its KV ready, waiting to be asked) and is on the request's path.
+                slow = not more and self.on_ask is None and now - idle_since >= IDLE_SLOW_AFTER_S
+                # cleared (and counted) at the loop's top
+                self._wake.wait(IDLE_SLOW_WAIT_S if slow else IDLE_WAIT_S)
         finally:
             # Whatever was started but not finished when the loop ends fails, never hangs.
             self._closed = True

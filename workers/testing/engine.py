@@ -724,6 +724,23 @@ class EngineRank:
         recorder = self.worker.recorder
         return recorder.flush(timeout_s) if recorder is not None else True
 
+    def profile(self, directory: str | None = None) -> str | None:
+        """Profile this rank (yappi, CPU clock, every thread; yappi is not a dependency:
+        ``pip install yappi``): with no ``directory`` start, else stop and write the pstats
+        to ``<directory>/<role>-<rank>.pstat``."""
+        import yappi
+
+        if directory is None:
+            yappi.clear_stats()
+            yappi.set_clock_type("cpu")
+            yappi.start(builtins=True)
+            return None
+        yappi.stop()
+        path = str(Path(directory) / f"{self.spec.role}-{self.spec.rank}.pstat")
+        yappi.get_func_stats().save(path, type="pstat")
+        yappi.clear_stats()
+        return path
+
     def threads(self) -> dict[int, str]:
         """This process's Python threads: native thread id → name (CPU accounting)."""
         return {int(t.native_id): t.name for t in threading.enumerate() if t.native_id}
