@@ -11,9 +11,8 @@ deadline passed. While a handle is pending it polls every ``BUSY_SLEEP_S``, then
 ``IDLE_WAIT_S``, and up to ``IDLE_SLOW_WAIT_S`` once idle for ``IDLE_SLOW_AFTER_S`` unless it
 serves asks (``on_ask``). A call of ``send``/``expect`` wakes it at once either way; a peer's
 first contact with an idle rank, e.g. the connection set-up a fresh endpoint needs, may wait
-that long. A refreshed
-directory swaps in on the progress thread: a peer worker is retired only when its rank has
-another worker or its instance another epoch.
+that long. A refreshed directory swaps in on the progress thread: a peer worker is retired only
+when its rank has another worker or its instance another epoch.
 
 The grant exchange is :mod:`workers.handover.grants`, how handles end is
 :mod:`workers.handover.handles`; :class:`Handover` inherits both.
