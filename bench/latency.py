@@ -17,6 +17,12 @@ flight (closed loop), three paths between the same six processes:
   traffic of a handover (scattered 16 KiB head slices of random blocks) without its protocol:
   the engine path's ratio to it is what kvplane's protocol and bookkeeping add, while the ratio
   to **raw** also counts what the layout costs.
+- **raw, granted** (``--paths`` ``rawgrant``): raw fragments in the handover's order, with the
+  least of its protocol in the same tight loops: each generation rank keeps ``in flight``
+  requests granted (one notification to each of its senders per request), and a context rank
+  WRITEs a request's fragments when their grant comes. Latency = last grant → last receiver's
+  last notification. The floor of the engine path's protocol written in Python, without its
+  handles, checks and records.
 - **engine**: ``worker.send`` / ``worker.expect`` per request on every rank, with paged-cache
   accounting (each rank keeps ``in flight`` of its own handles pending); latency = last generation
   handle ``arrived`` − last rank's call. All ranks share the machine clock (``time.time()``).
@@ -91,8 +97,9 @@ REST_GOAL_REQUESTS = 160
 REST_RETRIES = 5
 START_DELAY_S = 0.3  # raw and engine runs: the ranks start together this long after the call
 RAW_FRAGMENTS = "raw fragments"
+RAW_GRANTED = "raw, granted"
 AHEAD = "engine, receiver ahead"
-PATH_ORDER = ("raw", RAW_FRAGMENTS, "engine", AHEAD, "REST")
+PATH_ORDER = ("raw", RAW_FRAGMENTS, RAW_GRANTED, "engine", AHEAD, "REST")
 
 
 def cpu_model() -> str:
@@ -227,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         "--paths",
         default="raw,rawfrag,engine,ahead,rest",
         help="raw (staging to staging), rawfrag (the requests' fragments, pool "
-        "to pool), engine, ahead (the engine path, generation ranks expecting "
-        "--prefill-ms before the context ranks send), rest",
+        "to pool), rawgrant (rawfrag, each request granted by its receivers first), engine, "
+        "ahead (the engine path, generation ranks expecting --prefill-ms before the context "
+        "ranks send), rest",
     )
     parser.add_argument(
         "--prefill-ms",
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     block_counts = [int(x) for x in args.blocks.split(",")]
     flights = [int(x) for x in args.in_flight.split(",")]
     paths = args.paths.split(",")
-    unknown = set(paths) - {"raw", "rawfrag", "engine", "ahead", "rest"}
+    unknown = set(paths) - {"raw", "rawfrag", "rawgrant", "engine", "ahead", "rest"}
     if unknown:
         parser.error(f"--paths: unknown {', '.join(sorted(unknown))}")
     if args.prefill_ms < 0:
@@ -359,7 +367,12 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
                     cell[-1]["nic_mb"] = nic_mb() - nic
-                if "rawfrag" in paths and not extra:
+                for key, name, layout in (
+                    ("rawfrag", RAW_FRAGMENTS, "fragments"),
+                    ("rawgrant", RAW_GRANTED, "granted"),
+                ):
+                    if key not in paths or extra:
+                        continue
                     start_at = time.time() + START_DELAY_S
                     meter, nic = CpuMeter(fleet, start_at), nic_mb()
                     raw = fleet.run_raw(
@@ -368,14 +381,14 @@ def main(argv: list[str] | None = None) -> int:
                         in_flight=in_flight,
                         seed=rep_seed,
                         start_at=start_at,
-                        layout="fragments",
+                        layout=layout,
                     )
                     if raw.errors:
-                        print(f"raw fragments {blocks}x{in_flight}: {raw.errors}", file=sys.stderr)
+                        print(f"{name} {blocks}x{in_flight}: {raw.errors}", file=sys.stderr)
                     lat = raw.latencies_s()
                     cell.append(
                         row(
-                            RAW_FRAGMENTS,
+                            name,
                             blocks,
                             in_flight,
                             nbytes,
@@ -591,6 +604,27 @@ def print_report(
                     f"{r['p50_ms'] / base['p50_ms']:.1f}×, transfers/s "
                     f"{r['per_s'] / base['per_s']:.2f}×"
                 )
+    floors = [p for p in ("raw", RAW_FRAGMENTS, RAW_GRANTED) if any(r["path"] == p for r in rows)]
+    at = {(r["path"], r["blocks"], r["in_flight"]): r for r in rows}
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["blocks"], r["in_flight"])):
+        if r["path"] != "engine":
+            continue
+        ratios = [
+            f"{r['cpu_ms']['ranks'] / at[(p, r['blocks'], r['in_flight'])]['cpu_ms']['ranks']:.1f}"
+            f"× {p}"
+            for p in floors
+            if (p, r["blocks"], r["in_flight"]) in at
+            and at[(p, r["blocks"], r["in_flight"])]["cpu_ms"]["ranks"] > 0
+        ]
+        if len(ratios) > 1:
+            lines.append(
+                f"- {r['blocks']} blocks, {r['in_flight']} in flight: " + ", ".join(ratios)
+            )
+    if lines:
+        print()
+        print("The engine ranks' CPU per request against each raw path's:")
+        print("\n".join(lines))
 
 
 def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:

@@ -334,3 +334,29 @@ def test_engine_path_runs_without_the_control_plane_and_the_record_catches_up(
     finally:
         fleet.server.start()  # same database, same port
     _wait_recorded(fleet, _engine_ids(fleet, before) | _engine_ids(fleet, during), timeout_s=40)
+
+
+def test_the_raw_baselines_move_every_request_in_each_layout(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """bench/latency.py's raw rows on a fleet of their own (their WRITEs bypass the handover, so
+    a fill-mode fleet's sweep would rightly call them stray): every request arrives at both
+    generation ranks in each layout. In the granted one the receivers issue each request (their
+    grant), the senders issue nothing and WRITE only what was granted."""
+    raw_fleet = Fleet(tmp_path_factory.mktemp("raw"), num_slots=NUM_SLOTS, staging_bytes=16 << 20)
+    try:
+        raw_fleet.start()
+        for layout in ("staging", "fragments", "granted"):
+            run = raw_fleet.run_raw(requests=12, blocks=BLOCKS, in_flight=3, layout=layout)
+            assert run.errors == [], layout
+            latencies = run.latencies_s()
+            assert len(latencies) == 12 and min(latencies) > 0, layout
+            issuers = {role for role, r in run.ranks if r["issued"]}
+            assert issuers == ({"generation"} if layout == "granted" else {"context"}), layout
+            for role, r in run.ranks:
+                if role == "generation":
+                    assert sorted(r["arrived"]) == list(range(12)), layout
+        with pytest.raises(RuntimeError, match="staging, fragments or granted"):
+            raw_fleet.run_raw(requests=1, blocks=BLOCKS, in_flight=1, layout="scattered")
+    finally:
+        raw_fleet.stop()

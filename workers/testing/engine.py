@@ -513,16 +513,20 @@ class EngineRank:
         peer's, contiguous, at the same offsets every time (the lower bound of moving those
         bytes); ``fragments`` writes each request's own fragments (its block ids, as the
         engine path gets them) pool to pool, from the NIXL descriptor lists prepared per route:
-        the same memory traffic as a handover, without its protocol.
+        the same memory traffic as a handover, without its protocol; ``granted`` is
+        ``fragments`` in the handover's order, with the least of its protocol: each receiver
+        keeps ``in_flight`` requests granted (one notification to each of its senders per
+        request) and a sender WRITEs a request's fragments when its grant comes.
 
         Sender: posts its routes of request ``i`` (one WRITE each), records the post time, keeps
-        ``in_flight`` requests' WRITEs pending. Receiver: records the time the last of request
-        ``i``'s route notifications arrived. Returns ``{"issued": {i: t}, "arrived": {i: t}}``.
+        ``in_flight`` requests' WRITEs pending (granted: answers grants). Receiver: records the
+        time the last of request ``i``'s route notifications arrived (granted: and the time it
+        granted it, the request's issue). Returns ``{"issued": {i: t}, "arrived": {i: t}}``.
         """
         from workers.executors import align_request, staging_layout
 
-        if layout not in ("staging", "fragments"):
-            raise ValueError(f"layout {layout!r}: staging or fragments")
+        if layout not in ("staging", "fragments", "granted"):
+            raise ValueError(f"layout {layout!r}: staging, fragments or granted")
         worker = self.worker
         handover = worker.handover
         assert handover is not None and worker.transport is not None
@@ -538,7 +542,7 @@ class EngineRank:
         # fragments: every request's aligned block lists of this rank's routes, made before
         # the clock starts (the engine path's requests name the same ones)
         aligned: list[dict[int, tuple[Any, Any, Any]]] = []
-        if layout == "fragments" and self.spec.role == "context":
+        if layout in ("fragments", "granted") and self.spec.role == "context":
             mine_routes = [r for r in entry.routes if r.sender_rank == self.spec.rank]
             for i in range(requests):
                 request = request_blocks(seed, i, blocks, self.num_slots)
@@ -564,12 +568,26 @@ class EngineRank:
                     assert peer is not None
                     handover._load_peer(peer)
                     agents[receiver] = (peer.agent, tp.peer_info_of(peer.agent))
-                self._raw_send(
-                    out, mine, agents, requests, in_flight, start_at, run_timeout_s, aligned
-                )
+                if layout == "granted":
+                    self._raw_granted_send(out, mine, agents, requests, run_timeout_s, aligned)
+                else:
+                    self._raw_send(
+                        out, mine, agents, requests, in_flight, start_at, run_timeout_s, aligned
+                    )
             else:
-                expected = sum(1 for _, r, _ in routes if r == self.spec.rank)
-                self._raw_receive(out, expected, requests, run_timeout_s)
+                senders = [s for s, r, _ in routes if r == self.spec.rank]
+                if layout == "granted":
+                    granters = []
+                    for sender in senders:
+                        peer = worker.directory.peer(self.spec.peer, sender)
+                        assert peer is not None
+                        handover._load_peer(peer)
+                        granters.append(peer.agent)
+                    self._raw_granted_receive(
+                        out, granters, requests, in_flight, start_at, run_timeout_s
+                    )
+                else:
+                    self._raw_receive(out, len(senders), requests, run_timeout_s)
         except Exception as error:
             out["error"] = f"{type(error).__name__}: {error}"
         finally:
@@ -666,6 +684,93 @@ class EngineRank:
                         out["arrived"][i] = now
             if time.monotonic() > give_up:
                 raise TimeoutError(f"raw: {len(out['arrived'])} of {requests} requests arrived")
+
+    def _raw_granted_send(
+        self,
+        out: dict[str, Any],
+        mine: list[tuple[int, int]],
+        agents: Mapping[int, tuple[str, Any]],
+        requests: int,
+        run_timeout_s: float,
+        aligned: Sequence[Mapping[int, tuple[Any, Any, Any]]],
+    ) -> None:
+        """Granted raw, sender: each grant ``G|i|r`` from receiver ``r`` is answered with one
+        WRITE of request ``i``'s fragments to it (notification ``R|i|rank``)."""
+        tp = self.worker.transport
+        assert tp is not None
+        receiver_of = {agents[r][0]: (r, n) for r, n in mine}
+        left = requests * len(mine)
+        pending: list[Any] = []
+        give_up = time.monotonic() + run_timeout_s
+        while left or pending:
+            moved = False
+            for agent, msgs in tp.drain_notifications().items():
+                for msg in msgs:
+                    parts = msg.split(b"|")
+                    if parts[0] != b"G" or agent not in receiver_of:
+                        continue
+                    receiver, nbytes = receiver_of[agent]
+                    i = int(parts[1])
+                    route, src, dst = aligned[i][receiver]
+                    notif = f"R|{i}|{self.spec.rank}".encode()
+                    write = tp.post_fragments(agent, route, src, dst, notif, "raw", nbytes)
+                    if write is None:
+                        tp.send_notif(agent, notif)
+                    else:
+                        pending.append(write)
+                    left -= 1
+                    moved = True
+            if pending:
+                still = [p for p in pending if not tp.poll(p)]
+                moved = moved or len(still) < len(pending)
+                pending = still
+            if not moved:
+                time.sleep(RAW_POLL_SLEEP_S)
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"raw, granted: {left} grant(s) never came")
+
+    def _raw_granted_receive(
+        self,
+        out: dict[str, Any],
+        senders: Sequence[str],
+        requests: int,
+        in_flight: int,
+        start_at: float,
+        run_timeout_s: float,
+    ) -> None:
+        """Granted raw, receiver: keeps ``in_flight`` requests granted (``G|i|rank`` to each of
+        its senders, the time recorded as the request's issue) and records when the last
+        sender's ``R|i|s`` arrived."""
+        tp = self.worker.transport
+        assert tp is not None
+        counts: dict[int, int] = {}
+        nxt = 0
+        while time.time() < start_at:
+            time.sleep(0.001)
+        give_up = time.monotonic() + run_timeout_s
+        while len(out["arrived"]) < requests:
+            moved = False
+            while nxt < requests and nxt - len(out["arrived"]) < in_flight:
+                out["issued"][nxt] = time.time()
+                for agent in senders:
+                    tp.send_notif(agent, f"G|{nxt}|{self.spec.rank}".encode())
+                nxt += 1
+                moved = True
+            for msgs in tp.drain_notifications().values():
+                now = time.time()
+                for msg in msgs:
+                    parts = msg.split(b"|")
+                    if parts[0] != b"R":
+                        continue
+                    i = int(parts[1])
+                    counts[i] = counts.get(i, 0) + 1
+                    if counts[i] == len(senders):
+                        out["arrived"][i] = now
+                moved = True
+            if not moved:
+                time.sleep(RAW_POLL_SLEEP_S)
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"raw, granted: {len(out['arrived'])} of {requests} arrived")
 
     def handover_state(self) -> dict[str, Any]:
         """The handover's books, read on its progress thread: handles pending, staging bytes
@@ -1357,16 +1462,20 @@ class RawRun:
         return [r["error"] for _, r in self.ranks if r.get("error")]
 
     def latencies_s(self) -> list[float]:
+        """Per request: the last receiver's last notification − the last issue (a sender's post,
+        or in the granted layout a receiver's grant)."""
         issued: dict[int, float] = {}
         arrived: dict[int, float] = {}
         for role, r in self.ranks:
-            target = issued if role == "context" else arrived
-            for i, t in r["issued" if role == "context" else "arrived"].items():
-                target[int(i)] = max(target.get(int(i), 0.0), t)
+            for i, t in r["issued"].items():
+                issued[int(i)] = max(issued.get(int(i), 0.0), t)
+            if role != "context":
+                for i, t in r["arrived"].items():
+                    arrived[int(i)] = max(arrived.get(int(i), 0.0), t)
         return [arrived[i] - issued[i] for i in sorted(arrived) if i in issued]
 
     def throughput(self) -> float:
-        starts = [t for role, r in self.ranks if role == "context" for t in r["issued"].values()]
+        starts = [t for _, r in self.ranks for t in r["issued"].values()]
         ends = [t for role, r in self.ranks if role != "context" for t in r["arrived"].values()]
         return self.requests / max(max(ends) - min(starts), 1e-9)
 
