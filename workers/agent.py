@@ -457,24 +457,26 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
+            worker_id = self.worker_id
             try:
-                if self.worker_id is None:
+                if worker_id is None:
                     continue
                 # What UCX uses for this endpoint's peers (read from UCX's log, here, off the
                 # hot path); None until known, and then the heartbeat has no body.
                 transport = self.transport
                 report = transport.ucx_in_use() if transport is not None else None
                 seen = (
-                    self.client.heartbeat(self.worker_id)
+                    self.client.heartbeat(worker_id)
                     if report is None
-                    else self.client.heartbeat(self.worker_id, ucx_in_use=report)
+                    else self.client.heartbeat(worker_id, ucx_in_use=report)
                 )
                 if seen.get("directory_revision") != self.directory.revision:
                     self.refresh_directory()
             except ConflictError as error:
                 if error.code == "worker_superseded":
-                    self._superseded(error.detail)
-                    return
+                    if self._superseded_unless_reattached(worker_id, error.detail):
+                        return
+                    continue
                 log.warning("heartbeat refused (%s); attaching again", error.detail)
                 try:
                     self.attach()
@@ -505,18 +507,26 @@ class Worker:
                 continue
             # (getattr: an engine that embeds the worker may hand it a client of its own)
             url = getattr(self.client, "url", None)
+            reattached = False  # this worker attached again: its new id's stream, at once
             try:
                 for command in self.client.stream_commands(
                     worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S
                 ):
                     failures = 0
-                    if self._stop.is_set() or worker_id != self.worker_id:
+                    if self._stop.is_set():
+                        break
+                    if worker_id != self.worker_id:
+                        reattached = True
                         break
                     if command.get("type") == "transfer":
                         self.run_command(command)
                     elif command.get("type") == "superseded":
-                        self._superseded(f"worker {command.get('by')} attached to this rank")
-                        return
+                        if self._superseded_unless_reattached(
+                            worker_id, f"worker {command.get('by')} attached to this rank"
+                        ):
+                            return
+                        reattached = True
+                        break
             except ApiError as error:
                 if self._stop.is_set():
                     return
@@ -526,6 +536,8 @@ class Worker:
                     log.warning("command stream on %s closed (%s); reconnecting", url, error)
             except Exception:  # never lose the stream thread to one bad line
                 log.exception("command stream failed; reconnecting")
+            if reattached:
+                continue
             failures += 1
             # Another API process to try (the client failed over): at once, once per URL;
             # then back off, the control plane is down.
@@ -534,6 +546,17 @@ class Worker:
             )
             delay = FAILOVER_DELAY_S if moved else OUTAGE_BACKOFF_S
             self._stop.wait(delay if not self._stop.is_set() else 0)
+
+    def _superseded_unless_reattached(self, stale_id: str | None, why: str) -> bool:
+        """``stale_id`` was superseded: stop (True), unless this worker attached again since
+        then, on another thread (a heartbeat refused after a re-registration re-attaches): the
+        worker that superseded it is this one, under its new id."""
+        with self._attach_lock:  # an attach in progress on another thread finishes first
+            if self.worker_id != stale_id:
+                log.info("worker %s superseded by this one's new id %s", stale_id, self.worker_id)
+                return False
+        self._superseded(why)
+        return True
 
     def _superseded(self, why: str) -> None:
         """Another worker took this rank over: stop serving (attaching again would take it

@@ -606,3 +606,45 @@ def test_a_superseded_worker_stops_instead_of_attaching_again() -> None:
     thread.start()
     thread.join(timeout=5)
     assert not thread.is_alive() and agent.superseded and client.attaches == 0
+
+
+def test_a_worker_that_attached_again_outlives_its_old_ids_supersession() -> None:
+    """A re-registration makes a heartbeat re-attach (a new worker id), and the control plane
+    tells the old id's command stream "superseded by <new id>", possibly before the attach has
+    returned on the heartbeat thread. That supersession is this worker's own: it goes on, on its
+    new id's stream at once, instead of stopping (the rank would be left without a worker)."""
+    streams: list[str] = []
+    attaching, stop = threading.Event(), threading.Event()
+
+    class Reattached(StubClient):
+        def stream_commands(self, worker_id: str, **_: Any) -> Any:
+            streams.append(worker_id)
+            if worker_id == "w-1":
+                attaching.wait(5)  # the attach (another thread) holds the lock by now
+                yield {"type": "superseded", "by": "w-2"}
+            else:
+                stop.wait(10)  # the new id's stream: nothing more to say
+
+    agent = Worker(Reattached(), "ctx", 1, device="cpu")  # type: ignore[arg-type]
+    agent.worker_id = "w-1"
+
+    def attach_elsewhere() -> None:  # the heartbeat thread's attach, still registering
+        with agent._attach_lock:
+            attaching.set()
+            time.sleep(0.3)
+            agent.worker_id = "w-2"
+
+    attacher = threading.Thread(target=attach_elsewhere, daemon=True)
+    attacher.start()
+    commands = threading.Thread(target=agent._command_loop, daemon=True)
+    commands.start()
+    try:
+        deadline = time.monotonic() + 5  # no 2 s backoff before the new id's stream
+        while streams != ["w-1", "w-2"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert streams == ["w-1", "w-2"]
+        assert not agent.superseded and not agent._stop.is_set()
+    finally:
+        agent._stop.set()
+        stop.set()
+        commands.join(timeout=5)
