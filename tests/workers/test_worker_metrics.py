@@ -530,17 +530,23 @@ def test_an_idle_progress_loop_slows_down_but_wakes_at_once(monkeypatch) -> None
             return False, False
 
     transport = SimpleNamespace(staging=torch.empty(64, dtype=torch.uint8), pools={})
-    handover = Quiet(
-        transport,  # type: ignore[arg-type]
-        instance="gen",
-        rank=0,
-        on_idle=more.is_set,
-    )
+
+    def quiet(**hooks: Any) -> Quiet:
+        return Quiet(transport, instance="gen", rank=0, **hooks)  # type: ignore[arg-type]
+
+    def steps_in(seconds: float) -> int:
+        start = len(steps)
+        time.sleep(seconds)
+        return len(steps) - start
+
+    def close(handover: Handover) -> None:
+        handover._closed = True
+        handover._wake.set()
+
+    handover = quiet(on_idle=more.is_set)
     try:
         time.sleep(0.5)  # past IDLE_SLOW_AFTER_S
-        slow_from = len(steps)
-        time.sleep(1.0)
-        assert len(steps) - slow_from <= 2  # one wake per 5 s (IDLE_WAIT_S: ~200)
+        assert steps_in(1.0) <= 2  # one wake per 5 s (IDLE_WAIT_S: ~200)
 
         ran = threading.Event()
         handover._call(ran.set)  # a call (send/expect) wakes it, not the next 5 s poll
@@ -549,29 +555,17 @@ def test_an_idle_progress_loop_slows_down_but_wakes_at_once(monkeypatch) -> None
         more.set()  # the idle hook has work left: short waits again
         handover._wake.set()
         time.sleep(0.5)
-        busy_from = len(steps)
-        time.sleep(0.5)
-        assert len(steps) - busy_from >= 10
+        assert steps_in(0.5) >= 10
     finally:
-        handover._closed = True
-        handover._wake.set()
+        close(handover)
 
     # A rank that serves asks (its KV ready, waiting to be asked) keeps the short wait.
-    steps.clear()
-    asked = Quiet(
-        transport,  # type: ignore[arg-type]
-        instance="ctx",
-        rank=0,
-        on_ask=lambda ask: None,
-    )
+    asked = quiet(on_ask=lambda ask: None)
     try:
         time.sleep(0.5)
-        idle_from = len(steps)
-        time.sleep(0.5)
-        assert len(steps) - idle_from >= 10
+        assert steps_in(0.5) >= 10
     finally:
-        asked._closed = True
-        asked._wake.set()
+        close(asked)
 
 
 def test_importing_the_worker_metrics_pulls_no_server_code() -> None:

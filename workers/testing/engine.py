@@ -564,10 +564,8 @@ class EngineRank:
                 mine = [(r, n) for s, r, n in routes if s == self.spec.rank]
                 agents = {}
                 for receiver, _ in mine:
-                    peer = worker.directory.peer(self.spec.peer, receiver)
-                    assert peer is not None
-                    handover._load_peer(peer)
-                    agents[receiver] = (peer.agent, tp.peer_info_of(peer.agent))
+                    agent = self._loaded_peer(receiver)
+                    agents[receiver] = (agent, tp.peer_info_of(agent))
                 if layout == "granted":
                     self._raw_granted_send(out, mine, agents, requests, run_timeout_s, aligned)
                 else:
@@ -577,12 +575,7 @@ class EngineRank:
             else:
                 senders = [s for s, r, _ in routes if r == self.spec.rank]
                 if layout == "granted":
-                    granters = []
-                    for sender in senders:
-                        peer = worker.directory.peer(self.spec.peer, sender)
-                        assert peer is not None
-                        handover._load_peer(peer)
-                        granters.append(peer.agent)
+                    granters = [self._loaded_peer(sender) for sender in senders]
                     self._raw_granted_receive(
                         out, granters, requests, in_flight, start_at, run_timeout_s
                     )
@@ -664,26 +657,38 @@ class EngineRank:
     def _raw_receive(
         self, out: dict[str, Any], expected: int, requests: int, run_timeout_s: float
     ) -> None:
-        tp = self.worker.transport
-        assert tp is not None
         counts: dict[int, int] = {}
         give_up = time.monotonic() + run_timeout_s
         while len(out["arrived"]) < requests:
-            notifications = tp.drain_notifications()
-            if not notifications:
+            if not self._raw_arrivals(out, counts, expected):
                 time.sleep(RAW_POLL_SLEEP_S)
-            for msgs in notifications.values():
-                now = time.time()
-                for msg in msgs:
-                    parts = msg.split(b"|")
-                    if parts[0] != b"R":
-                        continue
-                    i = int(parts[1])
-                    counts[i] = counts.get(i, 0) + 1
-                    if counts[i] == expected:
-                        out["arrived"][i] = now
             if time.monotonic() > give_up:
                 raise TimeoutError(f"raw: {len(out['arrived'])} of {requests} requests arrived")
+
+    def _loaded_peer(self, rank: int) -> str:
+        """The NIXL agent of the peer instance's ``rank``, loaded into this rank's endpoint."""
+        peer = self.worker.directory.peer(self.spec.peer, rank)
+        assert peer is not None and self.worker.handover is not None
+        self.worker.handover._load_peer(peer)
+        return peer.agent
+
+    def _raw_arrivals(self, out: dict[str, Any], counts: dict[int, int], expected: int) -> bool:
+        """Raw receiver: count the ``R|i|s`` notifications that came; request ``i`` arrived
+        with its ``expected``-th. Whether any notification came."""
+        tp = self.worker.transport
+        assert tp is not None
+        notifications = tp.drain_notifications()
+        for msgs in notifications.values():
+            now = time.time()
+            for msg in msgs:
+                parts = msg.split(b"|")
+                if parts[0] != b"R":
+                    continue
+                i = int(parts[1])
+                counts[i] = counts.get(i, 0) + 1
+                if counts[i] == expected:
+                    out["arrived"][i] = now
+        return bool(notifications)
 
     def _raw_granted_send(
         self,
@@ -756,16 +761,7 @@ class EngineRank:
                     tp.send_notif(agent, f"G|{nxt}|{self.spec.rank}".encode())
                 nxt += 1
                 moved = True
-            for msgs in tp.drain_notifications().values():
-                now = time.time()
-                for msg in msgs:
-                    parts = msg.split(b"|")
-                    if parts[0] != b"R":
-                        continue
-                    i = int(parts[1])
-                    counts[i] = counts.get(i, 0) + 1
-                    if counts[i] == len(senders):
-                        out["arrived"][i] = now
+            if self._raw_arrivals(out, counts, len(senders)):
                 moved = True
             if not moved:
                 time.sleep(RAW_POLL_SLEEP_S)
