@@ -11,7 +11,8 @@
 5. a burst of small requests on the same processes: raw NIXL WRITEs (the physical limit), the
    engine path (``send``/``expect`` in process) and REST, with latency percentiles side by side;
    the engine path and REST twice, without checks (fill mode costs them nothing: a receive's
-   bytes are marked only when a check needs them) and verified like step 4;
+   bytes are marked only when a check needs them) and verified like step 4; raw and the engine
+   path in ``BURST_ROUNDS`` rounds, taking turns, their percentiles over every round;
 6. sweep every pool byte that no transfer targeted (each must still hold its own pattern), check
    that no block leaked and that the control plane lists every transfer as done, print the
    tables and stop everything. The database keeps the record.
