@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--workdir", type=Path, help="logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    if min(args.rounds, args.requests, args.in_flight, args.blocks) < 1:
+        parser.error("--rounds, --requests, --in-flight and --blocks: at least 1")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvplane-burst-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
