@@ -101,6 +101,16 @@ class WorkerError(RuntimeError):
     """The worker cannot serve its rank (e.g. the rank has not reported its page table)."""
 
 
+class CommandRefused(WorkerError):
+    """A REST-pushed transfer reached a worker that takes none (``accept_commands=False``)."""
+
+    def __init__(self, instance: str) -> None:
+        super().__init__(
+            f"{instance}'s workers are embedded in a serving engine and take no REST-pushed "
+            "transfers: only the engine hands out its KV blocks"
+        )
+
+
 @dataclass
 class WorkerStats:
     sent: int = 0
@@ -129,6 +139,8 @@ class Worker:
         ucx_net_devices: str | None = None,
         record_releases: bool = False,
         on_ask: Callable[[Ask], None] | None = None,
+        on_release: Callable[[str, str], None] | None = None,
+        accept_commands: bool = True,
     ) -> None:
         self.client = client
         self.instance = instance
@@ -145,6 +157,11 @@ class Worker:
         self.record_releases = record_releases
         # Context side: answers generation ranks' asks (expect(..., ask=True)); see Ask.
         self.on_ask = on_ask
+        # Context side: a generation rank will not ask for a request (Handover.release).
+        self.on_release = on_release
+        # False: REST-pushed transfer commands are refused and recorded as failed (a worker
+        # embedded in a serving engine, whose blocks only the engine may hand out).
+        self.accept_commands = accept_commands
         self.pools: dict[int, Pool] = {}
         self.transport: NixlTransport | None = None
         self.handover: Handover | None = None
@@ -269,6 +286,7 @@ class Worker:
                 chunk_blocks=self.chunk_blocks or CHUNK_BLOCKS,
                 hold_s=self.hold_s,
                 on_ask=self.on_ask,
+                on_release=self.on_release,
                 on_unknown_agent=self._refresh_soon,
             )
             log.info(
@@ -433,6 +451,10 @@ class Worker:
 
         threading.Thread(target=build, daemon=True, name="kvplane-patterns").start()
 
+    def refresh_directory_soon(self) -> None:
+        """Refresh the directory on a thread of its own (never on the caller's)."""
+        self._refresh_soon("")
+
     def _refresh_soon(self, agent: str) -> None:
         """Refresh the directory on a thread of its own (at most one at a time, 4 a second)."""
         now = time.monotonic()
@@ -586,6 +608,15 @@ class Worker:
         this worker already had)."""
         if not self._first_time(command):
             log.debug("command %s (%s) arrived again; dropped", command["xid"], command["side"])
+            return None
+        if not self.accept_commands:
+            log.warning(
+                "refused REST transfer %s: %s rank %d takes no pushed transfers",
+                command["transfer_id"],
+                self.instance,
+                self.rank,
+            )
+            self._record_refusal(command, CommandRefused(self.instance))
             return None
         epochs = (command["context_epoch"], command["generation_epoch"])
         peer = command["generation"] if command["side"] == "send" else command["context"]

@@ -43,7 +43,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         )
         engines.append(prefill)
         decode = Engine(
-            workdir, model, "decode", "1", instance="vllm-decode", control_plane=plane.url
+            workdir,
+            model,
+            "decode",
+            "1",
+            instance="vllm-decode",
+            control_plane=plane.url,
+            env={"KVPLANE_TEST_FAULTS": "1"},  # the fault-injection tests below
         )
         engines.append(decode)
         assert prefill.read() == {"ready": True} and decode.read() == {"ready": True}
@@ -89,13 +95,17 @@ def test_decode_after_a_kvplane_handover_equals_one_engine(fleet: dict[str, Any]
 
 
 def test_the_decode_follows_the_kv_it_was_sent(fleet: dict[str, Any]) -> None:
-    """The prefill computes a prompt whose first token differs: the decode, given the original
-    prompt, continues as one engine does the *prefilled* prompt (the KV came across)."""
+    """Fault injection (the decode trusts the prefill's token count instead of comparing the
+    prompts' digests): the prefill computes a prompt whose first token differs, and the decode,
+    given the original prompt, continues as one engine does the *prefilled* prompt (the KV came
+    across). Without the fault switch the same pair computes locally (test_hostile.py)."""
     batch = prompts(2, (90, 140))
     altered = [[(p[0] + 7) % 4000 + 5, *p[1:]] for p in batch]
     alone = fleet["prefill"].generate(batch + altered, 16)["tokens"]
     assert alone[:2] != alone[2:], "the model ignores the first token: the oracle cannot fail"
-    assert handover(fleet, altered, batch) == alone[2:]
+    assert handover(fleet, altered, batch, kvplane_fault_trust_tokens=True) == alone[2:]
+    # Without the switch, the decode compares the digests and computes its own prompt.
+    assert handover(fleet, altered, batch) == alone[:2]
     assert fleet["prefill"].call(op="idle", timeout_s=30) == {"idle": True}
 
 

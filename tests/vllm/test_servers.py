@@ -9,71 +9,28 @@ kvplane transfer, done, in the control plane's record.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from workers.testing.engine import ControlPlane, free_port
-from workers.testing.vllm_bed import ROOT, VLLM_PYTHON, prompts, write_model
+from workers.testing.vllm_bed import (
+    SERVER_START_S,
+    Process,
+    connector_config,
+    openai_server,
+    prompts,
+    proxy,
+    write_model,
+)
 
 from .conftest import require_vllm
 
 pytestmark = pytest.mark.slow
-
-START_S = 240  # an OpenAI server is up in 30-40 s here, alone
-
-
-def _connector(role: str, name: str, plane: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "KvplaneConnector",
-            "kv_connector_module_path": "workers.connectors.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {"control_plane": plane, "instance": name},
-        }
-    )
-
-
-class Process:
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        with log.open("w") as out:
-            self.process = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                cwd=ROOT,
-                start_new_session=True,
-            )
-
-    def wait_ready(self, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.log.stem} exited: {self.log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"{self.log.stem} not up in {timeout_s} s: {self.log.read_text()[-3000:]}"
-        )
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -91,45 +48,16 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             ("vllm-decode", "kv_consumer", "1"),
         ):
             port = free_port()
-            server = Process(
-                [
-                    str(VLLM_PYTHON),
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    str(model),
-                    "--port",
-                    str(port),
-                    "--block-size",
-                    "32",
-                    "--enforce-eager",
-                    "--no-enable-prefix-caching",
-                    "--skip-tokenizer-init",
-                    "--kv-transfer-config",
-                    _connector(role, name, plane.url),
-                ],
-                workdir / f"{name}.log",
-                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core},
+            server = openai_server(
+                workdir, model, name, connector_config(role, name, plane.url), core, port
             )
             running.append(server)
             urls[name] = f"http://127.0.0.1:{port}"
-            server.wait_ready(f"{urls[name]}/health", START_S)  # one at a time: two cores
+            server.wait_ready(f"{urls[name]}/health", SERVER_START_S)  # one at a time: two cores
         port = free_port()
-        proxy = Process(
-            [
-                sys.executable,
-                "examples/vllm_proxy.py",
-                "--prefill",
-                urls["vllm-prefill"],
-                "--decode",
-                urls["vllm-decode"],
-                "--port",
-                str(port),
-            ],
-            workdir / "proxy.log",
-        )
-        running.append(proxy)
-        proxy.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
+        front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
+        running.append(front)
+        front.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
         yield {
             "plane": plane.url,
             "proxy": f"http://127.0.0.1:{port}",

@@ -15,24 +15,47 @@ engine with ``max_tokens=1`` and ``kv_transfer_params: {"do_remote_decode": true
 decode engine with the ``kv_transfer_params`` that came back):
 
 1. **prefill, scheduler** — ``request_finished``: the request's blocks are kept (vLLM's delayed
-   free) and the answer's ``kv_transfer_params`` name this instance, the request id and its block
-   ids. ``build_connector_meta`` tells the ranks which requests they hold, until when
-   (``hold_s``); ``has_pending_push_work`` keeps the engine stepping meanwhile.
-2. **decode, scheduler** — ``get_num_new_matched_tokens``: the prompt's tokens load
-   asynchronously; ``update_state_after_alloc`` pairs the blocks vLLM allocated with the remote
-   ones (aligned from the end; a local prefix-cache hit shortens both);
-   ``build_connector_meta`` hands them to the ranks.
-3. **decode, every rank** — ``start_load_kv``: ``Worker.expect(..., ask=True)``: the rank asks
-   each context rank that the plan says writes to it to send (a NIXL notification carrying both
-   block lists), then grants it staging or its pools.
+   free) and the answer's ``kv_transfer_params`` name this instance, the request id, its block
+   ids, its token count and a chained digest of its prompt per block (:func:`block_digests`).
+   ``build_connector_meta`` tells the ranks which requests they hold, until when (``hold_s``);
+   ``has_pending_push_work`` keeps the engine stepping meanwhile.
+2. **decode, scheduler** — ``get_num_new_matched_tokens`` checks the params
+   (:func:`parse_params`): missing, foreign or malformed params, a prompt whose first block
+   differs from the prefilled one, params that another request of this engine already loaded
+   (a retry), or a prefill this engine cannot pair with within ``timeout_s`` load nothing: vLLM
+   computes the prompt, and one warning says why. Otherwise only the leading blocks whose tokens
+   equal the prefilled ones load (a longer prompt loads the prefilled prefix and computes the
+   rest). A prefill met for the first time is paired on a thread of its own (:class:`Pairings`);
+   meanwhile the request waits and the step does not. ``update_state_after_alloc`` pairs the
+   blocks vLLM allocated with the remote ones, position by position; ``build_connector_meta``
+   hands them to the ranks, with the release notices below.
+3. **decode, every rank** — ``start_load_kv``: ``Handover.expect(..., ask=True)`` under the
+   decode's own request id (:func:`transfer_id`), naming the prefill's as the ask's ``source``:
+   the rank asks each context rank that the plan says writes to it to send, then grants it
+   staging or its pools. A rank whose directory does not know the pairing yet refreshes it on
+   a thread of its own and tries again each step, until ``timeout_s``.
 4. **prefill, every rank** — the ask reaches the worker's progress thread; a request this rank
-   holds is sent (``Worker.send``), any other is refused at once (the decode side fails fast
-   rather than load blocks that were freed and reused).
+   holds is sent when the blocks asked for are a run of the ones it holds, in order (forged ids
+   are refused); an ask for anything else is refused at once, and the decode side fails fast
+   rather than load blocks that were freed and reused.
 5. ``get_finished``: the decode ranks report the request loaded (``arrived``), or loaded with
    errors: a failed receive's blocks go to ``get_block_ids_with_load_errors`` and vLLM
-   recomputes or fails the request by its ``kv_load_failure_policy``, never decodes garbage.
-   The prefill ranks report it sent (``released``, failed, or not asked for within ``hold_s``),
-   and vLLM frees its blocks.
+   recomputes or fails the request by its ``kv_load_failure_policy``, never decodes garbage. A
+   failed receive is reported only once no WRITE granted before the failure can land any more
+   (the handle's ``reusable_at``). The prefill ranks report it sent (``released``, failed,
+   refused, released by the decode, or not asked for within ``hold_s``), and vLLM frees its
+   blocks.
+
+Release notices: a decode request that loads nothing after all (its own prefix cache holds the
+prompt, its prompt differs, it is aborted before its blocks are allocated) makes the decode's
+ranks tell the prefill's (``Handover.release``), which free the blocks at once; ``hold_s`` only
+covers a decode that never comes. A prefill rank that sends in none of its pairings' routes
+(prefill TP above the model's KV heads) reports each request sent at once.
+
+Live KV is the engine's alone: the connector's workers refuse REST-pushed transfer commands
+(recorded as failed transfers on the control plane), fault injection acts only with
+``KVPLANE_TEST_FAULTS=1`` in the engine's environment, and the control plane's token comes from
+``KVPLANE_TOKEN`` or ``token_file``, never from the logged config.
 
 Registration: vLLM's CPU attention backend keeps one tensor per layer, ``[blocks, kv_heads,
 block_size, 2 * head_dim]``: each head's keys then values, per block. The connector registers one
@@ -50,6 +73,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +81,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+
+from workers.connectors.boundary import (
+    FAULTS_ENV,
+    Pairings,
+    ParamsError,
+    RemotePrefill,
+    block_digests,
+    control_plane_token,
+    faults_enabled,
+    parse_params,
+    refusal,
+    transfer_id,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,15 +107,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
     from workers.agent import Worker
-    from workers.handover import Ask
+    from workers.handover import Ask, Handle
 
 log = logging.getLogger("kvplane.vllm")
 
 DEFAULT_HOLD_S = 60.0  # a prefill keeps a finished request's blocks this long for the decode
 DEFAULT_TIMEOUT_S = 30.0  # a decode rank's receive fails after this
-PARK_S = 10.0  # an ask that came before its request's metadata waits this long
+PARK_S = 3.0  # an ask that came before its request's hold reached this rank waits this long
 DEFAULT_STAGING_MIB = 32
 IDLE_STEP_S = 0.01  # the longest a step that runs no model waits for a handover to resolve
+CLAIMS_KEPT = 65_536  # prefill requests whose KV a decode engine loaded, remembered
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -128,17 +166,25 @@ def _role(config: VllmConfig) -> str:
     )
 
 
+# -------------------------------------------------------------------------------------------
+# scheduler ↔ ranks
+# -------------------------------------------------------------------------------------------
+
+
 @dataclass
 class Receive:
     """One decode request's load, from the scheduler to every rank."""
 
     request_id: str  # the decode engine's
-    remote_request_id: str  # the prefill engine's: the transfer's request id on both sides
+    source: str  # the prefill engine's id of the request
     context: str  # the prefill's kvplane instance
     remote_block_ids: list[int]
     local_block_ids: list[int]
-    num_tokens: int | None = None  # the prompt's tokens: blocks pair by token position
-    skip_blocks: int = 0  # fault injection: leave the first N blocks unloaded
+    skip_blocks: int = 0  # test-only fault injection: leave the first N blocks unloaded
+
+    @property
+    def transfer_id(self) -> str:
+        return transfer_id(self.request_id)
 
 
 @dataclass
@@ -147,7 +193,18 @@ class KvplaneConnectorMetadata(KVConnectorMetadata):
 
     receive: list[Receive] = field(default_factory=list)
     hold: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id: blocks, until
+    release: list[tuple[str, str]] = field(default_factory=list)  # (context, its request id)
     idle: bool = False  # the step runs no model: only handovers keep the engine stepping
+
+
+@dataclass
+class _Decision:
+    """A decode request whose KV will load: what from, and how many tokens."""
+
+    remote: RemotePrefill
+    matched: int  # leading prompt tokens the prefill holds
+    skip_blocks: int = 0
+    seen_at: float = field(default_factory=time.monotonic)
 
 
 class KvplaneConnector(KVConnectorBase_V1):
@@ -164,29 +221,51 @@ class KvplaneConnector(KVConnectorBase_V1):
         self.instance = instance_name(vllm_config)
         extra = _extra(vllm_config)
         _log_to_stderr(str(extra.get("log_level") or os.environ.get("KVPLANE_LOG_LEVEL") or ""))
+        self.url = str(
+            extra.get("control_plane") or os.environ.get("KVPLANE_URL") or "http://127.0.0.1:8000"
+        )
+        self.token = control_plane_token(extra)
         self.hold_s = float(extra.get("hold_s", DEFAULT_HOLD_S))
         self.timeout_s = float(extra.get("timeout_s", DEFAULT_TIMEOUT_S))
         self.verify = bool(extra.get("verify", False))
-        # Fault injection for tests: the decode leaves its first N blocks unloaded (per request:
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.faults = faults_enabled()
+        if extra.get("fault_skip_blocks") and not self.faults:
+            raise ValueError(
+                f"KvplaneConnector: fault_skip_blocks is test-only fault injection; it needs "
+                f"{FAULTS_ENV}=1 in the engine's environment"
+            )
+        # Test-only: the decode leaves its first N blocks unloaded (per request:
         # kv_transfer_params' "kvplane_fault_skip_blocks").
-        self.fault_skip_blocks = int(extra.get("fault_skip_blocks", 0))
+        self.fault_skip_blocks = int(extra.get("fault_skip_blocks", 0)) if self.faults else 0
         # scheduler side
         self._holding: dict[str, float] = {}  # prefill: request id -> until (wall clock)
         self._new_holds: dict[str, tuple[list[int], float]] = {}
         self._new_receives: list[Receive] = []
+        self._releases: list[tuple[str, str]] = []  # decode: (context, its request id)
         self._loading: set[str] = set()  # decode: requests whose KV is on its way
+        self._decisions: dict[str, _Decision] = {}  # decode: request id -> what it loads
+        self._claims: OrderedDict[tuple[str, str], str] = OrderedDict()  # prefill's -> decode's
+        self.pairings = Pairings(self._client, self.instance)
         # worker side
         self.worker: Worker | None = None
         self._lock = threading.Lock()
         self._held: dict[str, tuple[list[int], float]] = {}  # prefill rank: what it holds
         self._parked: dict[str, tuple[Ask, float]] = {}  # asks that came before the metadata
-        self._sending: set[str] = set()  # prefill rank: sends started
+        self._released: dict[str, float] = {}  # releases that came before the metadata
+        self._sending: dict[str, set[str]] = {}  # prefill rank: held id -> transfers under way
         self._done_sending: set[str] = set()
-        self._receiving: dict[str, Receive] = {}  # decode rank: by remote request id
+        self._receiving: dict[str, tuple[Receive, Handle]] = {}  # decode rank: by transfer id
+        self._deferred: dict[str, tuple[Receive, float]] = {}  # waiting for the pairing: until
+        self._quarantined: list[tuple[Receive, float]] = []  # failed loads: reusable at
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._paired: set[str] = set()
         self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
+
+    def _client(self, retries: int = 0) -> Any:
+        from api.client import Client
+
+        return Client(self.url, token=self.token, retries=retries, timeout_s=10.0)
 
     # ---------------------------------------------------------------------------------------
     # scheduler side
@@ -194,42 +273,127 @@ class KvplaneConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and params.get("remote_block_ids"):
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            if count > 0:
-                return count, True
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return 0, False
+        if self.kind != "generation":
+            return self._compute_locally(request, "a prefill engine loads no remote KV")
+        decision = self._decisions.get(request.request_id)
+        if decision is None:
+            try:
+                remote = parse_params(params)
+            except ParamsError as error:
+                return self._compute_locally(request, f"kv_transfer_params refused: {error}")
+            decision = self._decide(request, remote)
+            if decision is None:
+                return 0, False
+        remote = decision.remote
+        state, reason = self.pairings.state(remote.context)
+        if state != "ready":
+            if state == "pending" and time.monotonic() - decision.seen_at < self.timeout_s:
+                return None, False  # asked again next step; the step does not wait
+            why = reason or f"no pairing with {remote.context} within {self.timeout_s:g} s"
+            return self._compute_locally(request, f"{remote.context}: {why}")
+        count = decision.matched - num_computed_tokens
+        if count <= 0:  # the decode's own prefix cache holds it all
+            log.debug("kvplane: %s hits its own prefix cache", request.request_id)
+            return self._compute_locally(request, None, release=remote)
+        return count, True
+
+    def _decide(self, request: Request, remote: RemotePrefill) -> _Decision | None:
+        """What ``request`` may load from ``remote`` (None: it computes locally)."""
+        params = request.kv_transfer_params or {}
+        key = (remote.context, remote.request_id)
+        claimed = self._claims.get(key)
+        if claimed is not None and claimed != request.request_id:
+            self._compute_locally(
+                request,
+                f"{remote.context}'s request {remote.request_id} was already loaded by "
+                f"{claimed} (a retry with the same params)",
+            )
+            return None
+        if remote.block_size != self.block_size:
+            self._compute_locally(
+                request,
+                f"block sizes differ ({remote.context}: {remote.block_size}, this engine: "
+                f"{self.block_size}); the connector loads between equal block sizes",
+                release=remote,
+            )
+            return None
+        prompt = list(request.prompt_token_ids or ())
+        if self.faults and params.get("kvplane_fault_trust_tokens"):
+            matched = min(remote.num_tokens, len(prompt))  # test-only: load another prompt's KV
+        else:
+            matched = remote.matched_tokens(prompt)
+        if matched < self.block_size and matched < len(prompt):
+            self._compute_locally(
+                request,
+                f"its prompt is not the one {remote.context} prefilled (request "
+                f"{remote.request_id}): it differs within the first block",
+                release=remote,
+            )
+            return None
+        if matched < min(len(prompt), remote.num_tokens):
+            log.info(
+                "kvplane: %s loads %d of its %d prompt tokens from %s (the prompts differ "
+                "after that)",
+                request.request_id,
+                matched,
+                len(prompt),
+                remote.context,
+            )
+        skip = params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks) if self.faults else 0
+        decision = _Decision(remote, matched, skip_blocks=int(skip or 0))
+        self._decisions[request.request_id] = decision
+        self._claims[key] = request.request_id
+        while len(self._claims) > CLAIMS_KEPT:
+            self._claims.popitem(last=False)
+        return decision
+
+    def _compute_locally(
+        self, request: Request, why: str | None, release: RemotePrefill | None = None
+    ) -> tuple[int, bool]:
+        """``request`` loads nothing: vLLM computes its prompt. ``why`` is warned once;
+        ``release`` tells that prefill to free the blocks it holds for it."""
+        params = request.kv_transfer_params
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False  # asked once
+        self._decisions.pop(request.request_id, None)
+        if why:
+            log.warning("kvplane: %s computes its prompt locally: %s", request.request_id, why)
+        if release is not None:
+            self._releases.append((release.context, release.request_id))
         return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        decision = self._decisions.pop(request.request_id, None)
+        if decision is None:
             return
-        params["do_remote_prefill"] = False  # load once
+        params = request.kv_transfer_params
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False  # load once
+        remote = decision.remote
         if num_external_tokens <= 0:
-            return  # a full local prefix hit: the prefill's hold simply runs out
-        block_size = self._vllm_config.cache_config.block_size
-        local = list(blocks.get_unhashed_block_ids())
-        remote = [int(b) for b in params["remote_block_ids"]]
-        # The blocks that hold the tokens to load, aligned from the end of the prompt.
-        needed = -(-len(request.prompt_token_ids or ()) // block_size) - (
-            request.num_computed_tokens // block_size
-        )
-        count = min(len(local), len(remote), max(needed, 0))
-        local, remote = local[:count], remote[len(remote) - count :]
+            self._releases.append((remote.context, remote.request_id))
+            return
+        size = self.block_size
+        local_tokens = decision.matched - num_external_tokens
+        first, last = local_tokens // size, -(-decision.matched // size)
+        local = list(blocks.get_block_ids()[0][first:last])
+        remote_ids = list(remote.block_ids[first:last])
+        count = min(len(local), len(remote_ids))
         self._loading.add(request.request_id)
         self._new_receives.append(
             Receive(
                 request_id=request.request_id,
-                remote_request_id=str(params["remote_request_id"]),
-                context=str(params["kvplane_context"]),
-                remote_block_ids=remote,
-                local_block_ids=local,
-                num_tokens=len(request.prompt_token_ids or ()) or None,
-                skip_blocks=int(params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks)),
+                source=remote.request_id,
+                context=remote.context,
+                remote_block_ids=remote_ids[:count],
+                local_block_ids=local[:count],
+                skip_blocks=decision.skip_blocks,
             )
         )
 
@@ -237,18 +401,30 @@ class KvplaneConnector(KVConnectorBase_V1):
         meta = KvplaneConnectorMetadata(
             receive=self._new_receives,
             hold=self._new_holds,
+            release=self._releases,
             idle=scheduler_output.total_num_scheduled_tokens == 0
-            and bool(self._holding or self._loading),
+            and bool(self._holding or self._loading or self._decisions),
         )
-        self._new_receives, self._new_holds = [], {}
+        self._new_receives, self._new_holds, self._releases = [], {}, []
         return meta
 
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         self._loading.discard(request.request_id)
+        decision = self._decisions.pop(request.request_id, None)
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or self.kind != "context":
+        if self.kind == "generation":
+            if decision is not None:  # finished (aborted) before its blocks were allocated
+                self._releases.append((decision.remote.context, decision.remote.request_id))
+            elif isinstance(params, dict) and params.get("do_remote_prefill"):
+                try:  # aborted before the scheduler looked at it
+                    remote = parse_params(params)
+                    self._releases.append((remote.context, remote.request_id))
+                except ParamsError:
+                    pass
+            return False, None
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
             return False, None
         from vllm.v1.request import RequestStatus
 
@@ -259,7 +435,8 @@ class KvplaneConnector(KVConnectorBase_V1):
             return False, None  # aborted: nothing to hand over
         nested = bool(block_ids) and isinstance(block_ids[0], (list, tuple))
         ids = [int(b) for b in (block_ids[0] if nested else block_ids)]
-        if not ids:
+        prompt = list(request.prompt_token_ids or ())
+        if not ids or not prompt:
             return False, None
         until = time.time() + self.hold_s
         self._holding[request.request_id] = until
@@ -270,8 +447,10 @@ class KvplaneConnector(KVConnectorBase_V1):
             "remote_block_ids": ids,
             "remote_request_id": request.request_id,
             "remote_engine_id": self.instance,
+            "remote_num_tokens": len(prompt),
             "kvplane_context": self.instance,
-            "remote_num_tokens": len(request.prompt_token_ids or ()),
+            "kvplane_block_size": self.block_size,
+            "kvplane_digests": block_digests(prompt, self.block_size),
         }
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -280,11 +459,12 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._loading.difference_update(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
-        # Keep stepping while blocks are held: the ranks learn what they hold from the next
-        # step's metadata, and report sends done from get_finished.
+        # Keep stepping while blocks are held (the ranks learn what they hold from the next
+        # step's metadata, and report sends done from get_finished) and while a release
+        # notice has not reached the ranks.
         now = time.time()
         self._holding = {k: t for k, t in self._holding.items() if t + 5.0 > now}
-        return bool(self._holding)
+        return bool(self._holding or self._releases)
 
     # ---------------------------------------------------------------------------------------
     # worker side
@@ -292,15 +472,10 @@ class KvplaneConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register this rank's KV tensors with the control plane and attach a worker to them."""
-        from api.client import Client
         from workers.agent import Worker
 
         extra = _extra(self._vllm_config)
-        url = str(
-            extra.get("control_plane") or os.environ.get("KVPLANE_URL") or "http://127.0.0.1:8000"
-        )
-        token = extra.get("token") or os.environ.get("KVPLANE_TOKEN")
-        client = Client(url, token=token, retries=5)
+        client = self._client(retries=5)
         rank, header, rank_body, tensors = registration(
             self._vllm_config, kv_caches, model=extra.get("model")
         )
@@ -313,6 +488,8 @@ class KvplaneConnector(KVConnectorBase_V1):
             device=device,
             staging_bytes=int(extra.get("staging_mib", DEFAULT_STAGING_MIB)) << 20,
             on_ask=self._on_ask if self.kind == "context" else None,
+            on_release=self._on_release if self.kind == "context" else None,
+            accept_commands=False,  # only the engine hands out its blocks
         )
         worker.add_listener(lambda handle: self._resolved.set())
         worker.attach(tensors=tensors)
@@ -322,13 +499,13 @@ class KvplaneConnector(KVConnectorBase_V1):
             "kvplane: %s rank %d registered at %s (%d pools)",
             self.instance,
             rank,
-            url,
+            self.url,
             len(tensors),
         )
         if self.kind == "context":
             self._revalidate_pairings(client)
         elif extra.get("peer"):
-            self._pair(str(extra["peer"]), quiet=True)
+            self._pair_at_start(str(extra["peer"]))
 
     def _revalidate_pairings(self, client: Any) -> None:
         """A restarted prefill (new epoch) puts its pairings back in service once every rank
@@ -342,22 +519,17 @@ class KvplaneConnector(KVConnectorBase_V1):
         except Exception as error:  # the decode side pairs again on its first request
             log.warning("kvplane: re-validating %s's pairings failed: %s", self.instance, error)
 
-    def _pair(self, context: str, quiet: bool = False) -> None:
+    def _pair_at_start(self, context: str) -> None:
+        """``peer``: pair with that prefill at start-up (the first request then finds it)."""
         assert self.worker is not None
         try:
             report = self.worker.client.create_pairing(context, self.instance)
+            if report.get("compatible"):
+                self.worker.refresh_directory()
         except Exception as error:
-            if quiet:
-                log.info(
-                    "kvplane: pairing %s -> %s not possible yet: %s", context, self.instance, error
-                )
-                return
-            raise
-        if not report.get("compatible"):
-            errors = "; ".join(f"{e['code']}: {e['message']}" for e in report.get("errors", []))
-            raise RuntimeError(f"kvplane: {context} -> {self.instance} is incompatible: {errors}")
-        self._paired.add(context)
-        self.worker.refresh_directory()
+            log.info(
+                "kvplane: pairing %s -> %s not possible yet: %s", context, self.instance, error
+            )
 
     # decode ranks --------------------------------------------------------------------------
 
@@ -368,6 +540,8 @@ class KvplaneConnector(KVConnectorBase_V1):
             self._hold(meta.hold)
         for receive in meta.receive:
             self._expect(receive)
+        for context, source in meta.release:
+            self._release(context, source)
         if meta.idle and not meta.hold and not meta.receive:
             # vLLM steps without pause while a finished request's blocks are held or a
             # request's KV is on its way, and with TP > 1 each rank busy-waits for the next
@@ -376,36 +550,68 @@ class KvplaneConnector(KVConnectorBase_V1):
             self._resolved.wait(IDLE_STEP_S)
             self._resolved.clear()
 
-    def _expect(self, receive: Receive) -> None:
+    def _expect(self, receive: Receive, deadline: float | None = None) -> None:
+        """Start this rank's receive, or defer it while the rank's directory does not know the
+        pairing yet (refreshed off this thread); fail it once ``timeout_s`` has passed."""
         from workers.directory import HandoverError
 
-        assert self.worker is not None
+        worker = self.worker
+        assert worker is not None
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         skip = min(receive.skip_blocks, len(receive.local_block_ids))
         blocks = {0: (receive.remote_block_ids[skip:], receive.local_block_ids[skip:])}
-        options: dict[str, Any] = {
-            "timeout_s": self.timeout_s,
-            "verify": self.verify,
-            "ask": True,
-            "num_tokens": receive.num_tokens,
-        }
-        with self._lock:
-            self._receiving[receive.remote_request_id] = receive
         try:
-            try:
-                self.worker.expect(receive.remote_request_id, receive.context, blocks, **options)
-            except HandoverError as error:
-                if error.code != "unknown_pairing":
-                    raise
-                self._pair(receive.context)  # a prefill engine this decode has not met yet
-                self.worker.expect(receive.remote_request_id, receive.context, blocks, **options)
-        except Exception as error:
-            log.warning(
-                "kvplane: cannot load %s from %s: %s", receive.request_id, receive.context, error
+            if worker.handover is None:
+                raise HandoverError("the worker is not attached", code="not_attached")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HandoverError(
+                    f"no pairing with {receive.context} in this rank's directory within "
+                    f"{self.timeout_s:g} s",
+                    code="unknown_pairing",
+                )
+            handle = worker.handover.expect(
+                receive.transfer_id,
+                receive.context,
+                blocks,
+                timeout_s=left,
+                verify=self.verify,
+                ask=True,
+                source=receive.source,
             )
-            with self._lock:
-                self._receiving.pop(receive.remote_request_id, None)
-                self._done_receiving.add(receive.request_id)
-                self._load_errors.update(receive.local_block_ids)
+        except HandoverError as error:
+            if error.code == "unknown_pairing" and deadline > time.monotonic():
+                with self._lock:
+                    self._deferred[receive.transfer_id] = (receive, deadline)
+                worker.refresh_directory_soon()
+                return
+            self._load_failed(receive, str(error))
+            return
+        except Exception as error:
+            self._load_failed(receive, f"{type(error).__name__}: {error}")
+            return
+        with self._lock:
+            self._receiving[receive.transfer_id] = (receive, handle)
+
+    def _load_failed(self, receive: Receive, reason: str, reusable_at: float | None = None) -> None:
+        log.warning(
+            "kvplane: loading %s from %s failed: %s", receive.request_id, receive.context, reason
+        )
+        with self._lock:
+            if reusable_at is not None and reusable_at > time.time():
+                # A WRITE granted before the failure may still land: vLLM gets the blocks back
+                # (and recomputes into them) only after that.
+                self._quarantined.append((receive, reusable_at))
+                return
+            self._done_receiving.add(receive.request_id)
+            self._load_errors.update(receive.local_block_ids)
+
+    def _release(self, context: str, source: str) -> None:
+        worker = self.worker
+        if worker is None or worker.handover is None:
+            return
+        sent = worker.handover.release(source, context)
+        log.debug("kvplane: released %s at %s (%d notices)", source, context, sent)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -417,24 +623,44 @@ class KvplaneConnector(KVConnectorBase_V1):
     def _hold(self, holds: dict[str, tuple[list[int], float]]) -> None:
         ready = []
         log.debug("kvplane: %s holds %s", self.instance, sorted(holds))
+        unused = self._routeless()
         with self._lock:
+            if unused:  # no pairing has a route from this rank: nobody will ask it
+                self._done_sending.update(holds)
+                return
             self._held.update(holds)
-            for request_id in holds:
-                parked = self._parked.pop(request_id, None)
-                if parked is not None:
-                    ready.append(parked[0])
+            # released before the hold reached this rank (the decode was quick to decide)
+            self._done_sending.update(r for r in holds if self._released.pop(r, None) is not None)
+            for transfer, (ask, _) in list(self._parked.items()):
+                if (ask.source or ask.request_id) in holds:
+                    del self._parked[transfer]
+                    ready.append(ask)
         for ask in ready:
             self._serve(ask)
 
+    def _routeless(self) -> bool:
+        """Whether this rank sends in none of its pairings (prefill TP above the KV heads: a
+        replica no route elects). False before the first pairing: it may yet send."""
+        worker = self.worker
+        if worker is None:
+            return False
+        plans = worker.directory.plans
+        rank = worker.rank
+        return bool(plans) and not any(
+            route.sender_rank == rank for entry in plans.values() for route in entry.routes
+        )
+
     def _on_ask(self, ask: Ask) -> None:
         """Progress thread: a decode rank asks for a request (serve it, park it or refuse)."""
+        source = ask.source or ask.request_id
         with self._lock:
-            held = ask.request_id in self._held
+            held = source in self._held
             if not held:
                 self._parked[ask.request_id] = (ask, time.monotonic())
         log.debug(
-            "kvplane: %s asked for %s by %s (%s)",
+            "kvplane: %s asked for %s (as %s) by %s (%s)",
             self.instance,
+            source,
             ask.request_id,
             ask.peer,
             "held" if held else "parked",
@@ -445,70 +671,96 @@ class KvplaneConnector(KVConnectorBase_V1):
     def _serve(self, ask: Ask) -> None:
         assert self.worker is not None and self.worker.handover is not None
         handover = self.worker.handover
+        source = ask.source or ask.request_id
         with self._lock:
-            held = self._held.get(ask.request_id)
-            if held is None or ask.request_id in self._sending:
-                return
-            self._sending.add(ask.request_id)
-        wanted = _context_ids(ask.blocks)
-        if held[1] < time.time() or not set(wanted) <= set(held[0]):
-            reason = (
-                f"{self.instance} no longer holds request {ask.request_id}"
-                if held[1] < time.time()
-                else f"{self.instance} holds other blocks for request {ask.request_id}"
-            )
+            held = self._held.get(source)
+            if held is None or source in self._done_sending:
+                reason: str | None = f"{self.instance} no longer holds request {source}"
+            else:
+                reason = refusal(self.instance, source, held, ask.blocks)
+            if reason is None:
+                self._sending.setdefault(source, set()).add(ask.request_id)
+        if reason is not None:
             handover.refuse(ask, reason)
-            self._sent(ask.request_id)
+            if held is not None:  # the decode that came loads nothing: free the blocks
+                self._sent(source, None)
             return
         try:
             handle = handover.send(ask.request_id, ask.peer, ask.blocks, **ask.send_options())
         except Exception as error:
             handover.refuse(ask, f"{self.instance} cannot send: {error}")
-            self._sent(ask.request_id)
+            self._sent(source, ask.request_id)
             return
-        handle.add_done_callback(lambda h: self._sent(h.request_id))
+        handle.add_done_callback(lambda h: self._sent(source, h.request_id))
 
-    def _sent(self, request_id: str) -> None:
+    def _sent(self, source: str, transfer: str | None) -> None:
+        """A send of held request ``source`` ended: its blocks are free once none is under way."""
         with self._lock:
-            self._done_sending.add(request_id)
+            sending = self._sending.get(source, set())
+            sending.discard(transfer or "")
+            if not sending:
+                self._sending.pop(source, None)
+                self._done_sending.add(source)
+
+    def _on_release(self, request_id: str, peer: str) -> None:
+        """Progress thread: a decode engine will not ask for ``request_id``: free it now (or,
+        when its hold has not reached this rank yet, as soon as it does)."""
+        now = time.monotonic()
+        with self._lock:
+            if request_id not in self._held:
+                self._released[request_id] = now
+                if len(self._released) > CLAIMS_KEPT:
+                    self._released = {k: t for k, t in self._released.items() if now - t < PARK_S}
+            elif not self._sending.get(request_id):
+                self._done_sending.add(request_id)
+        log.debug("kvplane: %s released %s", peer, request_id)
 
     # both ----------------------------------------------------------------------------------
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
+        with self._lock:
+            deferred, self._deferred = self._deferred, {}
+        for receive, deadline in deferred.values():
+            self._expect(receive, deadline)
         finished = self.worker.get_finished()
         now_wall, now = time.time(), time.monotonic()
         refuse: list[Ask] = []
+        failed: list[tuple[Receive, str, float | None]] = []
         with self._lock:
-            for request_id in finished.received | set(finished.failed):
-                receive = self._receiving.pop(request_id, None)
-                if receive is None:
+            for transfer in finished.received | set(finished.failed):
+                entry = self._receiving.pop(transfer, None)
+                if entry is None:
                     continue
-                self._done_receiving.add(receive.request_id)
-                if request_id in finished.failed:
-                    log.warning(
-                        "kvplane: loading %s failed: %s",
-                        receive.request_id,
-                        finished.failed[request_id],
-                    )
+                receive, handle = entry
+                if transfer in finished.failed:
+                    failed.append((receive, finished.failed[transfer], handle.reusable_at))
+                else:
+                    self._done_receiving.add(receive.request_id)
+            for receive, reusable_at in list(self._quarantined):
+                if reusable_at <= now_wall:
+                    self._quarantined.remove((receive, reusable_at))
+                    self._done_receiving.add(receive.request_id)
                     self._load_errors.update(receive.local_block_ids)
             for request_id, (_, until) in list(self._held.items()):
                 if until < now_wall and request_id not in self._sending:
                     self._done_sending.add(request_id)  # nobody asked in time: free them
-            for request_id, (ask, since) in list(self._parked.items()):
+            for transfer, (ask, since) in list(self._parked.items()):
                 if now - since > PARK_S:
-                    del self._parked[request_id]
+                    del self._parked[transfer]
                     refuse.append(ask)
             sending, self._done_sending = self._done_sending, set()
-            receiving, self._done_receiving = self._done_receiving, set()
             for request_id in sending:
                 self._held.pop(request_id, None)
-                self._sending.discard(request_id)
+        for receive, reason, quiet_until in failed:
+            self._load_failed(receive, reason, quiet_until)
+        with self._lock:
+            receiving, self._done_receiving = self._done_receiving, set()
         for ask in refuse:
             assert self.worker.handover is not None
             self.worker.handover.refuse(
-                ask, f"{self.instance} does not hold request {ask.request_id}"
+                ask, f"{self.instance} does not hold request {ask.source or ask.request_id}"
             )
         return sending or None, receiving or None
 
@@ -527,12 +779,6 @@ class KvplaneConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
-
-
-def _context_ids(blocks: Any) -> list[int]:
-    lists = next(iter(blocks.values()))
-    ids = lists["context"] if isinstance(lists, dict) else lists[0]
-    return [int(b) for b in ids]
 
 
 def registration(

@@ -59,7 +59,7 @@ IDLE_HOOK_S = 0.02  # nothing pending this long: the owner's idle hook runs (see
 BUSY_SLEEP_S = 0.00005
 BUSY_POLLS = 40
 PATIENT_SLEEP_S = 0.00025
-_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
 
 class Handover(GrantExchange):
@@ -79,6 +79,7 @@ class Handover(GrantExchange):
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         hold_s: float = 0.0,
         on_ask: Callable[[Ask], None] | None = None,
+        on_release: Callable[[str, str], None] | None = None,
         on_unknown_agent: Callable[[str], None] | None = None,
         on_idle: Callable[[], bool | None] | None = None,
     ) -> None:
@@ -99,6 +100,9 @@ class Handover(GrantExchange):
         self.hold_s = hold_s
         # Context side: called on the progress thread with each new Ask (keep it short).
         self.on_ask = on_ask
+        # Context side: called on the progress thread with (request id, generation instance)
+        # when a paired generation rank will not ask for that request (see release()).
+        self.on_release = on_release
         # An ask from an agent the directory does not name yet (a peer paired a moment ago):
         # the owner refreshes the directory off this thread; the ask comes again.
         self.on_unknown_agent = on_unknown_agent
@@ -196,10 +200,13 @@ class Handover(GrantExchange):
         context: Mapping[str, Any] | None = None,
         num_tokens: int | None = None,
         ask: bool = False,
+        source: str | None = None,
     ) -> Handle:
         """Start receiving this rank's share of ``request_id`` from context instance ``peer``
         (same options as :meth:`send`; the handle becomes ``arrived``). ``ask``: the context
-        side has not called ``send``; ask each writer to (see :class:`Ask`)."""
+        side has not called ``send``; ask each writer to (see :class:`Ask`). ``source``: the
+        context engine's own id of the request, when it differs from ``request_id`` (it rides
+        the ask as :attr:`Ask.source`)."""
         return self._start(
             "receive",
             request_id,
@@ -213,7 +220,40 @@ class Handover(GrantExchange):
             context,
             num_tokens,
             ask,
+            source,
         )
+
+    def release(
+        self,
+        request_id: str,
+        peer: str,
+        *,
+        context_dp_rank: int | None = None,
+        generation_dp_rank: int | None = None,
+    ) -> int:
+        """Generation side: tell each context rank of ``peer`` that writes to this rank that
+        its request ``request_id`` (the context engine's id) will not be asked for, so it frees
+        the blocks now rather than when its hold runs out. Returns the notices sent (0 when
+        the pairing or its writers are not known here: the hold then runs out)."""
+        if not isinstance(request_id, str) or not REQUEST_ID.match(request_id):
+            return 0
+        entry = self.directory.plans.get((peer, context_dp_rank, generation_dp_rank))
+        if entry is None:
+            return 0
+        ce, ge = entry.epochs()
+        sent = 0
+        for sender in sorted({r.sender_rank for r in entry.routes if r.receiver_rank == self.rank}):
+            worker = self._peers.get((peer, sender))
+            if worker is None:
+                continue
+            try:
+                self.transport.send_notif(
+                    worker.agent, notice("R", request_id, ce, ge, sender, self.rank)
+                )
+                sent += 1
+            except Exception as error:  # the hold covers a release that does not get through
+                log.debug("release of %s to %s failed: %s", request_id, worker.agent, error)
+        return sent
 
     def refuse(self, ask: Ask, reason: str) -> None:
         """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
@@ -288,10 +328,11 @@ class Handover(GrantExchange):
         context: Mapping[str, Any] | None,
         num_tokens: int | None = None,
         ask: bool = False,
+        source: str | None = None,
     ) -> Handle:
         if self._closed:
             raise HandoverError("this worker's handover is closed", code="closed")
-        if not isinstance(request_id, str) or not _ID.match(request_id):
+        if not isinstance(request_id, str) or not REQUEST_ID.match(request_id):
             raise HandoverError(
                 f"request id {request_id!r}: 1-200 characters of letters, digits and ._:@/+=-",
                 code="invalid_request_id",
@@ -328,6 +369,7 @@ class Handover(GrantExchange):
             hold_until=now + self.hold_s,
             ask=ask and side == "receive",
             dp=(context_dp_rank, generation_dp_rank),
+            source=source if ask and side == "receive" else None,
         )
         aligned: dict[Any, Any] = {}  # routes over the same groups align alike
         for route, route_dict in zip(entry.routes, entry.route_dicts, strict=True):
@@ -635,6 +677,9 @@ class Handover(GrantExchange):
         if kind == "A":
             self._on_ask(agent, fields)
             return
+        if kind == "R":
+            self._on_release(agent, key[0])
+            return
         index = (
             self._send
             if kind == "G" or (kind == "X" and self.directory.role == "context")
@@ -655,6 +700,16 @@ class Handover(GrantExchange):
                 self._early[key] = (agent, fields, time.monotonic())
             return
         self._on_message(agent, fields, state)
+
+    def _on_release(self, agent: str, request_id: str) -> None:
+        """A paired generation rank will not ask for ``request_id`` (see :meth:`release`)."""
+        peer = self._agents.get(agent)
+        if self.on_release is None or self.directory.role != "context" or peer is None:
+            return  # a stranger's notice: only a paired instance's worker may release
+        try:
+            self.on_release(request_id, peer.instance)
+        except Exception:
+            log.exception("on_release hook failed for %s", request_id)
 
     def _on_message(
         self, agent: str, fields: list[str], state: RouteState, received_at: float | None = None

@@ -148,6 +148,7 @@ class GrantExchange(HandleLifecycle):
             verify=op.verify,
             num_tokens=op.handle.context.get("num_tokens"),
             timeout_s=op.deadline - time.monotonic(),
+            source=op.source,
         )
         assert state.agent is not None
         try:

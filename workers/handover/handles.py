@@ -189,6 +189,7 @@ class Op:
     routes: list[RouteState] = field(default_factory=list)
     hold_until: float = 0.0
     ask: bool = False  # receiver: ask each writer to send (see Ask)
+    source: str | None = None  # receiver: the context engine's id of the request (Ask.source)
     dp: tuple[int | None, int | None] = (None, None)  # context and generation DP ranks
 
 

@@ -14,7 +14,9 @@ ranks (``(x, s, r)`` is the route's key on both sides):
 - ``X|x|ce|ge|s|r|reason``: either way, "this transfer failed here";
 - ``A|x|ce|ge|s|r|json``: receiver → writer before its grant, "send this request" (see
   :class:`Ask`);
-- ``P|x|ce|ge|s|r``: writer → receiver, a probe of a connection that may have lost a WRITE.
+- ``P|x|ce|ge|s|r``: writer → receiver, a probe of a connection that may have lost a WRITE;
+- ``R|x|ce|ge|s|r``: receiver → writer, "I will not ask for ``x`` (the writer's request id):
+  free its blocks now" (an engine's release notice; see :meth:`Handover.release`).
 
 A verified receive compares each route's crc32 with its writer's before its handle says
 ``arrived``: a difference fails it (``checksum_mismatch``) while the engine can still refuse the
@@ -98,6 +100,9 @@ class Ask:
     epochs: tuple[str, str]
     route: tuple[int, int]  # (sender rank, receiver rank)
     num_tokens: int | None = None
+    # The context engine's own id of the request whose blocks to send, when the transfer's id
+    # (``request_id``, the generation engine's) differs from it; None: the same id.
+    source: str | None = None
 
     def send_options(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`Handover.send` that match the receiver's."""
@@ -120,6 +125,7 @@ def ask_payload(
     verify: bool,
     num_tokens: int | None,
     timeout_s: float,
+    source: str | None = None,
 ) -> str:
     """The JSON field of an ``A`` notification."""
     return json.dumps(
@@ -132,6 +138,7 @@ def ask_payload(
             "v": verify,
             "n": num_tokens,
             "t": round(max(0.001, timeout_s), 3),
+            **({"src": source} if source is not None else {}),
         },
         separators=(",", ":"),
     )
@@ -155,4 +162,5 @@ def parse_ask(agent: str, peer: str, peer_rank: int, fields: list[str]) -> Ask:
         epochs=(fields[2], fields[3]),
         route=(int(fields[4]), int(fields[5])),
         num_tokens=None if body.get("n") is None else int(body["n"]),
+        source=None if body.get("src") is None else str(body["src"]),
     )

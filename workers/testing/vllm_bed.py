@@ -12,10 +12,14 @@ import queue
 import random
 import signal
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "tests" / "vllm"  # engine.py, tiny_model.py
@@ -181,3 +185,108 @@ def handover(
     params = [{**p, **extra} for p in pre["params"]]
     assert all(p and p["kvplane_context"] == context for p in params), params
     return decode.generate(decoded, max_tokens, params)["tokens"]
+
+
+SERVER_START_S = 240  # an OpenAI server is up in 30-40 s here, alone
+
+
+class Process:
+    """A server process (an OpenAI server, the proxy) in its own session, logging to a file."""
+
+    def __init__(self, argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+        self.log = log
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                cwd=ROOT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.log.stem} exited: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"{self.log.stem} not up in {timeout_s} s: {self.log.read_text()[-3000:]}"
+        )
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+def connector_config(role: str, name: str, plane: str, **extra: Any) -> str:
+    """``--kv-transfer-config`` for ``KvplaneConnector`` (``kv_producer`` or ``kv_consumer``);
+    ``extra`` adds to its ``kv_connector_extra_config`` (and ``kv_load_failure_policy``)."""
+    policy = extra.pop("kv_load_failure_policy", None)
+    config: dict[str, Any] = {
+        "kv_connector": "KvplaneConnector",
+        "kv_connector_module_path": "workers.connectors.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"control_plane": plane, "instance": name, **extra},
+    }
+    if policy:
+        config["kv_load_failure_policy"] = policy
+    return json.dumps(config)
+
+
+def openai_server(
+    workdir: Path,
+    model: Path,
+    name: str,
+    kv_config: str,
+    core: str,
+    port: int,
+    *,
+    prefix_caching: bool = False,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+) -> Process:
+    """vLLM's OpenAI server for ``model`` with ``kv_config``, its threads bound to ``core``."""
+    return Process(
+        [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--enforce-eager",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--skip-tokenizer-init",
+            "--kv-transfer-config",
+            kv_config,
+            *args,
+        ],
+        workdir / f"{name}.log",
+        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})},
+    )
+
+
+def proxy(workdir: Path, prefill: str, decode: str, port: int) -> Process:
+    """``examples/vllm_proxy.py`` in front of a prefill and a decode server."""
+    return Process(
+        [
+            sys.executable,
+            "examples/vllm_proxy.py",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--port",
+            str(port),
+        ],
+        workdir / "proxy.log",
+    )

@@ -1,0 +1,218 @@
+"""What crosses an engine's boundary into kvplane's connectors (``workers/connectors/boundary.py``),
+without an engine: a prefill's params as a client may send them, the prompt digests that keep a
+decode from another prompt's KV, the prefill's check of an ask's blocks, the token's sources,
+and the release notice between two handovers."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from workers.connectors.boundary import (
+    ParamsError,
+    block_digests,
+    control_plane_token,
+    parse_params,
+    refusal,
+    transfer_id,
+)
+
+BLOCK = 32
+
+
+def _params(prompt: list[int], **more: Any) -> dict[str, Any]:
+    """What the vLLM connector's prefill answers for ``prompt`` (blocks 10, 11, ...)."""
+    blocks = -(-len(prompt) // BLOCK)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(range(10, 10 + blocks)),
+        "remote_request_id": "cmpl-abc-0",
+        "remote_engine_id": "vllm-prefill",
+        "remote_num_tokens": len(prompt),
+        "kvplane_context": "vllm-prefill",
+        "kvplane_block_size": BLOCK,
+        "kvplane_digests": block_digests(prompt, BLOCK),
+        **more,
+    }
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 4000) for _ in range(length)]
+
+
+def test_digests_chain_every_block_on_the_ones_before() -> None:
+    prompt = _prompt(1, 100)
+    digests = block_digests(prompt, BLOCK)
+    assert len(digests) == 4 and len(set(digests)) == 4
+    assert all(len(d) == 16 for d in digests)
+    # A token changed in block 0 changes every digest after it (a chain, like vLLM's hashes);
+    # one changed in block 2 leaves blocks 0 and 1 alone.
+    first = block_digests([prompt[0] + 1, *prompt[1:]], BLOCK)
+    assert all(a != b for a, b in zip(digests, first, strict=True))
+    third = block_digests(prompt[:70] + [prompt[70] + 1] + prompt[71:], BLOCK)
+    assert third[:2] == digests[:2] and third[2:] != digests[2:]
+    # The same tokens in a block with another history differ.
+    assert block_digests(prompt[32:64], BLOCK)[0] != digests[1]
+
+
+@pytest.mark.parametrize(
+    ("decoded", "matched"),
+    [
+        (lambda p: p, 100),  # the prefilled prompt: every token, the partial last block too
+        (lambda p: p + _prompt(2, 37), 100),  # longer: the prefilled prefix
+        (lambda p: p[:50], 32),  # shorter: the whole blocks it shares
+        (lambda p: p[:64], 64),
+        (lambda p: [p[0] + 1, *p[1:]], 0),  # the first token differs: nothing
+        (lambda p: p[:40] + [p[40] + 1] + p[41:], 32),  # block 1 differs
+        (lambda p: p[:99] + [p[99] + 1], 96),  # the partial last block differs
+        (lambda p: p[:99], 96),  # one token short of the partial block
+    ],
+)
+def test_a_decode_loads_only_the_leading_blocks_its_prompt_shares(decoded, matched) -> None:
+    prompt = _prompt(3, 100)
+    remote = parse_params(_params(prompt))
+    assert remote.matched_tokens(decoded(prompt)) == matched
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kvplane_context": None}, "kvplane_context"),
+        ({"kvplane_context": 7}, "kvplane_context"),
+        ({"kvplane_context": "a|b"}, "kvplane_context"),
+        ({"remote_request_id": "x" * 201}, "remote_request_id"),
+        ({"remote_request_id": None}, "remote_request_id"),
+        ({"remote_num_tokens": -1}, "remote_num_tokens"),
+        ({"remote_num_tokens": True}, "remote_num_tokens"),
+        ({"remote_num_tokens": "100"}, "remote_num_tokens"),
+        ({"kvplane_block_size": 0}, "kvplane_block_size"),
+        ({"remote_block_ids": []}, "remote_block_ids"),
+        ({"remote_block_ids": "10,11"}, "remote_block_ids"),
+        ({"remote_block_ids": [10, 11, "12", 13]}, "remote_block_ids"),
+        ({"remote_block_ids": [10, 11, -1, 13]}, "remote_block_ids"),
+        ({"remote_block_ids": [10, 11, 11, 13]}, "appears twice"),
+        ({"remote_block_ids": [10, 11, 12]}, "3 blocks for 100 tokens"),
+        ({"remote_block_ids": [10, 11, 12, 2**40]}, "remote_block_ids"),
+        ({"kvplane_digests": ["00" * 8] * 3}, "kvplane_digests"),
+        ({"kvplane_digests": ["zz" * 8] * 4}, "kvplane_digests"),
+        ({"kvplane_digests": None}, "kvplane_digests"),
+        ({"remote_num_tokens": 200}, "kvplane_digests"),
+    ],
+)
+def test_malformed_params_are_refused_with_the_field(change, message) -> None:
+    params = _params(_prompt(4, 100))
+    for key, value in change.items():
+        if value is None:
+            params.pop(key)
+        else:
+            params[key] = value
+    with pytest.raises(ParamsError, match=message):
+        parse_params(params)
+
+
+def test_foreign_params_are_not_kvplanes() -> None:
+    """NixlConnector's answer (or a client's own) names no kvplane prefill."""
+    nixl = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2, 3],
+        "remote_engine_id": "e",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
+    with pytest.raises(ParamsError, match="not a kvplane prefill"):
+        parse_params(nixl)
+
+
+def test_extra_block_ids_past_the_prompt_are_ignored() -> None:
+    params = _params(_prompt(5, 64), remote_block_ids=[10, 11, 12])
+    assert parse_params(params).block_ids == (10, 11)
+
+
+def test_a_transfer_id_is_the_request_id_when_a_handover_takes_it() -> None:
+    assert transfer_id("cmpl-123-0-a1b2") == "cmpl-123-0-a1b2"
+    odd = transfer_id("client's id with spaces|and bars")
+    assert odd.startswith("vllm-") and len(odd) == 37
+    assert transfer_id("x" * 300) != transfer_id("x" * 301)
+
+
+def test_the_prefill_serves_only_a_run_of_the_blocks_it_holds() -> None:
+    held = ([10, 11, 12, 13], time.time() + 60)
+
+    def ask(ids: list[int]) -> dict[str, Any]:
+        return {"0": {"context": ids, "generation": list(range(len(ids)))}}
+
+    assert refusal("p", "r", held, ask([10, 11, 12, 13])) is None
+    assert refusal("p", "r", held, ask([11, 12])) is None  # the decode's cache held block 0
+    for forged in ([11, 12, 13, 14], [13, 12], [10, 12], [99], []):
+        assert refusal("p", "r", held, ask(forged)) is not None, forged
+    assert "malformed" in str(refusal("p", "r", held, {"0": {"context": ["a"]}}))
+    assert "no longer holds" in str(refusal("p", "r", ([10], time.time() - 1), ask([10])))
+
+
+def test_the_token_never_comes_from_the_logged_config(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("KVPLANE_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="KVPLANE_TOKEN"):
+        control_plane_token({"token": "secret"})
+    assert control_plane_token({}) is None
+    path = tmp_path / "token"
+    path.write_text("from-a-file\n")
+    assert control_plane_token({"token_file": str(path)}) == "from-a-file"
+    with pytest.raises(ValueError, match="token_file"):
+        control_plane_token({"token_file": str(tmp_path / "missing")})
+    monkeypatch.setenv("KVPLANE_TOKEN", "from-the-environment")
+    assert control_plane_token({"token_file": str(path)}) == "from-the-environment"
+
+
+def test_a_release_notice_reaches_the_context_engine_from_paired_workers_only() -> None:
+    """``Handover.release`` on a generation rank sends ``R`` to each writer of its plan; the
+    context rank hands it to ``on_release`` only when it comes from a paired worker."""
+    import torch
+
+    from workers.directory import Directory, PeerWorker, PlanEntry
+    from workers.handover import Handover
+
+    sent: list[tuple[str, bytes]] = []
+    transport = SimpleNamespace(
+        staging=torch.empty(64, dtype=torch.uint8),
+        pools={},
+        send_notif=lambda agent, msg: sent.append((agent, msg)),
+    )
+    released: list[tuple[str, str]] = []
+    seen = threading.Event()
+
+    def on_release(request_id: str, peer: str) -> None:
+        released.append((request_id, peer))
+        seen.set()
+
+    route = SimpleNamespace(sender_rank=1, receiver_rank=0)  # all release() reads of a route
+    entry = PlanEntry("p", "ctx", "gen", "ce", "ge", None, None, (1,), (0,), (route,), ({},))  # type: ignore[arg-type]
+    writer = PeerWorker("ctx", 1, "ce", "w-ctx-1", "agent-ctx-1", {})
+    reader = PeerWorker("gen", 0, "ge", "w-gen-0", "agent-gen-0", {})
+    generation = Handover(transport, instance="gen", rank=0)  # type: ignore[arg-type]
+    context = Handover(transport, instance="ctx", rank=1, on_release=on_release)  # type: ignore[arg-type]
+    try:
+        generation.directory = Directory(
+            "r", "gen", "generation", 0, "ge", plans={("ctx", None, None): entry}
+        )
+        generation._peers[("ctx", 1)] = writer
+        assert generation.release("cmpl-1", "ctx") == 1
+        assert generation.release("cmpl-1", "unpaired") == 0
+        assert generation.release("bad|id", "ctx") == 0
+        assert sent == [("agent-ctx-1", b"R|cmpl-1|ce|ge|1|0")]
+
+        context.directory = Directory("r", "ctx", "context", 1, "ce")
+        context._agents["agent-gen-0"] = reader
+        context._on_notification("agent-stranger", sent[0][1])  # not a paired worker: dropped
+        context._on_notification("agent-gen-0", sent[0][1])
+        assert seen.wait(5)
+        assert released == [("cmpl-1", "gen")]
+    finally:
+        generation.close()
+        context.close()
