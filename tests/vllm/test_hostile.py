@@ -13,8 +13,8 @@ behaviour): no block is left held.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -289,31 +289,44 @@ def test_a_local_prefix_hit_releases_the_prefill_at_once(servers: dict[str, Any]
 
 def test_a_decode_aborted_before_it_loads_releases_the_prefill(servers: dict[str, Any]) -> None:
     """A client gives up on its decode request while it waits to be scheduled (the engine's two
-    sequences are busy with long streams): the prefill frees the request's blocks at once."""
+    sequences are busy with long streams): the prefill frees the request's blocks at once, while
+    the streams still run, not after ``hold_s``."""
     prompt = prompts(108, (90,))[0]
-    params = _prefill(servers, prompt)
     long_body = _body(servers, prompts(109, (40,))[0], max_tokens=1500, stream=True)
+    started = threading.Barrier(3)
+    stop = threading.Event()
 
-    def stream(stop: float) -> None:
-        with (
-            contextlib.suppress(httpx.HTTPError),
-            httpx.stream(
-                "POST", f"{servers['decode']}/v1/completions", json=long_body, timeout=60
-            ) as answer,
-        ):
+    def stream() -> int:
+        lines = 0
+        with httpx.stream(
+            "POST", f"{servers['decode']}/v1/completions", json=long_body, timeout=60
+        ) as answer:
+            assert answer.status_code == 200
             for _ in answer.iter_lines():
-                if time.monotonic() > stop:
-                    return
+                lines += 1
+                if lines == 3:
+                    started.wait(30)  # both sequences decode: a third request waits
+                if stop.is_set():
+                    break
+        return lines
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        stop = time.monotonic() + 6.0
-        busy = [pool.submit(stream, stop) for _ in range(2)]
-        time.sleep(0.5)
-        # The client closes the connection after 1 s: vLLM aborts the request.
-        with contextlib.suppress(httpx.TimeoutException):
-            _post(servers["decode"], _body(servers, prompt, kv_transfer_params=params), 1.0)
-        for future in busy:
-            future.result()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(stream) for _ in range(2)]
+        try:
+            started.wait(30)
+            params = _prefill(servers, prompt)
+            assert _usage(servers["prefill"]) > 0.0  # held for the decode
+            # The client closes its connection after 1 s, unanswered: vLLM aborts the request.
+            with pytest.raises(httpx.TimeoutException):
+                _post(servers["decode"], _body(servers, prompt, kv_transfer_params=params), 1.0)
+            aborted = time.monotonic()
+            assert _settled(servers["prefill"], SETTLE_S) == 0.0
+            assert time.monotonic() - aborted < HOLD_S / 2
+            assert not any(future.done() for future in busy)  # the victim never got a slot
+        finally:
+            stop.set()
+            for future in busy:
+                assert future.result() > 3
     _unharmed(servers)
 
 

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -95,6 +94,7 @@ from workers.connectors.boundary import (
     refusal,
     transfer_id,
 )
+from workers.connectors.layouts import describe
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -117,7 +117,6 @@ PARK_S = 3.0  # an ask that came before its request's hold reached this rank wai
 DEFAULT_STAGING_MIB = 32
 IDLE_STEP_S = 0.01  # the longest a step that runs no model waits for a handover to resolve
 CLAIMS_KEPT = 65_536  # prefill requests whose KV a decode engine loaded, remembered
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _extra(config: VllmConfig) -> dict[str, Any]:
@@ -261,6 +260,14 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()
         self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """``LBHNC``: a block of one layer holds each head's tokens together, so a head slice
+        (TP 2 → TP 1) is one run per head and block. kvplane also describes ``LBNHC``,
+        ``BLHNC`` and ``BLNHC`` (``VLLM_KV_CACHE_LAYOUT`` may name one); see
+        :mod:`workers.connectors.layouts`."""
+        return "LBHNC"
 
     def _client(self, retries: int = 0) -> Any:
         from api.client import Client
@@ -784,7 +791,8 @@ class KvplaneConnector(KVConnectorBase_V1):
 def registration(
     config: VllmConfig, kv_caches: dict[str, torch.Tensor], *, model: str | None = None
 ) -> tuple[int, dict[str, Any], dict[str, Any], dict[int, torch.Tensor]]:
-    """``(rank, instance header, rank body, {pool id: tensor})`` for this rank's KV tensors."""
+    """``(rank, instance header, rank body, {pool id: tensor})`` for this rank's KV tensors
+    (pools and views follow their strides: :mod:`workers.connectors.layouts`)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     parallel = config.parallel_config
@@ -794,7 +802,6 @@ def registration(
     block_size = config.cache_config.block_size
     heads = model_config.get_num_kv_heads(parallel)
     total = model_config.get_total_num_kv_heads()
-    head_dim = model_config.get_head_size()
     header = {
         "role": _role(config),
         "model": model or os.path.basename(str(model_config.model).rstrip("/")),
@@ -806,69 +813,11 @@ def registration(
         "kv_heads_per_rank": heads,
         "total_kv_heads": total,
     }
-    pools: list[dict[str, Any]] = []
-    views: list[dict[str, Any]] = []
-    tensors: dict[int, torch.Tensor] = {}
-    for index, (name, tensor) in enumerate(sorted(kv_caches.items(), key=_layer_order)):
-        match = _LAYER.search(name)
-        layer = int(match.group(1)) if match else index
-        for roles, part, layout in _parts(tensor, heads, block_size, head_dim):
-            pool_id = len(pools)
-            slot = part[0].numel() * part.element_size()
-            pools.append(
-                {
-                    "id": pool_id,
-                    "layer_group": 0,
-                    "slot_bytes": slot,
-                    "slot_stride_bytes": part.stride(0) * part.element_size(),
-                    "num_slots": part.shape[0],
-                    "base_address": part.data_ptr(),
-                }
-            )
-            views.append(
-                {
-                    "pool": pool_id,
-                    "owner": "target",
-                    "roles": roles,
-                    "layout": layout,
-                    "num_kv_heads": heads,
-                    "total_kv_heads": total,
-                    "head_dim": head_dim,
-                    "dtype": str(tensor.dtype).removeprefix("torch."),
-                    "buffers": [{"layer": layer, "offset": 0, "size": slot}],
-                }
-            )
-            tensors[pool_id] = part
-    return rank, header, {"rank": rank, "pools": pools, "views": views}, tensors
-
-
-def _layer_order(item: tuple[str, Any]) -> tuple[int, str]:
-    match = _LAYER.search(item[0])
-    return (int(match.group(1)) if match else 1 << 30, item[0])
-
-
-def _parts(
-    tensor: torch.Tensor, heads: int, block_size: int, head_dim: int
-) -> list[tuple[list[str], torch.Tensor, str]]:
-    """One layer's tensor as ``(roles, [blocks, ...] tensor, layout)`` pools."""
-    shape = tuple(tensor.shape)
-    if len(shape) == 4 and shape[1:] == (heads, block_size, 2 * head_dim):
-        # CPU attention: per block and head, the keys of every token, then their values.
-        return [(["key", "value"], tensor, "HND")]
-    if len(shape) == 5 and shape[0] == 2:
-        inner = shape[2:4]
-        layout = (
-            "NHD"
-            if inner == (block_size, heads)
-            else "HND"
-            if inner == (heads, block_size)
-            else None
-        )
-        if layout is not None and tensor[0].is_contiguous() and tensor[1].is_contiguous():
-            return [(["key"], tensor[0], layout), (["value"], tensor[1], layout)]
-    raise ValueError(
-        f"KvplaneConnector: a KV cache tensor of shape {shape} (block size "
-        f"{block_size}, {heads} KV heads, head_dim {head_dim}) is not a layout it "
-        "knows: [blocks, heads, block_size, 2*head_dim] (CPU) or [2, blocks, "
-        "block_size, heads, head_dim] / [2, blocks, heads, block_size, head_dim]"
+    pools, views, tensors = describe(
+        kv_caches,
+        heads=heads,
+        total_heads=total,
+        block_size=block_size,
+        head_dim=model_config.get_head_size(),
     )
+    return rank, header, {"rank": rank, "pools": pools, "views": views}, tensors
