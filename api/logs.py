@@ -47,6 +47,10 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
 }
 
 access_log = logging.getLogger("kvplane.access")
+#: Requests that every worker and probe repeats (a heartbeat each second per rank, command-stream
+#: polls, health probes): their access lines go out at DEBUG while they succeed, so a served
+#: fleet's log shows what changed, not that it is alive.
+ROUTINE_PATHS = re.compile(r"^/(?:v1/workers/[^/]+/(?:heartbeat|commands)|healthz|readyz)$")
 
 
 def current_context() -> dict[str, str]:
@@ -194,7 +198,9 @@ class RequestIdMiddleware:
             try:
                 await self.app(scope, receive, _send)
             finally:
-                access_log.info(
+                routine = status < 400 and ROUTINE_PATHS.match(scope["path"]) is not None
+                access_log.log(
+                    logging.DEBUG if routine else logging.INFO,
                     "%s %s %d %.1fms",
                     scope["method"],
                     scope["path"],

@@ -3,8 +3,10 @@
 #   1. CUDA executor tests + VRAM<->VRAM NIXL (tests/workers/test_cuda.py; must not skip),
 #   2. the transfer benchmark with --device cuda (local executors and two-process NIXL),
 #   3. where VLLM_PY names a Python with a CUDA build of vLLM (and kvplane installed in it,
-#      `pip install -e '.[worker]'`): the vLLM tier on the GPU (tests/vllm/test_connector.py:
-#      two engines, kvplane's connector on CUDA tensors, tokens equal to one engine's).
+#      `pip install -e '.[worker]'`): vLLM's six KV cache layouts on CUDA tensors through the
+#      connector's registration (tests/vllm/layouts.py), then the vLLM tier on the GPU
+#      (tests/vllm/test_connector.py: two engines, kvplane's connector on CUDA tensors, tokens
+#      equal to one engine's).
 # Needs a CUDA build of torch and nixl; PY=/path/to/python overrides the interpreter
 # (the repo .venv holds the CPU wheel). Logs go to $OUT (default test-artifacts/gpu_check).
 set -euo pipefail
@@ -40,6 +42,15 @@ echo "== transfer bench (cuda)"
 timeout 240 "$PY" bench/transfer.py --device cuda --reps 3 2>&1 \
     | grep -v "NIXL INFO" | tee "$OUT/bench_cuda.txt"
 if [ -n "${VLLM_PY:-}" ]; then
+  echo "== vLLM's six KV cache layouts on CUDA tensors (tests/vllm/layouts.py)"
+  timeout 120 "$VLLM_PY" tests/vllm/layouts.py --device cuda | tail -n 1 > "$OUT/layouts.json"
+  "$PY" - "$OUT/layouts.json" <<'PYEOF'
+import json, sys
+result = json.load(open(sys.argv[1]))
+bad = {k: v for k, v in result["pairs"].items() if v["mismatched"]}
+print(len(result["pairs"]), "layout pairs moved;", "mismatches:", bad or "none")
+sys.exit(1 if bad or len(result["pairs"]) != 16 else 0)
+PYEOF
   echo "== vLLM tier on CUDA ($VLLM_PY)"
   KVPLANE_VLLM_PYTHON="$VLLM_PY" timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
       tests/vllm/test_connector.py -rs 2>&1 | tee "$OUT/pytest_vllm.txt"

@@ -1,6 +1,6 @@
 """Operator commands of ``kvplane`` against a running control plane (through :class:`Client`).
 
-``kvplane instances list|show``, ``pairings check``, ``plan show``, ``transfers list|show``,
+``kvplane instances list|show``, ``pairings list|check``, ``plan show``, ``transfers list|show``,
 ``workers list``. Every command takes ``--control-plane`` (env ``KVPLANE_URL``), ``--token``
 (env ``KVPLANE_TOKEN``) and ``--json``; without ``--json`` it prints aligned tables. An API error
 prints ``error: <code>: <detail>`` on stderr and exits 2; an unreachable control plane prints one
@@ -320,6 +320,46 @@ def instances_show(
 
 
 # --- pairings ----------------------------------------------------------------------------
+
+
+@pairings_app.command("list")
+def pairings_list(
+    control_plane: ControlPlane = DEFAULT_URL,
+    token: Token = None,
+    as_json: AsJson = False,
+    instance: Annotated[
+        str | None, typer.Option(help="Only pairings that use this instance.")
+    ] = None,
+    status: Annotated[str | None, typer.Option(help="compatible, incompatible or stale.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 1000,
+) -> None:
+    """List stored pairings, newest first, with their errors and warnings counted."""
+    params = {k: v for k, v in (("instance", instance), ("status", status)) if v is not None}
+    with _client(control_plane, token) as client:
+        page = client.list_pairings(limit=limit, **params)
+    if as_json:
+        _dump(page)
+        return
+    if not page["items"]:
+        typer.echo(_nothing("pairings", instance=instance, status=status))
+        return
+    rows = [
+        [
+            p["id"],
+            p["context"],
+            p["generation"],
+            p["status"],
+            len(p["errors"]),
+            len(p["warnings"]),
+            str(p["validated_at"])[:19].replace("T", " "),
+        ]
+        for p in page["items"]
+    ]
+    typer.echo(
+        table(["ID", "CONTEXT", "GENERATION", "STATUS", "ERRORS", "WARNINGS", "VALIDATED"], rows)
+    )
+    if page["total"] > len(rows):
+        typer.echo(f"({len(rows)} of {page['total']}; raise --limit)")
 
 
 @pairings_app.command("check")

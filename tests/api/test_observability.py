@@ -344,7 +344,7 @@ def test_docs_routes_have_their_own_metric_labels(client: TestClient) -> None:
 def test_readyz_logs_nothing_but_its_access_line(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.DEBUG):
+    with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, "kvplane.access"):
         for _ in range(3):
             assert client.get("/readyz").status_code == 200
     # (httpx lines come from the test's own client, not from the server)
@@ -355,6 +355,30 @@ def test_readyz_logs_nothing_but_its_access_line(
     ]
     assert noisy == []
     assert sum(r.name == "kvplane.access" for r in caplog.records) == 3
+
+
+def test_heartbeats_and_probes_log_at_debug_unless_they_fail(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A served fleet heartbeats once a second per rank: those access lines (and health probes)
+    are DEBUG while they succeed; a failed heartbeat and every other request stay INFO."""
+    with caplog.at_level(logging.DEBUG, logger="kvplane.access"):
+        assert client.get("/healthz").status_code == 200
+        assert client.post("/v1/workers/w-none/heartbeat", json={}).status_code >= 400
+        assert client.get("/v1/instances").status_code == 200
+    levels = {
+        r.getMessage().split()[1]: r.levelname for r in caplog.records if r.name == "kvplane.access"
+    }
+    assert levels == {
+        "/healthz": "DEBUG",
+        "/v1/workers/w-none/heartbeat": "INFO",
+        "/v1/instances": "INFO",
+    }
+    from api.logs import ROUTINE_PATHS
+
+    assert ROUTINE_PATHS.match("/v1/workers/w-1/heartbeat")
+    assert ROUTINE_PATHS.match("/v1/workers/w-1/commands")
+    assert not ROUTINE_PATHS.match("/v1/workers/w-1/directory")
 
 
 def test_configured_logging_keeps_http_client_polls_out_of_the_log() -> None:

@@ -168,6 +168,7 @@ def test_api_errors_print_code_and_detail_and_exit_2(server: str) -> None:
 REMOTE_COMMANDS = [
     ["instances", "list"],
     ["instances", "show", "ctx"],
+    ["pairings", "list"],
     ["pairings", "check", "ctx", "gen"],
     ["plan", "show", "ctx", "gen", "--receiver-rank", "0"],
     ["transfers", "list"],
@@ -236,6 +237,26 @@ def test_serve_reads_host_and_port_variables() -> None:
     result = runner.invoke(cli, ["serve", "--help"], env={"COLUMNS": "200"})
     assert "[env var: KVPLANE_HOST]" in result.output
     assert "[env var: KVPLANE_PORT]" in result.output
+
+
+def test_pairings_list(server: str) -> None:
+    result = kvplane(server, "pairings", "list")
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == [
+        "ID",
+        "CONTEXT",
+        "GENERATION",
+        "STATUS",
+        "ERRORS",
+        "WARNINGS",
+        "VALIDATED",
+    ]
+    assert [row.split()[1:6] for row in rows] == [["ctx", "gen", "compatible", "0", "0"]]
+    listed = json.loads(kvplane(server, "pairings", "list", "--json").stdout)
+    assert listed["total"] == 1 and listed["items"][0]["context"] == "ctx"
+    empty = kvplane(server, "pairings", "list", "--instance", "gen-bad")
+    assert empty.stdout == "no pairings with instance=gen-bad\n"
 
 
 def test_pairings_check_exit_codes(server: str) -> None:

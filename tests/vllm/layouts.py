@@ -2,7 +2,7 @@
 
 Run with the vLLM environment's Python (``tests/vllm/test_layouts.py`` does)::
 
-    .venv-vllm/bin/python tests/vllm/layouts.py
+    .venv-vllm/bin/python tests/vllm/layouts.py [--device cuda]
 
 For each layout, vLLM's own ``create_kv_cache_views`` builds the per-layer ``[B, H, N, C]`` views
 of a 3-layer, 4-KV-head model over one flat buffer, as its workers do, and
@@ -16,6 +16,7 @@ views (or its refusal), and each pair's result.
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -35,6 +36,7 @@ from workers.pools import attach_pools
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 4, 32, 16, 12
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+DEVICE = "cpu"
 
 
 def views(layout: KVCacheLayout, heads: int, seed: int | None) -> dict[str, torch.Tensor]:
@@ -44,7 +46,7 @@ def views(layout: KVCacheLayout, heads: int, seed: int | None) -> dict[str, torc
     )
     layer_stride, block_stride, *_ = compute_layout_strides(spec, BLOCKS, LAYERS, layout)
     size = spec.page_size_bytes * BLOCKS * LAYERS
-    raw = torch.zeros(size, dtype=torch.int8)
+    raw = torch.zeros(size, dtype=torch.int8, device=DEVICE)
     if seed is not None:
         generator = torch.Generator().manual_seed(seed)
         raw.copy_(torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator))
@@ -108,6 +110,10 @@ def transfer(src: KVCacheLayout, dst: KVCacheLayout) -> dict[str, Any]:
 
 
 def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    DEVICE = parser.parse_args().device
     described: dict[str, Any] = {}
     for layout in KVCacheLayout:
         try:

@@ -57,13 +57,13 @@ Live KV is the engine's alone: the connector's workers refuse REST-pushed transf
 ``KVPLANE_TEST_FAULTS=1`` in the engine's environment, and the control plane's token comes from
 ``KVPLANE_TOKEN`` or ``token_file``, never from the logged config.
 
-Registration: vLLM's CPU attention backend keeps one tensor per layer, ``[blocks, kv_heads,
-block_size, 2 * head_dim]``: each head's keys then values, per block. The connector registers one
-pool per layer (a slot is a block) and one ``HND`` view with a single buffer per layer: a head's
-region, keys and values together, is what moves, so TP 2 → TP 1 is a plain head slice. The
-``[2, blocks, ...]`` layouts of the GPU backends register a key pool and a value pool per layer
-(``NHD`` or ``HND`` by their strides). ``model`` (the model directory's name unless
-``kv_connector_extra_config`` names one) makes the control plane refuse a pairing of two models.
+Registration: vLLM hands every attention backend one ``[blocks, kv_heads, block_size,
+content]`` view per layer, with strides from one of its six KV cache layouts; the connector
+asks for ``LBHNC`` (one ``HND`` pool per layer, a slot is a block: a head's keys and values for
+the block's tokens are one run, so TP 2 → TP 1 is a plain head slice) and registers whatever
+layout the strides say (:mod:`workers.connectors.layouts`). ``model`` (the model directory's
+name unless ``kv_connector_extra_config`` names one) makes the control plane refuse a pairing
+of two models.
 """
 
 from __future__ import annotations
