@@ -84,7 +84,13 @@ def rate(count: int | None, seconds: float | None) -> str:
     return f"{count / seconds / 1e9:.3g} GB/s"
 
 
+def count(number: int, noun: str, plural: str | None = None) -> str:
+    """``1 route``, ``2 routes``; ``plural`` where adding an s is wrong."""
+    return f"{number:,} {noun if number == 1 else plural or noun + 's'}"
+
+
 FILTERS = {
+    "count": count,
     "bytes": human_bytes,
     "ranges": ranges,
     "age": age,

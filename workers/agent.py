@@ -337,13 +337,16 @@ class Worker:
             self.handover.close("the worker stopped")
         if self.recorder is not None:
             self.recorder.close(timeout_s=3.0)
-        for thread in self._threads:
-            thread.join(timeout=2.0)
+        # Deregister before joining the threads: the command stream's read ends with it, and an
+        # engine that gives its ranks a few seconds to stop (vLLM's --shutdown-timeout) sees
+        # this worker stopped within them.
         if self.worker_id is not None:
             try:
                 self.client.stop_worker(self.worker_id)
             except ApiError as error:
                 log.warning("deregistration failed: %s", error)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -230,3 +230,18 @@ def test_refused_block_size_ratio_is_a_report_never_a_500(client: TestClient) ->
     pairing = _pair(client)
     assert pairing["compatible"] is False
     assert "tokens_per_block_mismatch" in {e["code"] for e in pairing["errors"]}
+
+
+def test_the_pairing_page_counts_in_words(client: TestClient) -> None:
+    """One route from one sender rank reads "1 route" and "1 sender rank", not "1 routes"."""
+    client.put("/v1/instances/ctx-a", json=instance_body(role="context", tp=1))
+    client.put("/v1/instances/gen-b", json=instance_body(role="generation", tp=1))
+    pairing = _pair(client)
+    html = client.get(f"/ui/pairings/{pairing['id']}").text
+    assert "1 route from 1 sender rank to 1 receiver rank" in html
+    assert " in 1 route, " in html
+    assert "1 routes" not in html and "1 sender ranks" not in html
+    client.put("/v1/instances/ctx-a", json=instance_body(role="context", tp=2))
+    again = client.post("/v1/pairings", json={"context": "ctx-a", "generation": "gen-b"})
+    html = client.get(f"/ui/pairings/{again.json()['id']}").text
+    assert "2 routes from 2 sender ranks to 1 receiver rank" in html

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -64,7 +65,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         ):
             port = free_port()
             config = connector_config(role, name, plane.url, **extra)
-            # Two sequences at a time: a third request waits unscheduled (the abort case).
+            # Two sequences at a time: a third request waits unscheduled (the abort case). A
+            # stop gives the ranks 10 s to stop their workers (vLLM's default kills them).
             server = openai_server(
                 workdir,
                 model,
@@ -73,11 +75,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 core,
                 port,
                 prefix_caching=True,
-                args=("--max-num-seqs", "2"),
+                args=("--max-num-seqs", "2", "--shutdown-timeout", "10"),
             )
             running.append(server)
             urls[name] = f"http://127.0.0.1:{port}"
             server.wait_ready(f"{urls[name]}/health", SERVER_START_S)
+        decode_server = running[-1]
         port = free_port()
         front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
         running.append(front)
@@ -89,6 +92,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             "decode": urls["vllm-decode"],
             "model": str(model),
             "workdir": workdir,
+            "decode_server": decode_server,
         }
     finally:
         for process in reversed(running):
@@ -407,3 +411,16 @@ def test_first_contact_and_a_control_plane_outage_never_block_a_step(
         plane.start()
     _unharmed(servers, within_s=HOLD_S + SETTLE_S)  # `ghost`'s real prefill: hold runs out
     assert _done_transfers(servers)
+
+
+def test_zz_a_clean_engine_stop_reads_stopped(servers: dict[str, Any]) -> None:
+    """Last in this module: the decode server stopped as an operator stops it (SIGTERM, with
+    ``--shutdown-timeout``): its workers report ``stopped`` at once, not ``alive`` until the
+    control plane's liveness window runs out."""
+    url = servers["plane"].url
+    server: Process = servers["decode_server"]
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(timeout=60)
+    listed = httpx.get(f"{url}/v1/workers", params={"instance": "vllm-decode"}, timeout=10)
+    statuses = {w["status"] for w in listed.json()["items"]}
+    assert statuses == {"stopped"}, listed.json()
