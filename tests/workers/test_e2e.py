@@ -69,7 +69,12 @@ class Fleet:
         self.wait(lambda: httpx.get(f"{self.url}/readyz").status_code == 200, "the server")
 
     def start_worker(
-        self, instance: str, rank: int, tag: str = "", env: dict[str, str] | None = None
+        self,
+        instance: str,
+        rank: int,
+        tag: str = "",
+        env: dict[str, str] | None = None,
+        staging_mib: int = 16,
     ) -> str:
         name = f"worker-{instance}-{rank}{tag}"
         self.spawn(
@@ -83,7 +88,7 @@ class Fleet:
             str(rank),
             "--fill-pattern",
             "--staging-mib",
-            "16",
+            str(staging_mib),
             env=env,
         )
         return name

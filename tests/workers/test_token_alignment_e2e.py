@@ -135,3 +135,34 @@ def test_engine_api_moves_the_20_token_16_to_4_case_exactly(fleet: Fleet, mode: 
     assert results["generation"]["state"] == "arrived", results
     assert results["context"]["bytes"] == results["generation"]["bytes"] == PROMPT_BYTES
     assert results["generation"]["verified"], results
+
+
+def test_a_route_larger_than_staging_goes_pool_to_pool(fleet: Fleet) -> None:
+    """A long prompt's head-sliced NHD route (small fragments: ``auto`` stages them) larger
+    than a worker's whole staging buffer moves pool to pool instead of failing with
+    ``staging_too_small``, whichever side's buffer is the small one; ``mode=staged`` still
+    refuses it, naming the staging it needs."""
+    views = [ViewSpec("target", 2, 4, 16, "NHD")]
+    ctx = instance_body(role="context", views=views, tp=2, tokens_per_block=16, num_slots=400)
+    gen = instance_body(role="generation", views=views, tp=1, tokens_per_block=16, num_slots=400)
+    fleet.client.register_instance("ctx", ctx)
+    fleet.client.register_instance("gen", gen)
+    assert fleet.client.create_pairing("ctx", "gen")["compatible"]
+    blocks = 300  # 4,800 tokens: 300 blocks x 2 layers x K/V x 16 tokens x 2 heads x 32 B
+    route_bytes = blocks * 2 * 2 * 16 * 2 * 16 * 2  # 1.2 MiB per route, staging 1 MiB
+    fleet.start_worker("ctx", 0, staging_mib=1)
+    fleet.start_worker("ctx", 1, staging_mib=16)
+    fleet.start_worker("gen", 0, staging_mib=1)
+    _serving(fleet, 3)
+    lists = {"0": {"context": list(range(blocks)), "generation": list(range(50, 50 + blocks))}}
+    body = {"context": "ctx", "generation": "gen", "blocks": lists, "execute": True}
+    created = fleet.client.create_transfer({**body, "request_id": "long", "verify": True})
+    done = fleet.client.get_transfer(created["id"], wait_s=60)
+    assert done["status"] == "done", done["error"]
+    assert done["bytes"] == 2 * route_bytes
+    parts = fleet.client.list_parts(created["id"])["items"]
+    (receive,) = [p for p in parts if p["kind"] == "receive"]
+    assert receive["result"]["verified_bytes"] == 2 * route_bytes
+    refused = fleet.client.create_transfer({**body, "request_id": "staged", "mode": "staged"})
+    failed = fleet.client.get_transfer(refused["id"], wait_s=60)
+    assert failed["status"] == "failed" and "staging bytes" in str(failed["error"]), failed

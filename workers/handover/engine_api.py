@@ -387,6 +387,10 @@ class Handover(GrantExchange):
             except BlockRangeError as error:  # e.g. two slot ids for a per-request state group
                 raise HandoverError(str(error), code=error.code) from None
             layout = staging_layout(route, src)
+            if route_mode == "staged" and layout.nbytes > self.areas.nbytes and mode == "auto":
+                # Too large to stage here (a long prompt): pool to pool instead. A receiver
+                # grants it so; a sender follows whatever the receiver grants.
+                route_mode = "fragments"
             if route_mode == "staged" and layout.nbytes > self.areas.nbytes:
                 raise HandoverError(
                     f"route {route.sender_rank}->{route.receiver_rank} needs {layout.nbytes} "

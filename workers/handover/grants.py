@@ -71,6 +71,8 @@ class GrantExchange(HandleLifecycle):
     def _grant(self, state: RouteState) -> bool:
         op = state.op
         ttl_ms = max(1, int((op.deadline - time.monotonic()) * 1000))
+        if op.mode == "auto" and state.mode == "staged" and not self._fits_writer(state):
+            state.mode = "fragments"  # the writer could not stage it: pool to pool
         if state.mode == "fragments":
             offset = -1
         else:
@@ -92,6 +94,15 @@ class GrantExchange(HandleLifecycle):
                 state.area = None
             return False
         return True
+
+    def _fits_writer(self, state: RouteState) -> bool:
+        """Whether the writer's staging buffer holds this route in one piece."""
+        try:
+            return (
+                state.layout.nbytes <= self.transport.peer_info_of(str(state.agent)).staging_bytes
+            )
+        except TransportError:  # not loaded yet: the grant waits for it anyway
+            return True
 
     def _send_grant(self, state: RouteState, offset: int, ttl_ms: int, again: bool = False) -> bool:
         """Send (or, ``again``, re-send) the route's grant; whether it left."""
