@@ -26,6 +26,7 @@ from api.geometry import compile_plan, parse_instance
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     compute_layout_strides,
     create_kv_cache_views,
 )
@@ -39,10 +40,17 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 DEVICE = "cpu"
 
 
-def views(layout: KVCacheLayout, heads: int, seed: int | None) -> dict[str, torch.Tensor]:
-    """One rank's per-layer views over a fresh buffer (random bytes, or zeros for None)."""
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.bfloat16
+def views(
+    layout: KVCacheLayout, heads: int, seed: int | None, *, mla: bool = False
+) -> dict[str, torch.Tensor]:
+    """One rank's per-layer views over a fresh buffer (random bytes, or zeros for None); ``mla``:
+    a DeepSeek-style latent cache (one 576-wide latent per token, 16-token blocks)."""
+    spec = (
+        MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        if mla
+        else FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.bfloat16
+        )
     )
     layer_stride, block_stride, *_ = compute_layout_strides(spec, BLOCKS, LAYERS, layout)
     size = spec.page_size_bytes * BLOCKS * LAYERS
@@ -57,21 +65,28 @@ def views(layout: KVCacheLayout, heads: int, seed: int | None) -> dict[str, torc
     return dict(zip(NAMES, made, strict=True))
 
 
-def body(role: str, tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def body(role: str, tp: int, ranks: list[dict[str, Any]], *, mla: bool = False) -> dict[str, Any]:
     return {
         "role": role,
         "model": "layouts",
         "tp": tp,
-        "tokens_per_block": BLOCK,
-        "kv_heads_per_rank": HEADS // tp,
-        "total_kv_heads": HEADS,
+        "tokens_per_block": 16 if mla else BLOCK,
+        "kv_heads_per_rank": 1 if mla else HEADS // tp,
+        "total_kv_heads": 1 if mla else HEADS,
         "ranks": ranks,
     }
 
 
-def rank(index: int, kv: dict[str, torch.Tensor], heads: int) -> tuple[dict[str, Any], Any]:
+def rank(
+    index: int, kv: dict[str, torch.Tensor], heads: int, *, mla: bool = False
+) -> tuple[dict[str, Any], Any]:
     pools, described, tensors = describe(
-        kv, heads=heads, total_heads=HEADS, block_size=BLOCK, head_dim=HEAD_DIM
+        kv,
+        heads=heads,
+        total_heads=1 if mla else HEADS,
+        block_size=16 if mla else BLOCK,
+        head_dim=576 if mla else HEAD_DIM,
+        latent=mla,
     )
     return {"rank": index, "pools": pools, "views": described}, attach_pools(pools, tensors)
 
@@ -109,6 +124,42 @@ def transfer(src: KVCacheLayout, dst: KVCacheLayout) -> dict[str, Any]:
     return {"routes": len(plan.routes), "bytes": moved, "mismatched": mismatched}
 
 
+def latent(layout: KVCacheLayout) -> dict[str, Any]:
+    """MLA, TP 2 → TP 1: both context ranks hold the same latents (REPLICATED); the plan has
+    one of them write each block, whole."""
+    senders = [views(layout, 1, 7, mla=True) for _ in range(2)]  # replicas: equal bytes
+    receiver = views(layout, 1, None, mla=True)
+    context = [rank(i, kv, 1, mla=True) for i, kv in enumerate(senders)]
+    generation = rank(0, receiver, 1, mla=True)
+    plan = compile_plan(
+        parse_instance(body("context", 2, [c[0] for c in context], mla=True), "ctx"),
+        parse_instance(body("generation", 1, [generation[0]], mla=True), "gen"),
+    )
+    src_blocks, dst_blocks = [0, 3, 4], [9, 1, 2]
+    moved = sum(
+        copy_local(
+            Route.from_dict(route.to_dict()),
+            context[route.sender_rank][1],
+            generation[1],
+            {0: src_blocks},
+            {0: dst_blocks},
+        )
+        for route in plan.routes
+    )
+    mismatched = sum(
+        int(not torch.equal(receiver[n][db].view(torch.int16), senders[0][n][sb].view(torch.int16)))
+        for n in NAMES
+        for sb, db in zip(src_blocks, dst_blocks, strict=True)
+    )
+    layouts = {v["layout"] for v in generation[0]["views"]}
+    return {
+        "routes": len(plan.routes),
+        "bytes": moved,
+        "mismatched": mismatched,
+        "views": sorted(layouts),
+    }
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser()
@@ -131,7 +182,8 @@ def main() -> None:
         for dst in KVCacheLayout
         if "refused" not in described[src.name] and "refused" not in described[dst.name]
     }
-    print(json.dumps({"layouts": described, "pairs": pairs}))
+    mla = {layout.name: latent(layout) for layout in (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)}
+    print(json.dumps({"layouts": described, "pairs": pairs, "mla": mla}))
 
 
 if __name__ == "__main__":

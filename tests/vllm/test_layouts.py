@@ -68,3 +68,15 @@ def test_a_head_slice_between_any_two_layouts_moves_the_right_bytes(
     for name, outcome in pairs.items():
         # 2 routes x 5 blocks x 3 layers x half a page (2 of 4 heads)
         assert outcome == {"routes": 2, "bytes": 2 * 5 * 3 * 4096, "mismatched": 0}, name
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_mla_latents_register_replicated_and_move_whole(
+    result: dict[str, Any], layout: str
+) -> None:
+    """A DeepSeek-style latent cache (one 576-wide latent per token, 16-token blocks): REPLICATED
+    views; TP 2 → TP 1 moves each block's latents once (the two replicas share the work)."""
+    outcome = result["mla"][layout]
+    assert outcome["views"] == ["REPLICATED"]
+    assert outcome["mismatched"] == 0
+    assert outcome["bytes"] == 3 * 3 * 16 * 576 * 2  # blocks x layers x tokens x latent x bf16

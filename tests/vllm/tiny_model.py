@@ -2,7 +2,10 @@
 
 Run with the vLLM environment's Python (it has ``transformers``)::
 
-    .venv-vllm/bin/python tests/vllm/tiny_model.py DIR
+    .venv-vllm/bin/python tests/vllm/tiny_model.py DIR [--mla]
+
+``--mla`` writes a DeepSeek-V2-style model instead (multi-head latent attention: one compressed
+KV latent per token and layer, 2 dense layers), for the MLA case.
 
 4 layers, 8 query heads, 4 KV heads (GQA), head_dim 32, vocabulary 4096: ~9 MB in bfloat16.
 The weights are drawn with a large ``initializer_range`` so that a continuation depends on the
@@ -35,5 +38,37 @@ def write(path: str, seed: int = 0) -> None:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
+def write_mla(path: str, seed: int = 0) -> None:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,  # the CPU MLA kernel compiles for a 576-wide latent (512 + 64) only
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=2,  # every layer dense: no experts
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=128,
+        max_position_embeddings=2048,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
+    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+
+
 if __name__ == "__main__":
-    write(sys.argv[1])
+    if "--mla" in sys.argv[2:]:
+        write_mla(sys.argv[1])
+    else:
+        write(sys.argv[1])

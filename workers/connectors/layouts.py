@@ -121,11 +121,14 @@ def describe(
     total_heads: int,
     block_size: int,
     head_dim: int,
+    latent: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, torch.Tensor]]:
     """``(pools, views, {pool id: uint8 tensor})`` of one rank's per-layer KV views.
 
     Layers whose blocks interleave in one allocation (block-outermost layouts) share a pool:
-    a slot is one block of all of them, and each layer is a buffer at its offset in it."""
+    a slot is one block of all of them, and each layer is a buffer at its offset in it.
+    ``latent``: multi-head latent attention (MLA), one compressed latent per token that every
+    TP rank holds whole: ``REPLICATED`` views with a single (``key``) buffer per layer."""
     layers = [
         read_layer(name, index, tensor, heads, block_size)
         for index, (name, tensor) in enumerate(
@@ -150,7 +153,15 @@ def describe(
         else:
             parts = [members]
         for part in parts:
-            _add_pool(part, pools, views, tensors, total_heads=total_heads, head_dim=head_dim)
+            _add_pool(
+                part,
+                pools,
+                views,
+                tensors,
+                total_heads=total_heads,
+                head_dim=head_dim,
+                latent=latent,
+            )
     return pools, views, tensors
 
 
@@ -162,6 +173,7 @@ def _add_pool(
     *,
     total_heads: int,
     head_dim: int,
+    latent: bool,
 ) -> None:
     import torch
 
@@ -185,20 +197,20 @@ def _add_pool(
             "base_address": base,
         }
     )
-    views.append(
-        {
-            "pool": pool_id,
-            "owner": "target",
-            "roles": ["key", "value"],
-            "layout": first.inner,
-            "num_kv_heads": int(first.tensor.shape[1]),
-            "total_kv_heads": total_heads,
-            "head_dim": head_dim,
-            "dtype": str(first.tensor.dtype).removeprefix("torch."),
-            "buffers": [
-                {"layer": view.layer, "offset": view.address - base, "size": view.page_bytes}
-                for view in sorted(members, key=lambda v: v.layer)
-            ],
-        }
-    )
+    view: dict[str, Any] = {
+        "pool": pool_id,
+        "owner": "target",
+        "roles": ["key"] if latent else ["key", "value"],
+        "layout": "REPLICATED" if latent else first.inner,
+        "head_dim": head_dim,
+        "dtype": str(first.tensor.dtype).removeprefix("torch."),
+        "buffers": [
+            {"layer": view.layer, "offset": view.address - base, "size": view.page_bytes}
+            for view in sorted(members, key=lambda v: v.layer)
+        ],
+    }
+    if not latent:
+        view["num_kv_heads"] = int(first.tensor.shape[1])
+        view["total_kv_heads"] = total_heads
+    views.append(view)
     tensors[pool_id] = flat

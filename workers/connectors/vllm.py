@@ -228,6 +228,8 @@ class KvplaneConnector(KVConnectorBase_V1):
         self.timeout_s = float(extra.get("timeout_s", DEFAULT_TIMEOUT_S))
         self.verify = bool(extra.get("verify", False))
         self.block_size = int(vllm_config.cache_config.block_size)
+        if self.kind == "generation":
+            _check_decode_can_continue(vllm_config)
         self.faults = faults_enabled()
         if extra.get("fault_skip_blocks") and not self.faults:
             raise ValueError(
@@ -266,8 +268,10 @@ class KvplaneConnector(KVConnectorBase_V1):
         """``LBHNC``: a block of one layer holds each head's tokens together, so a head slice
         (TP 2 → TP 1) is one run per head and block. kvplane also describes ``LBNHC``,
         ``BLHNC`` and ``BLNHC`` (``VLLM_KV_CACHE_LAYOUT`` may name one); see
-        :mod:`workers.connectors.layouts`."""
-        return "LBHNC"
+        :mod:`workers.connectors.layouts`. None with MLA: one latent "head" per token, every
+        layout moves it alike."""
+        model = vllm_config.model_config
+        return None if model is not None and model.use_mla else "LBHNC"
 
     def _client(self, retries: int = 0) -> Any:
         from api.client import Client
@@ -788,6 +792,29 @@ class KvplaneConnector(KVConnectorBase_V1):
             self.worker = None
 
 
+def _check_decode_can_continue(config: VllmConfig) -> None:
+    """A decode engine computes the last prompt token (at least) over the KV it loaded, so its
+    attention backend must run a prompt's rest over cached KV. vLLM's CPU backend for multi-head
+    latent attention cannot: vLLM turns chunked prefill and prefix caching off for MLA models on
+    CPU, and such a decode would sample from a prompt it never attended to."""
+    from vllm.platforms import current_platform
+
+    model = config.model_config
+    if (
+        model is not None
+        and model.use_mla
+        and current_platform.is_cpu()
+        and not config.scheduler_config.enable_chunked_prefill
+    ):
+        raise ValueError(
+            "KvplaneConnector: a decode (kv_consumer) engine for an MLA model cannot run on "
+            "vLLM's CPU backend: its MLA attention cannot continue a prompt over loaded KV "
+            "(vLLM disables chunked prefill and prefix caching for MLA on CPU for the same "
+            "reason). Run the decode engine on a GPU; the prefill side registers MLA latents "
+            "as REPLICATED views"
+        )
+
+
 def registration(
     config: VllmConfig, kv_caches: dict[str, torch.Tensor], *, model: str | None = None
 ) -> tuple[int, dict[str, Any], dict[str, Any], dict[int, torch.Tensor]]:
@@ -819,5 +846,6 @@ def registration(
         total_heads=total,
         block_size=block_size,
         head_dim=model_config.get_head_size(),
+        latent=bool(model_config.use_mla),
     )
     return rank, header, {"rank": rank, "pools": pools, "views": views}, tensors

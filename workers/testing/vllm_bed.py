@@ -38,11 +38,12 @@ def vllm_missing() -> str | None:
     return None
 
 
-def write_model(workdir: Path) -> Path:
-    """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``."""
-    model = workdir / "model"
+def write_model(workdir: Path, *, mla: bool = False) -> Path:
+    """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``: a GQA
+    Llama, or (``mla``) a DeepSeek-V2-style model with multi-head latent attention."""
+    model = workdir / ("model-mla" if mla else "model")
     subprocess.run(
-        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model)],
+        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *(["--mla"] if mla else [])],
         check=True,
         capture_output=True,
         timeout=300,
@@ -290,3 +291,19 @@ def proxy(workdir: Path, prefill: str, decode: str, port: int) -> Process:
         ],
         workdir / "proxy.log",
     )
+
+
+def recorded(
+    url: str, at_least: int, *, status: str = "done", context: str | None = None
+) -> list[dict[str, Any]]:
+    """The control plane's transfers in ``status`` (of ``context``, if given), once there are
+    ``at_least`` of them or after 20 s: the records follow in batches, about a second behind."""
+    deadline = time.monotonic() + 20
+    while True:
+        items = httpx.get(
+            f"{url}/v1/transfers", params={"status": status, "limit": 200}, timeout=10
+        ).json()["items"]
+        found = [t for t in items if context is None or t["context"] == context]
+        if len(found) >= at_least or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

@@ -1,0 +1,77 @@
+"""Decode TP 2 between real vLLM engines, through kvplane: prefill TP 1 → decode TP 2 (each
+decode rank takes two of the prefill rank's four KV heads) and prefill TP 2 → decode TP 2 (rank
+to rank). Float32, as in ``test_heterogeneous_tp.py``: in bfloat16 TP 2 and TP 1 disagree on
+some greedy tokens without any handover. The oracle is the decode engine by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from workers.testing.engine import ControlPlane
+from workers.testing.vllm_bed import Engine, handover, prompts, recorded, write_model
+
+from .conftest import require_vllm
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    require_vllm()
+    workdir = tmp_path_factory.mktemp("vllm-decode-tp2")
+    model = write_model(workdir)
+    plane = ControlPlane(workdir)
+    plane.start()
+    engines: list[Engine] = []
+
+    def start(role: str, name: str, core: str, tp: int) -> Engine:
+        engine = Engine(
+            workdir,
+            model,
+            role,
+            core,
+            instance=name,
+            control_plane=plane.url,
+            tp=tp,
+            dtype="float32",
+        )
+        engines.append(engine)
+        assert engine.read() == {"ready": True}
+        return engine
+
+    try:
+        yield {
+            "plane": plane,
+            "decode": start("decode", "vllm-decode-tp2", "0|1", 2),
+            "prefill-tp1": start("prefill", "vllm-prefill-tp1", "0", 1),
+            "prefill-tp2": start("prefill", "vllm-prefill-tp2", "1|0", 2),
+        }
+    finally:
+        for engine in engines:
+            engine.stop()
+        plane.stop()
+
+
+@pytest.mark.parametrize(
+    ("prefill", "routes"),
+    [
+        ("prefill-tp1", {(0, 0), (0, 1)}),  # one prefill rank writes both decode ranks
+        ("prefill-tp2", {(0, 0), (1, 1)}),  # rank to rank
+    ],
+)
+def test_decode_tp2_equals_one_engine(bed: dict[str, Any], prefill: str, routes: set) -> None:
+    url = bed["plane"].url
+    name = f"vllm-{prefill}"
+    batch = prompts(41 + len(prefill), (40, 130))
+    alone = bed["decode"].generate(batch, 12)["tokens"]
+    assert handover(bed[prefill], bed["decode"], batch, batch, 12, context=name) == alone
+    mine = recorded(url, len(batch), context=name)
+    assert len(mine) == len(batch), mine
+    for transfer in mine:
+        assert {(r["sender_rank"], r["receiver_rank"]) for r in transfer["routes"]} == routes
+    assert bed[prefill].call(op="idle", timeout_s=30) == {"idle": True}
+    assert bed["decode"].call(op="idle", timeout_s=10) == {"idle": True}
