@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -116,6 +117,7 @@ DEFAULT_TIMEOUT_S = 30.0  # a decode rank's receive fails after this
 PARK_S = 3.0  # an ask that came before its request's hold reached this rank waits this long
 DEFAULT_STAGING_MIB = 32
 IDLE_STEP_S = 0.01  # the longest a step that runs no model waits for a handover to resolve
+_DP_SUFFIX = re.compile(r"^(.*?)(?:_dp(\d+))?$")
 CLAIMS_KEPT = 65_536  # prefill requests whose KV a decode engine loaded, remembered
 
 
@@ -125,14 +127,24 @@ def _extra(config: VllmConfig) -> dict[str, Any]:
 
 
 def instance_name(config: VllmConfig) -> str:
-    """The kvplane instance this engine registers as (``instance``, else role and engine id)."""
+    """The kvplane instance this engine registers as (``instance``, else role and engine id).
+
+    Under data parallelism each DP rank is an engine of its own (its own scheduler, KV cache and
+    block ids), so each registers its own instance: the name ends with ``-dp<rank>``."""
     extra = _extra(config)
-    if extra.get("instance"):
-        return str(extra["instance"])
     kv = config.kv_transfer_config
     assert kv is not None
-    side = "prefill" if kv.is_kv_producer else "decode"
-    return f"vllm-{side}-{str(kv.engine_id)[:8]}"
+    # vLLM gives each DP rank's engine core the engine id "<id>_dp<rank>" (and, for ranks
+    # without MoE, a parallel config of DP size 1): the suffix is what tells the ranks apart.
+    match = _DP_SUFFIX.match(str(kv.engine_id))
+    assert match is not None  # every string matches
+    engine, dp = match.groups()
+    if extra.get("instance"):
+        name = str(extra["instance"])
+    else:
+        side = "prefill" if kv.is_kv_producer else "decode"
+        name = f"vllm-{side}-{engine[:8]}"
+    return name if dp is None else f"{name}-dp{dp}"
 
 
 def _log_to_stderr(level: str) -> None:
