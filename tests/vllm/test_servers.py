@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +63,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             "plane": plane.url,
             "proxy": f"http://127.0.0.1:{port}",
             "decode": urls["vllm-decode"],
+            "prefill": urls["vllm-prefill"],
             "model": str(model),
         }
     finally:
@@ -126,3 +128,34 @@ def test_a_streamed_completion_through_the_proxy(servers: dict[str, Any]) -> Non
                 for choice in json.loads(line[6:])["choices"]:
                     streamed += choice.get("token_ids") or []
     assert streamed == alone
+
+
+def _series(url: str, name: str) -> dict[tuple[str, str, str], float]:
+    """``{(peer, side, outcome or ""): value}`` of a kvplane series on a vLLM server."""
+    found: dict[tuple[str, str, str], float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            key = (labels["peer"], labels["side"], labels.get("outcome", ""))
+            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_handovers_show_in_vllms_own_metrics(servers: dict[str, Any]) -> None:
+    """vLLM's KVConnectorStats carry each rank's handovers to the servers' ``/metrics``:
+    counted by peer, side and outcome, with their bytes."""
+    before = _series(servers["decode"], "vllm:kvplane_handovers_total")
+    batch = prompts(33, (70, 90))
+    for prompt in batch:
+        _complete(servers["proxy"], _body(servers, prompt))
+    arrived = ("vllm-prefill", "receive", "arrived")
+    deadline = time.monotonic() + 20  # vLLM records stats as its engines step and log
+    while time.monotonic() < deadline:
+        after = _series(servers["decode"], "vllm:kvplane_handovers_total")
+        if after.get(arrived, 0) >= before.get(arrived, 0) + len(batch):
+            break
+        time.sleep(0.5)
+    assert after.get(arrived, 0) >= before.get(arrived, 0) + len(batch), after
+    assert _series(servers["decode"], "vllm:kvplane_bytes_total")[("vllm-prefill", "receive", "")]
+    sent = _series(servers["prefill"], "vllm:kvplane_handovers_total")
+    assert sent.get(("vllm-decode", "send", "released"), 0) >= len(batch), sent

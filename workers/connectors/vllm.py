@@ -96,6 +96,7 @@ from workers.connectors.boundary import (
     transfer_id,
 )
 from workers.connectors.layouts import describe
+from workers.connectors.vllm_stats import HandoverNotes, KvplaneConnectorStats, KvplanePromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -274,6 +275,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()
         self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
+        self._notes = HandoverNotes()  # for vLLM's KVConnectorStats
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -515,6 +517,7 @@ class KvplaneConnector(KVConnectorBase_V1):
             accept_commands=False,  # only the engine hands out its blocks
         )
         worker.add_listener(lambda handle: self._resolved.set())
+        worker.add_listener(self._notes.note)
         worker.attach(tensors=tensors)
         worker.start()
         self.worker = worker
@@ -786,6 +789,26 @@ class KvplaneConnector(KVConnectorBase_V1):
                 ask, f"{self.instance} does not hold request {ask.source or ask.request_id}"
             )
         return sending or None, receiving or None
+
+    def get_kv_connector_stats(self) -> KvplaneConnectorStats | None:
+        """This rank's handovers since the last step (:mod:`workers.connectors.vllm_stats`)."""
+        return self._notes.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KvplaneConnectorStats | None:
+        return KvplaneConnectorStats(data=dict(data)) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvplanePromMetrics:
+        return KvplanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before the scheduler runs the request
