@@ -141,12 +141,24 @@ class FakeTransport:
     def __init__(self, pools: dict[int, Any], staging: Any) -> None:
         self.pools, self.staging = pools, staging
         self.peers: set[str] = set()
+        self.infos: dict[str, Any] = {}
         self.log: list[tuple[str, str]] = []
 
     def add_peer(self, info: Any) -> str:
         self.peers.add(str(info["agent"]))
         self.log.append(("add", str(info["agent"])))
+        self.infos[str(info["agent"])] = info
         return str(info["agent"])
+
+    def peer_info_of(self, agent: str) -> Any:
+        from types import SimpleNamespace
+
+        from workers.transport import TransportError
+
+        if agent not in self.peers:
+            raise TransportError(f"unknown peer {agent!r}")
+        staging = self.infos[agent].get("staging") or {}
+        return SimpleNamespace(staging_bytes=int(staging.get("bytes", 1 << 20)))
 
     def remove_peer(self, agent: str) -> None:
         self.peers.discard(agent)

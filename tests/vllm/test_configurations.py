@@ -1,11 +1,12 @@
 """The vLLM configurations users run, through two OpenAI servers and the proxy: prefix caching
 on both sides, chunked prefill on the prefill (``--max-num-batched-tokens`` below the prompt
-lengths), a decode whose KV space is small enough that it preempts, and prompts of up to 2,000
-tokens that share a prefix, eight in flight. Every completion must carry the tokens that the
-decode server computes by itself for the same prompt (under a cache salt of its own, so that
-neither run reuses the other's blocks). The engines run in float32: chunked prefill and prefix
-hits sum attention in another order than one pass does, and in bfloat16 that alone turns some
-greedy continuations after a few dozen tokens (measured), so the oracle would not be about KV.
+lengths), a decode whose KV space is small enough that it queues and preempts, and prompts of
+up to 2,000 tokens that share a prefix, eight in flight. Every completion must carry the tokens
+that the decode server computes by itself for the same prompt (under a cache salt of its own,
+so that neither run reuses the other's blocks). The engines run in float32: chunked prefill and
+prefix hits sum attention in another order than one pass does, and in bfloat16 that alone
+turns some greedy continuations after a few dozen tokens (measured), so the oracle would not be
+about KV.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .conftest import require_vllm
 
 pytestmark = pytest.mark.slow
 
-DECODE_BLOCKS = 120  # 3,840 tokens of KV: far less than eight long prompts need at once
+DECODE_BLOCKS = 70  # 2,240 tokens of KV: one 2,000-token prompt fits, two 1,000-token ones
+# with 160 generated tokens each do not (the preemption case)
 CHUNK_TOKENS = 256  # the prefill's token budget per step: longer prompts prefill in chunks
 _METRIC = r"^{name}(?:\{{[^}}]*\}})?\s+(\S+)$"
 
@@ -135,8 +137,7 @@ def _settled(url: str, within_s: float = 5.0) -> float:
 def test_long_prompts_sharing_a_prefix_eight_at_a_time(servers: dict[str, Any]) -> None:
     """Eight prompts of 330 to 2,000 tokens that share their first 300 (prefix-cache hits on
     both sides), all at once through the proxy: the prefill runs them in chunks of 256 tokens,
-    the decode, short of KV space, preempts and recomputes, and every completion equals one
-    engine's."""
+    the decode, short of KV space, queues them, and every completion equals one engine's."""
     shared = prompts(201, (300,))[0]
     tails = prompts(202, (50, 200, 700, 1100, 1400, 1700, 30, 400))
     batch = [shared + tail for tail in tails]
@@ -144,15 +145,34 @@ def test_long_prompts_sharing_a_prefix_eight_at_a_time(servers: dict[str, Any]) 
         _complete(servers["decode"], _body(servers, p, cache_salt="one-engine")) for p in batch
     ]
     assert len({tuple(t) for t in alone}) == len(batch)
-    preempted = _metric(servers["decode"], "vllm:num_preemptions_total")
+    before = len(recorded(servers["plane"], 0))
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
         together = list(pool.map(lambda p: _complete(servers["proxy"], _body(servers, p)), batch))
     assert together == alone
-    # The configuration did what it is here for: the decode ran out of KV space and preempted.
+    # Every prompt was a kvplane handover.
+    done = recorded(servers["plane"], before + len(batch))
+    assert len(done) == before + len(batch), done
+    assert _settled(servers["prefill"]) == 0.0
+    assert _settled(servers["decode"]) == 0.0
+
+
+def test_a_decode_that_preempts_after_a_handover(servers: dict[str, Any]) -> None:
+    """Two 1,000-token prompts whose KV arrives by handover, then 160 tokens each: together
+    they outgrow the decode's 70 blocks, so vLLM preempts one and recomputes it locally. Both
+    completions equal one engine's."""
+    batch = prompts(205, (1000, 1000))
+    body = {"max_tokens": 160}
+    alone = [
+        _complete(servers["decode"], _body(servers, p, cache_salt="one-engine", **body))
+        for p in batch
+    ]
+    preempted = _metric(servers["decode"], "vllm:num_preemptions_total")
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        together = list(
+            pool.map(lambda p: _complete(servers["proxy"], _body(servers, p, **body)), batch)
+        )
+    assert together == alone
     assert _metric(servers["decode"], "vllm:num_preemptions_total") > preempted
-    # Every prompt was a kvplane handover (a preempted request recomputes; its load stands).
-    done = recorded(servers["plane"], len(batch))
-    assert len(done) == len(batch), done
     assert _settled(servers["prefill"]) == 0.0
     assert _settled(servers["decode"]) == 0.0
 

@@ -216,3 +216,15 @@ def test_a_release_notice_reaches_the_context_engine_from_paired_workers_only() 
     finally:
         generation.close()
         context.close()
+
+
+def test_a_failed_loads_blocks_come_back_only_once_no_write_can_land() -> None:
+    from workers.connectors.boundary import Quarantine
+
+    held: Quarantine[str] = Quarantine()
+    held.add("late", until=110.0)
+    held.add("early", until=100.0)
+    assert held.due(99.9) == [] and len(held) == 2
+    assert held.due(100.0) == ["early"]
+    assert held.due(105.0) == [] and len(held) == 1
+    assert held.due(110.5) == ["late"] and len(held) == 0

@@ -15,7 +15,7 @@ import time
 from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from workers.handover.engine_api import REQUEST_ID
 
@@ -28,6 +28,7 @@ DIGEST_CHARS = 16  # each block's chained digest: 64 bits, as hex
 #: Test-only fault injection (``kvplane_fault_*`` request params, ``fault_skip_blocks``): these
 #: act only in an engine started with this variable set to 1.
 FAULTS_ENV = "KVPLANE_TEST_FAULTS"
+T = TypeVar("T")
 _HEX = re.compile(rf"^[0-9a-f]{{{DIGEST_CHARS}}}$")
 
 
@@ -255,3 +256,24 @@ def context_ids(blocks: Any) -> list[int]:
     lists = next(iter(blocks.values()))
     ids = lists["context"] if isinstance(lists, dict) else lists[0]
     return [int(b) for b in ids]
+
+
+class Quarantine(Generic[T]):
+    """Items held until a wall-clock time: a failed load's blocks go back to the engine only
+    once no WRITE granted before the failure can land in them (the handle's ``reusable_at``)."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[float, T]] = []
+
+    def add(self, item: T, until: float) -> None:
+        self._items.append((until, item))
+
+    def due(self, now: float) -> list[T]:
+        """The items whose time has come (removed); the rest stay."""
+        ready = [item for until, item in self._items if until <= now]
+        if ready:
+            self._items = [(until, item) for until, item in self._items if until > now]
+        return ready
+
+    def __len__(self) -> int:
+        return len(self._items)

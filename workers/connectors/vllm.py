@@ -87,6 +87,7 @@ from workers.connectors.boundary import (
     FAULTS_ENV,
     Pairings,
     ParamsError,
+    Quarantine,
     RemotePrefill,
     block_digests,
     control_plane_token,
@@ -115,7 +116,7 @@ log = logging.getLogger("kvplane.vllm")
 
 DEFAULT_HOLD_S = 60.0  # a prefill keeps a finished request's blocks this long for the decode
 DEFAULT_TIMEOUT_S = 30.0  # a decode rank's receive fails after this
-PARK_S = 3.0  # an ask that came before its request's hold reached this rank waits this long
+PARK_S = 5.0  # an ask that came before its request's hold reached this rank waits this long
 DEFAULT_STAGING_MIB = 32
 IDLE_STEP_S = 0.01  # the longest a step that runs no model waits for a handover to resolve
 _DP_SUFFIX = re.compile(r"^(.*?)(?:_dp(\d+))?$")
@@ -271,7 +272,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._done_sending: set[str] = set()
         self._receiving: dict[str, tuple[Receive, Handle]] = {}  # decode rank: by transfer id
         self._deferred: dict[str, tuple[Receive, float]] = {}  # waiting for the pairing: until
-        self._quarantined: list[tuple[Receive, float]] = []  # failed loads: reusable at
+        self._quarantined: Quarantine[Receive] = Quarantine()  # failed loads, until reusable
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()
         self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
@@ -627,7 +628,7 @@ class KvplaneConnector(KVConnectorBase_V1):
             if reusable_at is not None and reusable_at > time.time():
                 # A WRITE granted before the failure may still land: vLLM gets the blocks back
                 # (and recomputes into them) only after that.
-                self._quarantined.append((receive, reusable_at))
+                self._quarantined.add(receive, reusable_at)
                 return
             self._done_receiving.add(receive.request_id)
             self._load_errors.update(receive.local_block_ids)
@@ -764,11 +765,9 @@ class KvplaneConnector(KVConnectorBase_V1):
                     failed.append((receive, finished.failed[transfer], handle.reusable_at))
                 else:
                     self._done_receiving.add(receive.request_id)
-            for receive, reusable_at in list(self._quarantined):
-                if reusable_at <= now_wall:
-                    self._quarantined.remove((receive, reusable_at))
-                    self._done_receiving.add(receive.request_id)
-                    self._load_errors.update(receive.local_block_ids)
+            for receive in self._quarantined.due(now_wall):
+                self._done_receiving.add(receive.request_id)
+                self._load_errors.update(receive.local_block_ids)
             for request_id, (_, until) in list(self._held.items()):
                 if until < now_wall and request_id not in self._sending:
                     self._done_sending.add(request_id)  # nobody asked in time: free them

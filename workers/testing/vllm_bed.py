@@ -38,12 +38,18 @@ def vllm_missing() -> str | None:
     return None
 
 
-def write_model(workdir: Path, *, mla: bool = False) -> Path:
+def write_model(workdir: Path, *, mla: bool = False, kv_heads: int = 4) -> Path:
     """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``: a GQA
-    Llama, or (``mla``) a DeepSeek-V2-style model with multi-head latent attention."""
-    model = workdir / ("model-mla" if mla else "model")
+    Llama (``kv_heads`` KV heads), or (``mla``) a DeepSeek-V2-style model with multi-head latent
+    attention."""
+    if mla:
+        model, options = workdir / "model-mla", ["--mla"]
+    elif kv_heads != 4:
+        model, options = workdir / f"model-kv{kv_heads}", ["--kv-heads", str(kv_heads)]
+    else:
+        model, options = workdir / "model", []
     subprocess.run(
-        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *(["--mla"] if mla else [])],
+        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *options],
         check=True,
         capture_output=True,
         timeout=300,
