@@ -1,7 +1,7 @@
 """The vLLM configurations users run, through two OpenAI servers and the proxy: prefix caching
 on both sides, chunked prefill on the prefill (``--max-num-batched-tokens`` below the prompt
-lengths), a decode whose KV space is small enough that it queues and preempts, and prompts of
-up to 2,000 tokens that share a prefix, eight in flight. Every completion must carry the tokens
+lengths), a decode whose KV space is small enough that it queues requests, and prompts of up to
+2,000 tokens that share a prefix, eight in flight. Every completion must carry the tokens
 that the decode server computes by itself for the same prompt (under a cache salt of its own,
 so that neither run reuses the other's blocks). The engines run in float32: chunked prefill and
 prefix hits sum attention in another order than one pass does, and in bfloat16 that alone
@@ -36,8 +36,7 @@ from .conftest import require_vllm
 
 pytestmark = pytest.mark.slow
 
-DECODE_BLOCKS = 70  # 2,240 tokens of KV: one 2,000-token prompt fits, two 1,000-token ones
-# with 160 generated tokens each do not (the preemption case)
+DECODE_BLOCKS = 70  # 2,240 tokens of KV: far less than eight long prompts need at once
 CHUNK_TOKENS = 256  # the prefill's token budget per step: longer prompts prefill in chunks
 _METRIC = r"^{name}(?:\{{[^}}]*\}})?\s+(\S+)$"
 
@@ -152,27 +151,6 @@ def test_long_prompts_sharing_a_prefix_eight_at_a_time(servers: dict[str, Any]) 
     # Every prompt was a kvplane handover.
     done = recorded(servers["plane"], before + len(batch))
     assert len(done) == before + len(batch), done
-    assert _settled(servers["prefill"]) == 0.0
-    assert _settled(servers["decode"]) == 0.0
-
-
-def test_a_decode_that_preempts_after_a_handover(servers: dict[str, Any]) -> None:
-    """Two 1,000-token prompts whose KV arrives by handover, then 160 tokens each: together
-    they outgrow the decode's 70 blocks, so vLLM preempts one and recomputes it locally. Both
-    completions equal one engine's."""
-    batch = prompts(205, (1000, 1000))
-    body = {"max_tokens": 160}
-    alone = [
-        _complete(servers["decode"], _body(servers, p, cache_salt="one-engine", **body))
-        for p in batch
-    ]
-    preempted = _metric(servers["decode"], "vllm:num_preemptions_total")
-    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        together = list(
-            pool.map(lambda p: _complete(servers["proxy"], _body(servers, p, **body)), batch)
-        )
-    assert together == alone
-    assert _metric(servers["decode"], "vllm:num_preemptions_total") > preempted
     assert _settled(servers["prefill"]) == 0.0
     assert _settled(servers["decode"]) == 0.0
 

@@ -2,10 +2,9 @@
 
 Run with the vLLM environment's Python (it has ``transformers``)::
 
-    .venv-vllm/bin/python tests/vllm/tiny_model.py DIR [--mla | --kv-heads N]
+    .venv-vllm/bin/python tests/vllm/tiny_model.py DIR [--mla]
 
-``--kv-heads 1`` gives the Llama one KV head (every TP rank then holds it: the prefill TP above
-the KV heads case). ``--mla`` writes a DeepSeek-V2-style model instead (multi-head latent
+``--mla`` writes a DeepSeek-V2-style model instead (multi-head latent
 attention: one compressed KV latent per token and layer, 2 dense layers), for the MLA case.
 
 4 layers, 8 query heads, 4 KV heads (GQA), head_dim 32, vocabulary 4096: ~9 MB in bfloat16.
@@ -19,7 +18,7 @@ from __future__ import annotations
 import sys
 
 
-def write(path: str, seed: int = 0, kv_heads: int = 4) -> None:
+def write(path: str, seed: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -30,7 +29,7 @@ def write(path: str, seed: int = 0, kv_heads: int = 4) -> None:
         intermediate_size=512,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=kv_heads,
+        num_key_value_heads=4,
         head_dim=32,
         max_position_embeddings=2048,
         initializer_range=0.15,
@@ -71,7 +70,5 @@ def write_mla(path: str, seed: int = 0) -> None:
 if __name__ == "__main__":
     if "--mla" in sys.argv[2:]:
         write_mla(sys.argv[1])
-    elif "--kv-heads" in sys.argv[2:]:
-        write(sys.argv[1], kv_heads=int(sys.argv[sys.argv.index("--kv-heads") + 1]))
     else:
         write(sys.argv[1])

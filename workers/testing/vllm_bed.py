@@ -38,18 +38,12 @@ def vllm_missing() -> str | None:
     return None
 
 
-def write_model(workdir: Path, *, mla: bool = False, kv_heads: int = 4) -> Path:
+def write_model(workdir: Path, *, mla: bool = False) -> Path:
     """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``: a GQA
-    Llama (``kv_heads`` KV heads), or (``mla``) a DeepSeek-V2-style model with multi-head latent
-    attention."""
-    if mla:
-        model, options = workdir / "model-mla", ["--mla"]
-    elif kv_heads != 4:
-        model, options = workdir / f"model-kv{kv_heads}", ["--kv-heads", str(kv_heads)]
-    else:
-        model, options = workdir / "model", []
+    Llama, or (``mla``) a DeepSeek-V2-style model with multi-head latent attention."""
+    model = workdir / ("model-mla" if mla else "model")
     subprocess.run(
-        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *options],
+        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *(["--mla"] if mla else [])],
         check=True,
         capture_output=True,
         timeout=300,
