@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +49,22 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_sep(
                 "!", f"{tier} tier SKIPPED: {reasons[0]}", red=True, bold=True
             )
+
+
+def _relays() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "kvplane-relay"}
+
+
+@pytest.fixture(autouse=True)
+def _no_relay_outlives_its_test() -> Iterator[None]:
+    """An app's PostgreSQL dispatch relay ends with its lifespan: one left running reconnects to
+    a dropped database once a second for the rest of the run."""
+    before = _relays()
+    yield
+    deadline = time.monotonic() + 3.0  # close() lets the listener see the stop within 1 s
+    while (left := _relays() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, "a dispatch relay outlived its test (an app's lifespan never ended)"
 
 
 def _postgres_admin_url() -> str:

@@ -375,7 +375,8 @@ def test_a_command_the_relay_cannot_publish_is_a_503_never_a_201(client: TestCli
     assert client.post("/v1/pairings", json={"context": "ctx", "generation": "gen"}).json()[
         "compatible"
     ]
-    client.app.state.hub.relay = _BrokenRelay()  # type: ignore[attr-defined]
+    hub = client.app.state.hub  # type: ignore[attr-defined]
+    relay, hub.relay = hub.relay, _BrokenRelay()  # PostgreSQL's own relay goes back after
     try:
         answer = client.post(
             "/v1/transfers",
@@ -388,7 +389,7 @@ def test_a_command_the_relay_cannot_publish_is_a_503_never_a_201(client: TestCli
             },
         )
     finally:
-        client.app.state.hub.relay = None  # type: ignore[attr-defined]
+        hub.relay = relay
     assert answer.status_code == 503, answer.text
     assert answer.json()["code"] == "commands_undelivered"
     (transfer,) = client.get("/v1/transfers").json()["items"]
