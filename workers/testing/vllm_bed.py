@@ -38,12 +38,14 @@ def vllm_missing() -> str | None:
     return None
 
 
-def write_model(workdir: Path, *, mla: bool = False) -> Path:
+def write_model(workdir: Path, *, mla: bool = False, sliding: bool = False) -> Path:
     """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``: a GQA
-    Llama, or (``mla``) a DeepSeek-V2-style model with multi-head latent attention."""
-    model = workdir / ("model-mla" if mla else "model")
+    Llama, one whose odd layers use a sliding window (``sliding``), or (``mla``) a
+    DeepSeek-V2-style model with multi-head latent attention."""
+    flag = "--mla" if mla else "--sliding" if sliding else None
+    model = workdir / ("model" + (flag.replace("--", "-") if flag else ""))
     subprocess.run(
-        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *(["--mla"] if mla else [])],
+        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *([flag] if flag else [])],
         check=True,
         capture_output=True,
         timeout=300,
@@ -78,6 +80,7 @@ class Engine:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "PYTHONPATH": str(ROOT),
+            "KVPLANE_LOG_LEVEL": "INFO",  # a failure's reason, with times, in the engine's log
             **(env or {}),
         }
         self.log_path = workdir / f"{log_name or instance or role}.log"
@@ -153,6 +156,11 @@ class Engine:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def kvplane_log(self, lines: int = 40) -> str:
+        """The last ``lines`` of kvplane's own lines in the engine's log."""
+        mine = [line for line in self.log().splitlines() if "kvplane" in line]
+        return "\n".join(mine[-lines:])
+
     def stop(self) -> None:
         # vLLM spawns its engine core (and, with TP, its workers): end the whole group, or
         # their spinning OpenMP threads outlive the test on the cores they are bound to.
@@ -185,7 +193,14 @@ def handover(
     pre = prefill.generate(prefilled, 1, [{"do_remote_decode": True}] * len(prefilled))
     params = [{**p, **extra} for p in pre["params"]]
     assert all(p and p["kvplane_context"] == context for p in params), params
-    return decode.generate(decoded, max_tokens, params)["tokens"]
+    out = decode.generate(decoded, max_tokens, params)
+    if "error" in out["finish"]:  # a failed load: say why, from both engines' logs
+        raise AssertionError(
+            f"the decode finished {out['finish']}\n"
+            f"{prefill.log_path.stem}:\n{prefill.kvplane_log()}\n"
+            f"{decode.log_path.stem}:\n{decode.kvplane_log()}"
+        )
+    return out["tokens"]
 
 
 SERVER_START_S = 240  # an OpenAI server is up in 30-40 s here, alone
