@@ -6,6 +6,9 @@ Run with the vLLM environment's Python (it has ``transformers``)::
 
 ``--mla`` writes a DeepSeek-V2-style model instead (multi-head latent
 attention: one compressed KV latent per token and layer, 2 dense layers), for the MLA case.
+``--sliding`` makes layers 1 and 3 sliding-window layers (64 tokens, as Gemma and Mistral
+models mix them with full attention): vLLM's hybrid KV cache manager then keeps two KV cache
+groups.
 
 4 layers, 8 query heads, 4 KV heads (GQA), head_dim 32, vocabulary 4096: ~9 MB in bfloat16.
 The weights are drawn with a large ``initializer_range`` so that a continuation depends on the
@@ -17,12 +20,20 @@ from __future__ import annotations
 
 import sys
 
+SLIDING_WINDOW = 64
 
-def write(path: str, seed: int = 0) -> None:
+
+def write(path: str, seed: int = 0, *, sliding: bool = False) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    mixed: dict[str, object] = {}
+    if sliding:
+        mixed = {
+            "layer_types": ["full_attention", "sliding_attention"] * 2,
+            "sliding_window": SLIDING_WINDOW,
+        }
     config = LlamaConfig(
         vocab_size=4096,
         hidden_size=256,
@@ -34,6 +45,7 @@ def write(path: str, seed: int = 0) -> None:
         max_position_embeddings=2048,
         initializer_range=0.15,
         tie_word_embeddings=False,
+        **mixed,
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
@@ -71,4 +83,4 @@ if __name__ == "__main__":
     if "--mla" in sys.argv[2:]:
         write_mla(sys.argv[1])
     else:
-        write(sys.argv[1])
+        write(sys.argv[1], sliding="--sliding" in sys.argv[2:])

@@ -20,6 +20,7 @@ from workers.connectors.boundary import (
     parse_params,
     refusal,
     transfer_id,
+    window_gap,
 )
 
 BLOCK = 32
@@ -143,7 +144,7 @@ def test_a_transfer_id_is_the_request_id_when_a_handover_takes_it() -> None:
 
 
 def test_the_prefill_serves_only_a_run_of_the_blocks_it_holds() -> None:
-    held = ([10, 11, 12, 13], time.time() + 60)
+    held = ([[10, 11, 12, 13]], time.time() + 60)
 
     def ask(ids: list[int]) -> dict[str, Any]:
         return {"0": {"context": ids, "generation": list(range(len(ids)))}}
@@ -153,7 +154,55 @@ def test_the_prefill_serves_only_a_run_of_the_blocks_it_holds() -> None:
     for forged in ([11, 12, 13, 14], [13, 12], [10, 12], [99], []):
         assert refusal("p", "r", held, ask(forged)) is not None, forged
     assert "malformed" in str(refusal("p", "r", held, {"0": {"context": ["a"]}}))
-    assert "no longer holds" in str(refusal("p", "r", ([10], time.time() - 1), ask([10])))
+    assert "no longer holds" in str(refusal("p", "r", ([[10]], time.time() - 1), ask([10])))
+
+
+def test_each_kv_cache_group_is_checked_on_its_own() -> None:
+    """A hybrid model (vLLM's hybrid KV cache manager): a full-attention group and a
+    sliding-window group whose first blocks the window dropped (None)."""
+    held = ([[10, 11, 12, 13], [None, None, 21, 22]], time.time() + 60)
+
+    def ask(full: list[int], window: list[int]) -> dict[str, Any]:
+        return {"0": {"context": full, "generation": full}, "1": {"context": window}}
+
+    assert refusal("p", "r", held, ask([10, 11, 12, 13], [21, 22])) is None
+    assert refusal("p", "r", held, ask([12, 13], [22])) is None
+    assert refusal("p", "r", held, ask([10, 11, 12, 13], [20, 21])) is not None
+    assert refusal("p", "r", held, ask([10, 11, 12, 13], [10])) is not None  # another group's
+    assert refusal("p", "r", held, {"0": {"context": [10]}, "5": {"context": [21]}}) is not None
+
+
+def test_grouped_block_ids_carry_dropped_blocks_as_null() -> None:
+    prompt = _prompt(6, 100)  # 4 blocks
+    params = _params(prompt, remote_block_ids=[[10, 11, 12, 13], [None, None, 21, 22]])
+    remote = parse_params(params)
+    assert remote.groups == ((10, 11, 12, 13), (None, None, 21, 22))
+    assert remote.block_ids == (10, 11, 12, 13)
+    for bad, message in (
+        ([[10, 11, 12, 13], [None, None, 21]], r"remote_block_ids\[1\]: 3 blocks"),
+        ([[10, 11, 12, 13], [None, None, 21, 12]], "appears twice"),  # two groups, one block
+        ([[10, 11, 12, 13], [None, None, None, None]], "none is given"),
+        ([[10, 11, 12, 13], "21,22"], r"remote_block_ids\[1\]"),
+        ([[10, 11, 12, 13], [None, None, 21, -5]], r"remote_block_ids\[1\] item"),
+        ([[10, 11, 12, 13]] * 65, "at most 64"),
+    ):
+        with pytest.raises(ParamsError, match=message):
+            parse_params({**params, "remote_block_ids": bad})
+    # Null stands for a dropped block only in the grouped form.
+    with pytest.raises(ParamsError, match="remote_block_ids item"):
+        parse_params({**params, "remote_block_ids": [10, None, 12, 13]})
+
+
+def test_a_sliding_window_load_needs_the_blocks_its_window_reads() -> None:
+    """Window 40 tokens, blocks of 32: a prefill of 100 tokens keeps the blocks of tokens 61-99
+    (blocks 1-3) and dropped block 0. A decode that continues at token t reads tokens t-39 on."""
+    prompt = _prompt(7, 100)
+    remote = parse_params(_params(prompt, remote_block_ids=[[10, 11, 12, 13], [None, 20, 21, 22]]))
+    windows = [None, 40]
+    assert window_gap(remote, 100, windows) is None
+    assert window_gap(remote, 71, windows) is None  # reads from token 32: block 1
+    assert "KV cache group 1" in str(window_gap(remote, 70, windows))  # from token 31: block 0
+    assert window_gap(remote, 64, [None, None]) is not None  # full attention reads everything
 
 
 def test_the_token_never_comes_from_the_logged_config(tmp_path, monkeypatch) -> None:

@@ -13,7 +13,7 @@ import re
 import threading
 import time
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -24,6 +24,7 @@ log = logging.getLogger("kvplane.vllm")
 PAIRING_RETRY_S = 1.0  # a decode pairs with a prefill it could not reach again after this
 REFUSED_RETRY_S = 30.0  # ... and with one the control plane found incompatible after this
 MAX_BLOCKS = 1 << 20  # more remote block ids than any engine's cache holds: malformed
+MAX_GROUPS = 64  # KV cache groups of one model, at most
 DIGEST_CHARS = 16  # each block's chained digest: 64 bits, as hex
 #: Test-only fault injection (``kvplane_fault_*`` request params, ``fault_skip_blocks``): these
 #: act only in an engine started with this variable set to 1.
@@ -88,16 +89,24 @@ class ParamsError(ValueError):
     """``kv_transfer_params`` this connector cannot load from (missing, foreign or malformed)."""
 
 
+Blocks = tuple[int | None, ...]  # one KV cache group's blocks of a prompt; None: dropped
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """A prefill engine's answer, checked: what a decode request may load."""
 
     context: str  # the prefill's kvplane instance
     request_id: str  # the prefill engine's id of the request
-    block_ids: tuple[int, ...]  # the prefill's blocks of the prompt, in order
+    groups: tuple[Blocks, ...]  # per KV cache group, the prefill's blocks of the prompt, in order
     num_tokens: int  # the prompt's tokens the prefill computed
     block_size: int
     digests: tuple[str, ...]  # block_digests() of the prefill's prompt
+
+    @property
+    def block_ids(self) -> Blocks:
+        """The first (with one KV cache group, the only) group's blocks."""
+        return self.groups[0]
 
     def matched_tokens(self, prompt: list[int]) -> int:
         """The leading tokens of ``prompt`` whose KV this prefill holds: whole matching blocks,
@@ -134,14 +143,8 @@ def parse_params(params: Mapping[str, Any]) -> RemotePrefill:
     request_id = _identifier(params.get("remote_request_id"), "remote_request_id")
     num_tokens = _int(params.get("remote_num_tokens"), "remote_num_tokens", 1, 1 << 31)
     block_size = _int(params.get("kvplane_block_size"), "kvplane_block_size", 1, 1 << 16)
-    ids = params.get("remote_block_ids")
-    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_BLOCKS:
-        raise ParamsError("remote_block_ids: a non-empty list of block ids")
-    blocks = tuple(_int(b, "remote_block_ids item", 0, (1 << 31) - 1) for b in ids)
-    if len(set(blocks)) != len(blocks):
-        raise ParamsError("remote_block_ids: a block id appears twice")
-    digests = params.get("kvplane_digests")
     needed = -(-num_tokens // block_size)
+    digests = params.get("kvplane_digests")
     if (
         not isinstance(digests, list)
         or len(digests) != needed
@@ -150,11 +153,56 @@ def parse_params(params: Mapping[str, Any]) -> RemotePrefill:
         raise ParamsError(
             f"kvplane_digests: {needed} block digests of {DIGEST_CHARS} hex characters"
         )
-    if len(blocks) < needed:
-        raise ParamsError(f"remote_block_ids: {len(blocks)} blocks for {num_tokens} tokens")
-    return RemotePrefill(
-        context, request_id, blocks[:needed], num_tokens, block_size, tuple(digests)
-    )
+    groups = _block_groups(params.get("remote_block_ids"), num_tokens, needed)
+    return RemotePrefill(context, request_id, groups, num_tokens, block_size, tuple(digests))
+
+
+def _block_groups(ids: Any, num_tokens: int, needed: int) -> tuple[Blocks, ...]:
+    """``remote_block_ids``: a list of block ids (one KV cache group), or a list of such
+    lists, one per group, where null marks a block the group no longer holds (a sliding
+    window's). Cut to the ``needed`` blocks of the prompt."""
+    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_BLOCKS:
+        raise ParamsError("remote_block_ids: a non-empty list of block ids")
+    grouped = isinstance(ids[0], list)
+    lists = ids if grouped else [ids]
+    if grouped and len(lists) > MAX_GROUPS:
+        raise ParamsError(f"remote_block_ids: at most {MAX_GROUPS} KV cache groups")
+    groups: list[Blocks] = []
+    seen: set[int] = set()
+    for index, blocks in enumerate(lists):
+        name = f"remote_block_ids[{index}]" if grouped else "remote_block_ids"
+        if not isinstance(blocks, list) or not 0 < len(blocks) <= MAX_BLOCKS:
+            raise ParamsError(f"{name}: a non-empty list of block ids")
+        if len(blocks) < needed:
+            raise ParamsError(f"{name}: {len(blocks)} blocks for {num_tokens} tokens")
+        group = tuple(
+            None if b is None and grouped else _int(b, f"{name} item", 0, (1 << 31) - 1)
+            for b in blocks[:needed]
+        )
+        present = [b for b in group if b is not None]
+        if not present or len(set(present)) != len(present) or seen.intersection(present):
+            raise ParamsError(f"{name}: a block id appears twice, or none is given")
+        seen.update(present)
+        groups.append(group)
+    return tuple(groups)
+
+
+def window_gap(remote: RemotePrefill, matched: int, windows: Sequence[int | None]) -> str | None:
+    """Why the first ``matched`` tokens cannot load from ``remote`` (None: they can): a block
+    that the decode's attention still reads and that the prefill no longer holds. ``windows``:
+    each KV cache group's sliding window in tokens, None for full attention. A sliding window
+    reads a token's last ``window`` positions; the prefill dropped the blocks before its own
+    last token's window, so a decode that loads fewer tokens may need one of them."""
+    size = remote.block_size
+    end = -(-matched // size)
+    for group, (blocks, window) in enumerate(zip(remote.groups, windows, strict=True)):
+        start = 0 if window is None else max(0, matched - window + 1) // size
+        if any(block is None for block in blocks[start:end]):
+            return (
+                f"{remote.context} no longer holds the blocks of KV cache group {group} that "
+                f"the first {matched} tokens need (a sliding window dropped them)"
+            )
+    return None
 
 
 def transfer_id(request_id: str) -> str:
@@ -231,31 +279,41 @@ class Pairings:
                 self._running.discard(context)
 
 
-def refusal(instance: str, source: str, held: tuple[list[int], float], blocks: Any) -> str | None:
+def refusal(
+    instance: str, source: str, held: tuple[list[list[int | None]], float], blocks: Any
+) -> str | None:
     """Why an ask for held request ``source`` is refused (None: serve it): its hold ran out,
-    or the blocks it names are not a run of the ones held, in order (forged ids)."""
-    ids, until = held
+    or the blocks it names in some KV cache group are not a run of the ones held in that
+    group, in order (forged ids)."""
+    groups, until = held
     if until < time.time():
         return f"{instance} no longer holds request {source}"
     try:
         wanted = context_ids(blocks)
     except (AttributeError, KeyError, StopIteration, TypeError, ValueError, IndexError):
         return f"{instance}: a malformed block map for request {source}"
-    if not wanted:
+    if not wanted or not any(wanted.values()):
         return f"{instance}: no blocks asked for request {source}"
-    try:
-        first = ids.index(wanted[0])
-    except ValueError:
-        first = -1
-    if first < 0 or ids[first : first + len(wanted)] != wanted:
-        return f"{instance} holds other blocks for request {source}"
+    for group, asked in wanted.items():
+        ids = [b for b in groups[group] if b is not None] if 0 <= group < len(groups) else []
+        if not asked:
+            continue
+        try:
+            first = ids.index(asked[0])
+        except ValueError:
+            first = -1
+        if first < 0 or ids[first : first + len(asked)] != asked:
+            return f"{instance} holds other blocks for request {source}"
     return None
 
 
-def context_ids(blocks: Any) -> list[int]:
-    lists = next(iter(blocks.values()))
-    ids = lists["context"] if isinstance(lists, dict) else lists[0]
-    return [int(b) for b in ids]
+def context_ids(blocks: Any) -> dict[int, list[int]]:
+    """The context side's block ids of a block map, by KV cache (layer) group."""
+    wanted: dict[int, list[int]] = {}
+    for key, lists in blocks.items():
+        ids = lists["context"] if isinstance(lists, dict) else lists[0]
+        wanted[int(key)] = [int(b) for b in ids]
+    return wanted
 
 
 class Quarantine(Generic[T]):

@@ -122,30 +122,40 @@ def describe(
     block_size: int,
     head_dim: int,
     latent: bool = False,
+    groups: Mapping[str, int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, torch.Tensor]]:
     """``(pools, views, {pool id: uint8 tensor})`` of one rank's per-layer KV views.
 
     Layers whose blocks interleave in one allocation (block-outermost layouts) share a pool:
     a slot is one block of all of them, and each layer is a buffer at its offset in it.
     ``latent``: multi-head latent attention (MLA), one compressed latent per token that every
-    TP rank holds whole: ``REPLICATED`` views with a single (``key``) buffer per layer."""
+    TP rank holds whole: ``REPLICATED`` views with a single (``key``) buffer per layer.
+    ``groups``: each layer's KV cache group by name (vLLM's hybrid KV cache manager), the
+    layer group of its pool; a pool holds layers of one group."""
+    group_of = {
+        layer_index(name, index): (groups or {}).get(name, 0)
+        for index, name in enumerate(
+            sorted(kv_caches, key=lambda name: (layer_index(name, 1 << 30), name))
+        )
+    }
     layers = [
         read_layer(name, index, tensor, heads, block_size)
         for index, (name, tensor) in enumerate(
             sorted(kv_caches.items(), key=lambda item: (layer_index(item[0], 1 << 30), item[0]))
         )
     ]
-    groups: dict[tuple[int, int, str, int], list[LayerView]] = {}
+    shared: dict[tuple[int, int, str, int, int], list[LayerView]] = {}
     for view in layers:
+        group = group_of[view.layer]
         if view.block_stride_bytes == view.page_bytes:  # a layer of its own (layer-outermost)
-            key = (view.address, view.block_stride_bytes, view.inner, view.layer)
+            key = (view.address, view.block_stride_bytes, view.inner, view.layer, group)
         else:
-            key = (view.storage, view.block_stride_bytes, view.inner, -1)
-        groups.setdefault(key, []).append(view)
+            key = (view.storage, view.block_stride_bytes, view.inner, -1, group)
+        shared.setdefault(key, []).append(view)
     pools: list[dict[str, Any]] = []
     views: list[dict[str, Any]] = []
     tensors: dict[int, torch.Tensor] = {}
-    for members in groups.values():
+    for (*_, group), members in shared.items():
         base = min(view.address for view in members)
         stride = members[0].block_stride_bytes
         if max(view.address for view in members) - base + members[0].page_bytes > stride:
@@ -161,6 +171,7 @@ def describe(
                 total_heads=total_heads,
                 head_dim=head_dim,
                 latent=latent,
+                layer_group=group,
             )
     return pools, views, tensors
 
@@ -174,6 +185,7 @@ def _add_pool(
     total_heads: int,
     head_dim: int,
     latent: bool,
+    layer_group: int,
 ) -> None:
     import torch
 
@@ -190,7 +202,7 @@ def _add_pool(
     pools.append(
         {
             "id": pool_id,
-            "layer_group": 0,
+            "layer_group": layer_group,
             "slot_bytes": slot,
             "slot_stride_bytes": stride,
             "num_slots": num_slots,

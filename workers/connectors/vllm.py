@@ -74,6 +74,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from workers.connectors.boundary import (
@@ -95,6 +98,7 @@ from workers.connectors.boundary import (
     parse_params,
     refusal,
     transfer_id,
+    window_gap,
 )
 from workers.connectors.layouts import describe
 from workers.connectors.vllm_stats import HandoverNotes, KvplaneConnectorStats, KvplanePromMetrics
@@ -166,6 +170,49 @@ def _log_to_stderr(level: str) -> None:
         logger.addHandler(handler)
 
 
+def kv_cache_windows(config: KVCacheConfig | None) -> list[int | None]:
+    """Each KV cache group's sliding window in tokens (None: full attention). vLLM's hybrid KV
+    cache manager gives sliding-window and full-attention layers groups of their own; the
+    connector moves every group's blocks, each group a kvplane layer group. Groups of other
+    kinds (Mamba or linear-attention state, chunked local attention) are refused here."""
+    if config is None or not config.kv_cache_groups:
+        return [None]
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    windows: list[int | None] = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(int(spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec) and not isinstance(
+            spec, ChunkedLocalAttentionSpec
+        ):
+            windows.append(None)
+        else:
+            raise ValueError(
+                f"KvplaneConnector: KV cache group of {', '.join(group.layer_names[:3])} is "
+                f"{type(spec).__name__}; the connector moves full-attention and sliding-window "
+                "KV (Mamba/SSM or linear-attention state and chunked local attention are not "
+                "supported)"
+            )
+    return windows
+
+
+def layer_groups(config: KVCacheConfig | None) -> dict[str, int]:
+    """Each layer's KV cache group (its kvplane layer group), by vLLM layer name."""
+    if config is None:
+        return {}
+    return {
+        name: index
+        for index, group in enumerate(config.kv_cache_groups)
+        for name in group.layer_names
+    }
+
+
 def _role(config: VllmConfig) -> str:
     kv = config.kv_transfer_config
     assert kv is not None
@@ -191,13 +238,17 @@ class Receive:
     request_id: str  # the decode engine's
     source: str  # the prefill engine's id of the request
     context: str  # the prefill's kvplane instance
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
+    blocks: dict[int, tuple[list[int], list[int]]]  # KV cache group: (remote ids, local ids)
     skip_blocks: int = 0  # test-only fault injection: leave the first N blocks unloaded
+    broken: str | None = None  # why it cannot load (a block the prefill no longer holds)
 
     @property
     def transfer_id(self) -> str:
         return transfer_id(self.request_id)
+
+    @property
+    def local_block_ids(self) -> list[int]:
+        return [b for _, local in self.blocks.values() for b in local]
 
 
 @dataclass
@@ -205,7 +256,8 @@ class KvplaneConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the ranks each step."""
 
     receive: list[Receive] = field(default_factory=list)
-    hold: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id: blocks, until
+    # request id: (its blocks per KV cache group, None where dropped), until
+    hold: dict[str, tuple[list[list[int | None]], float]] = field(default_factory=dict)
     release: list[tuple[str, str]] = field(default_factory=list)  # (context, its request id)
     idle: bool = False  # the step runs no model: only handovers keep the engine stepping
 
@@ -220,7 +272,7 @@ class _Decision:
     seen_at: float = field(default_factory=time.monotonic)
 
 
-class KvplaneConnector(KVConnectorBase_V1):
+class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector over kvplane (see the module docstring)."""
 
     def __init__(
@@ -242,6 +294,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self.timeout_s = float(extra.get("timeout_s", DEFAULT_TIMEOUT_S))
         self.verify = bool(extra.get("verify", False))
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.windows = kv_cache_windows(kv_cache_config)
         if self.kind == "generation":
             _check_decode_can_continue(vllm_config)
         self.faults = faults_enabled()
@@ -255,7 +308,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         self.fault_skip_blocks = int(extra.get("fault_skip_blocks", 0)) if self.faults else 0
         # scheduler side
         self._holding: dict[str, float] = {}  # prefill: request id -> until (wall clock)
-        self._new_holds: dict[str, tuple[list[int], float]] = {}
+        self._new_holds: dict[str, tuple[list[list[int | None]], float]] = {}
         self._new_receives: list[Receive] = []
         self._releases: list[tuple[str, str]] = []  # decode: (context, its request id)
         self._loading: set[str] = set()  # decode: requests whose KV is on its way
@@ -265,7 +318,7 @@ class KvplaneConnector(KVConnectorBase_V1):
         # worker side
         self.worker: Worker | None = None
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[list[int], float]] = {}  # prefill rank: what it holds
+        self._held: dict[str, tuple[list[list[int | None]], float]] = {}  # prefill rank
         self._parked: dict[str, tuple[Ask, float]] = {}  # asks that came before the metadata
         self._released: dict[str, float] = {}  # releases that came before the metadata
         self._sending: dict[str, set[str]] = {}  # prefill rank: held id -> transfers under way
@@ -274,7 +327,8 @@ class KvplaneConnector(KVConnectorBase_V1):
         self._deferred: dict[str, tuple[Receive, float]] = {}  # waiting for the pairing: until
         self._quarantined: Quarantine[Receive] = Quarantine()  # failed loads, until reusable
         self._done_receiving: set[str] = set()
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # one KV cache group: vLLM recomputes from there
+        self._failed_loads: set[str] = set()  # several: vLLM takes failures per request
         self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
         self._notes = HandoverNotes()  # for vLLM's KVConnectorStats
 
@@ -347,6 +401,14 @@ class KvplaneConnector(KVConnectorBase_V1):
                 release=remote,
             )
             return None
+        if len(remote.groups) != len(self.windows):
+            self._compute_locally(
+                request,
+                f"{remote.context} sent blocks of {len(remote.groups)} KV cache groups, this "
+                f"engine has {len(self.windows)} (another model?)",
+                release=remote,
+            )
+            return None
         prompt = list(request.prompt_token_ids or ())
         if self.faults and params.get("kvplane_fault_trust_tokens"):
             matched = min(remote.num_tokens, len(prompt))  # test-only: load another prompt's KV
@@ -369,6 +431,10 @@ class KvplaneConnector(KVConnectorBase_V1):
                 len(prompt),
                 remote.context,
             )
+        gap = window_gap(remote, matched, self.windows)
+        if gap is not None:
+            self._compute_locally(request, gap, release=remote)
+            return None
         skip = params.get("kvplane_fault_skip_blocks", self.fault_skip_blocks) if self.faults else 0
         decision = _Decision(remote, matched, skip_blocks=int(skip or 0))
         self._decisions[request.request_id] = decision
@@ -408,18 +474,28 @@ class KvplaneConnector(KVConnectorBase_V1):
         size = self.block_size
         local_tokens = decision.matched - num_external_tokens
         first, last = local_tokens // size, -(-decision.matched // size)
-        local = list(blocks.get_block_ids()[0][first:last])
-        remote_ids = list(remote.block_ids[first:last])
-        count = min(len(local), len(remote_ids))
+        pairs: dict[int, tuple[list[int], list[int]]] = {}
+        broken = None
+        for group, (mine, theirs) in enumerate(zip(blocks.blocks, remote.groups, strict=True)):
+            remote_ids, local_ids = [], []
+            for block, remote_id in zip(mine[first:last], theirs[first:last], strict=False):
+                if block.is_null:  # out of this group's sliding window here: nothing to load
+                    continue
+                if remote_id is None:
+                    broken = f"{remote.context} no longer holds a block of KV cache group {group}"
+                    continue
+                remote_ids.append(remote_id)
+                local_ids.append(block.block_id)
+            pairs[group] = (remote_ids, local_ids)
         self._loading.add(request.request_id)
         self._new_receives.append(
             Receive(
                 request_id=request.request_id,
                 source=remote.request_id,
                 context=remote.context,
-                remote_block_ids=remote_ids[:count],
-                local_block_ids=local[:count],
+                blocks=pairs,
                 skip_blocks=decision.skip_blocks,
+                broken=broken,
             )
         )
 
@@ -435,7 +511,12 @@ class KvplaneConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(
-        self, request: Request, block_ids: Any
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._loading.discard(request.request_id)
         decision = self._decisions.pop(request.request_id, None)
@@ -459,18 +540,19 @@ class KvplaneConnector(KVConnectorBase_V1):
             RequestStatus.FINISHED_STOPPED,
         ):
             return False, None  # aborted: nothing to hand over
-        nested = bool(block_ids) and isinstance(block_ids[0], (list, tuple))
-        ids = [int(b) for b in (block_ids[0] if nested else block_ids)]
+        # vLLM's null block (id 0) stands for a block a sliding window dropped
+        groups = [[int(b) or None for b in group] for group in block_ids]
         prompt = list(request.prompt_token_ids or ())
-        if not ids or not prompt:
+        if not groups or not all(any(group) for group in groups) or not prompt:
             return False, None
         until = time.time() + self.hold_s
         self._holding[request.request_id] = until
-        self._new_holds[request.request_id] = (ids, until)
+        self._new_holds[request.request_id] = (groups, until)
+        flat = len(groups) == 1 and None not in groups[0]
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": ids,
+            "remote_block_ids": groups[0] if flat else groups,
             "remote_request_id": request.request_id,
             "remote_engine_id": self.instance,
             "remote_num_tokens": len(prompt),
@@ -503,7 +585,10 @@ class KvplaneConnector(KVConnectorBase_V1):
         extra = _extra(self._vllm_config)
         client = self._client(retries=5)
         rank, header, rank_body, tensors = registration(
-            self._vllm_config, kv_caches, model=extra.get("model")
+            self._vllm_config,
+            kv_caches,
+            model=extra.get("model"),
+            groups=layer_groups(self._kv_cache_config),
         )
         client.register_instance(self.instance, {**header, "ranks": [rank_body]})
         device = str(next(iter(tensors.values())).device)
@@ -585,9 +670,11 @@ class KvplaneConnector(KVConnectorBase_V1):
         worker = self.worker
         assert worker is not None
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
-        skip = min(receive.skip_blocks, len(receive.local_block_ids))
-        blocks = {0: (receive.remote_block_ids[skip:], receive.local_block_ids[skip:])}
+        skip = receive.skip_blocks
+        blocks = {g: (remote[skip:], local[skip:]) for g, (remote, local) in receive.blocks.items()}
         try:
+            if receive.broken:
+                raise HandoverError(receive.broken, code="not_held")
             if worker.handover is None:
                 raise HandoverError("the worker is not attached", code="not_attached")
             left = deadline - time.monotonic()
@@ -630,7 +717,14 @@ class KvplaneConnector(KVConnectorBase_V1):
                 # (and recomputes into them) only after that.
                 self._quarantined.add(receive, reusable_at)
                 return
-            self._done_receiving.add(receive.request_id)
+            self._failed(receive)
+
+    def _failed(self, receive: Receive) -> None:
+        """Report ``receive`` loaded with errors (the caller holds the lock)."""
+        self._done_receiving.add(receive.request_id)
+        if len(self.windows) > 1:  # block ids name a block of one group only
+            self._failed_loads.add(receive.request_id)
+        else:
             self._load_errors.update(receive.local_block_ids)
 
     def _release(self, context: str, source: str) -> None:
@@ -766,8 +860,7 @@ class KvplaneConnector(KVConnectorBase_V1):
                 else:
                     self._done_receiving.add(receive.request_id)
             for receive in self._quarantined.due(now_wall):
-                self._done_receiving.add(receive.request_id)
-                self._load_errors.update(receive.local_block_ids)
+                self._failed(receive)
             for request_id, (_, until) in list(self._held.items()):
                 if until < now_wall and request_id not in self._sending:
                     self._done_sending.add(request_id)  # nobody asked in time: free them
@@ -788,6 +881,16 @@ class KvplaneConnector(KVConnectorBase_V1):
                 ask, f"{self.instance} does not hold request {ask.source or ask.request_id}"
             )
         return sending or None, receiving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, receiving = self.get_finished(finished_req_ids)
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(receiving or ()),
+            failed_recving=failed,
+        )
 
     def get_kv_connector_stats(self) -> KvplaneConnectorStats | None:
         """This rank's handovers since the last step (:mod:`workers.connectors.vllm_stats`)."""
@@ -850,10 +953,15 @@ def _check_decode_can_continue(config: VllmConfig) -> None:
 
 
 def registration(
-    config: VllmConfig, kv_caches: dict[str, torch.Tensor], *, model: str | None = None
+    config: VllmConfig,
+    kv_caches: dict[str, torch.Tensor],
+    *,
+    model: str | None = None,
+    groups: Mapping[str, int] | None = None,
 ) -> tuple[int, dict[str, Any], dict[str, Any], dict[int, torch.Tensor]]:
     """``(rank, instance header, rank body, {pool id: tensor})`` for this rank's KV tensors
-    (pools and views follow their strides: :mod:`workers.connectors.layouts`)."""
+    (pools and views follow their strides: :mod:`workers.connectors.layouts`); ``groups``: each
+    layer's KV cache group by name, its pools' layer group (default 0)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     parallel = config.parallel_config
@@ -881,5 +989,6 @@ def registration(
         block_size=block_size,
         head_dim=model_config.get_head_size(),
         latent=bool(model_config.use_mla),
+        groups=groups,
     )
     return rank, header, {"rank": rank, "pools": pools, "views": views}, tensors
