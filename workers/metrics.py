@@ -1,8 +1,8 @@
 """Prometheus metrics of a worker process.
 
 ``kvplane worker --metrics-port P`` serves prometheus_client's default registry on ``P``
-(``/metrics``): handovers by side and outcome, their latency, bytes moved, verified bytes, the
-record's backlog. An engine embedding :class:`~workers.agent.Worker` calls :func:`instrument`
+(``/metrics``): handovers by peer instance, side and outcome, their latency, bytes moved,
+verified bytes, the record's backlog. An engine embedding :class:`~workers.agent.Worker` calls :func:`instrument`
 itself (and ``prometheus_client.start_http_server`` or its own exporter).
 
 :func:`instrument` subscribes to the worker's finished handles (``Worker.add_listener``): it
@@ -55,21 +55,21 @@ class WorkerMetrics:
         return cls(
             handovers=Counter(
                 "kvplane_worker_handovers_total",
-                "Handles resolved by this worker, by side (send, receive) and outcome "
-                "(released, arrived, failed)",
-                ["side", "outcome"],
+                "Handles resolved by this worker, by peer instance, side (send, receive) and "
+                "outcome (released, arrived, failed)",
+                ["peer", "side", "outcome"],
                 registry=registry,
             ),
             bytes_moved=Counter(
                 "kvplane_worker_bytes_moved_total",
-                "Bytes of completed handovers, by side",
-                ["side"],
+                "Bytes of completed handovers, by peer instance and side",
+                ["peer", "side"],
                 registry=registry,
             ),
             handover_seconds=Histogram(
                 "kvplane_worker_handover_seconds",
-                "From send/expect to the handle's outcome, by side and outcome",
-                ["side", "outcome"],
+                "From send/expect to the handle's outcome, by peer instance, side and outcome",
+                ["peer", "side", "outcome"],
                 buckets=LATENCY_BUCKETS_S,
                 registry=registry,
             ),
@@ -107,11 +107,14 @@ def instrument(worker: Worker, metrics: WorkerMetrics | None = None) -> WorkerMe
     verified = [worker.stats.verified_bytes]
 
     def observe(handle: Handle) -> None:
-        metrics.handovers.labels(handle.side, handle.state).inc()
+        peer = handle.peer
+        metrics.handovers.labels(peer, handle.side, handle.state).inc()
         if handle.duration_s is not None:
-            metrics.handover_seconds.labels(handle.side, handle.state).observe(handle.duration_s)
+            metrics.handover_seconds.labels(peer, handle.side, handle.state).observe(
+                handle.duration_s
+            )
         if handle.ok:
-            metrics.bytes_moved.labels(handle.side).inc(handle.bytes)
+            metrics.bytes_moved.labels(peer, handle.side).inc(handle.bytes)
         now = worker.stats.verified_bytes
         metrics.verified_bytes.inc(max(0, now - verified[0]))
         verified[0] = now

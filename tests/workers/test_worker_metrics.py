@@ -102,17 +102,22 @@ def test_handovers_are_counted_by_side_and_outcome(worker: Worker) -> None:
         resolved("receive", ARRIVED, nbytes=7),
     ):
         worker._on_finished(handle)
-    assert value(registry, "kvplane_worker_handovers_total", side="send", outcome=RELEASED) == 2
-    assert value(registry, "kvplane_worker_handovers_total", side="send", outcome=FAILED) == 1
-    assert value(registry, "kvplane_worker_handovers_total", side="receive", outcome=ARRIVED) == 1
-    assert value(registry, "kvplane_worker_bytes_moved_total", side="send") == 150  # not failed
-    assert value(registry, "kvplane_worker_bytes_moved_total", side="receive") == 7
-    assert (
-        value(registry, "kvplane_worker_handover_seconds_count", side="send", outcome=RELEASED) == 2
+    def count(name: str, **labels: str) -> float:
+        return value(registry, name, **labels)
+
+    # The handles' peers: "gen" for the sends, "ctx" for the receive (resolved() above).
+    handovers = "kvplane_worker_handovers_total"
+    assert count(handovers, peer="gen", side="send", outcome=RELEASED) == 2
+    assert count(handovers, peer="gen", side="send", outcome=FAILED) == 1
+    assert count(handovers, peer="ctx", side="receive", outcome=ARRIVED) == 1
+    assert count(handovers, peer="ctx", side="send", outcome=RELEASED) == 0
+    assert count("kvplane_worker_bytes_moved_total", peer="gen", side="send") == 150  # not failed
+    assert count("kvplane_worker_bytes_moved_total", peer="ctx", side="receive") == 7
+    seconds = "kvplane_worker_handover_seconds"
+    assert count(f"{seconds}_count", peer="gen", side="send", outcome=RELEASED) == 2
+    assert count(f"{seconds}_sum", peer="gen", side="send", outcome=RELEASED) == pytest.approx(
+        0.004, abs=1e-5
     )
-    assert value(
-        registry, "kvplane_worker_handover_seconds_sum", side="send", outcome=RELEASED
-    ) == pytest.approx(0.004, abs=1e-5)
     assert (worker.stats.sent, worker.stats.received, worker.stats.failed) == (2, 1, 1)
     assert worker.stats.errors == ["deadline"]
 
