@@ -2,8 +2,8 @@
 
 ``kvplane worker --metrics-port P`` serves prometheus_client's default registry on ``P``
 (``/metrics``): handovers by peer instance, side and outcome, their latency, bytes moved,
-verified bytes, the record's backlog. An engine embedding :class:`~workers.agent.Worker` calls :func:`instrument`
-itself (and ``prometheus_client.start_http_server`` or its own exporter).
+verified bytes, the record's backlog. An engine embedding :class:`~workers.agent.Worker` calls
+:func:`instrument` itself (and ``prometheus_client.start_http_server`` or its own exporter).
 
 :func:`instrument` subscribes to the worker's finished handles (``Worker.add_listener``): it
 runs on the hot path's progress thread, so it only increments counters.

@@ -102,6 +102,7 @@ def test_handovers_are_counted_by_side_and_outcome(worker: Worker) -> None:
         resolved("receive", ARRIVED, nbytes=7),
     ):
         worker._on_finished(handle)
+
     def count(name: str, **labels: str) -> float:
         return value(registry, name, **labels)
 
