@@ -57,6 +57,12 @@ Live KV is the engine's alone: the connector's workers refuse REST-pushed transf
 ``KVPLANE_TEST_FAULTS=1`` in the engine's environment, and the control plane's token comes from
 ``KVPLANE_TOKEN`` or ``token_file``, never from the logged config.
 
+Hybrid models: with ``SupportsHMA`` vLLM keeps its hybrid KV cache manager on, one KV cache
+group per attention kind (full attention, sliding window). Each group is a kvplane layer group;
+``remote_block_ids`` then lists each group's blocks (null where a sliding window dropped one),
+and the decode loads, group by group, the blocks its own allocation holds. Other group kinds
+(Mamba state, chunked local attention) are refused at start-up.
+
 Registration: vLLM hands every attention backend one ``[blocks, kv_heads, block_size,
 content]`` view per layer, with strides from one of its six KV cache layouts; the connector
 asks for ``LBHNC`` (one ``HND`` pool per layer, a slot is a block: a head's keys and values for
