@@ -187,24 +187,29 @@ def kv_cache_windows(config: KVCacheConfig | None) -> list[int | None]:
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
     )
+
+    def window(spec: Any) -> tuple[bool, int | None]:
+        if isinstance(spec, UniformTypeKVCacheSpecs):  # one type, layers of several shapes
+            kinds = {window(each) for each in spec.kv_cache_specs.values()}
+            return kinds.pop() if len(kinds) == 1 else (False, None)
+        if isinstance(spec, SlidingWindowSpec):
+            return True, int(spec.sliding_window)
+        full = isinstance(spec, FullAttentionSpec)
+        return full and not isinstance(spec, ChunkedLocalAttentionSpec), None
 
     windows: list[int | None] = []
     for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            windows.append(int(spec.sliding_window))
-        elif isinstance(spec, FullAttentionSpec) and not isinstance(
-            spec, ChunkedLocalAttentionSpec
-        ):
-            windows.append(None)
-        else:
+        known, tokens = window(group.kv_cache_spec)
+        if not known:
             raise ValueError(
-                f"KvplaneConnector: KV cache group of {', '.join(group.layer_names[:3])} is "
-                f"{type(spec).__name__}; the connector moves full-attention and sliding-window "
-                "KV (Mamba/SSM or linear-attention state and chunked local attention are not "
-                "supported)"
+                f"KvplaneConnector: the KV cache group of {', '.join(group.layer_names[:3])} "
+                f"is {type(group.kv_cache_spec).__name__}; the connector moves full-attention "
+                "and sliding-window KV (Mamba/SSM or linear-attention state and chunked local "
+                "attention are not supported)"
             )
+        windows.append(tokens)
     return windows
 
 
@@ -237,6 +242,11 @@ def _role(config: VllmConfig) -> str:
 # -------------------------------------------------------------------------------------------
 
 
+# A prefill's finished request: its blocks per KV cache group (None where a sliding window
+# dropped one), held until a wall-clock time
+Held = tuple[list[list[int | None]], float]
+
+
 @dataclass
 class Receive:
     """One decode request's load, from the scheduler to every rank."""
@@ -262,8 +272,7 @@ class KvplaneConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the ranks each step."""
 
     receive: list[Receive] = field(default_factory=list)
-    # request id: (its blocks per KV cache group, None where dropped), until
-    hold: dict[str, tuple[list[list[int | None]], float]] = field(default_factory=dict)
+    hold: dict[str, Held] = field(default_factory=dict)  # by request id
     release: list[tuple[str, str]] = field(default_factory=list)  # (context, its request id)
     idle: bool = False  # the step runs no model: only handovers keep the engine stepping
 
@@ -314,7 +323,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         self.fault_skip_blocks = int(extra.get("fault_skip_blocks", 0)) if self.faults else 0
         # scheduler side
         self._holding: dict[str, float] = {}  # prefill: request id -> until (wall clock)
-        self._new_holds: dict[str, tuple[list[list[int | None]], float]] = {}
+        self._new_holds: dict[str, Held] = {}
         self._new_receives: list[Receive] = []
         self._releases: list[tuple[str, str]] = []  # decode: (context, its request id)
         self._loading: set[str] = set()  # decode: requests whose KV is on its way
@@ -324,7 +333,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self.worker: Worker | None = None
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[list[list[int | None]], float]] = {}  # prefill rank
+        self._held: dict[str, Held] = {}  # prefill rank: what it holds
         self._parked: dict[str, tuple[Ask, float]] = {}  # asks that came before the metadata
         self._released: dict[str, float] = {}  # releases that came before the metadata
         self._sending: dict[str, set[str]] = {}  # prefill rank: held id -> transfers under way
@@ -747,7 +756,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     # prefill ranks -------------------------------------------------------------------------
 
-    def _hold(self, holds: dict[str, tuple[list[int], float]]) -> None:
+    def _hold(self, holds: dict[str, Held]) -> None:
         ready = []
         log.debug("kvplane: %s holds %s", self.instance, sorted(holds))
         unused = self._routeless()
