@@ -301,6 +301,7 @@ POLICY: dict[str, Rule] = {
     "report_rank": Rule(own=_INSTANCE, owner=_path_name),
     "get_instance": Rule(scopes=frozenset({"operator"}), own=_INSTANCE | _WORKER, owner=_path_name),
     "list_instances": OPERATOR,
+    "get_instance_handovers": OPERATOR,
     "delete_instance": Rule(scopes=frozenset({"operator"}), own=_INSTANCE, owner=_path_name),
     # pairings, compatibility, transfers
     "create_pairing": OPERATOR,

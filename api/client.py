@@ -143,6 +143,9 @@ class _Calls:
     def delete_instance(self, name: str) -> Any:
         return self._request("DELETE", f"/v1/instances/{name}")
 
+    def get_instance_handovers(self, name: str) -> Any:
+        return self._request("GET", f"/v1/instances/{name}/handovers")
+
     # pairings ---------------------------------------------------------------------------
     def create_pairing(self, context: str, generation: str) -> Any:
         return self._request(
@@ -252,6 +255,7 @@ CLIENT_ROUTES = (
     ("GET", "/v1/instances/{name}"),
     ("GET", "/v1/instances"),
     ("DELETE", "/v1/instances/{name}"),
+    ("GET", "/v1/instances/{name}/handovers"),
     ("POST", "/v1/pairings"),
     ("GET", "/v1/pairings/{pairing_id}"),
     ("GET", "/v1/pairings"),

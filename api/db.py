@@ -21,10 +21,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import DateTime, Dialect, Engine, MetaData, TypeDecorator, create_engine, event
+from sqlalchemy import (
+    DateTime,
+    Dialect,
+    Engine,
+    Float,
+    MetaData,
+    TypeDecorator,
+    create_engine,
+    event,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.sql.functions import FunctionElement
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -64,6 +75,31 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is not None and value.tzinfo is None:
             value = value.replace(tzinfo=UTC)
         return value
+
+
+class seconds_between(FunctionElement[float]):  # lower case: used like a func.* SQL function
+    """``end - start`` in seconds, in SQL: two :class:`UTCDateTime` columns (or expressions).
+
+    SQLite has no interval type: the difference of the two Julian days, to the millisecond (the
+    precision of its date functions). PostgreSQL: the epoch of the interval, to the microsecond.
+    """
+
+    type = Float()
+    name = "seconds_between"
+    inherit_cache = True
+
+
+@compiles(seconds_between, "sqlite")
+def _seconds_between_sqlite(element: seconds_between, compiler: Any, **kw: Any) -> str:
+    start, end = (compiler.process(clause, **kw) for clause in element.clauses)
+    # Rounded to the millisecond: the Julian days' float error is tens of microseconds.
+    return f"round((julianday({end}) - julianday({start})) * 86400.0, 3)"
+
+
+@compiles(seconds_between, "postgresql")
+def _seconds_between_postgresql(element: seconds_between, compiler: Any, **kw: Any) -> str:
+    start, end = (compiler.process(clause, **kw) for clause in element.clauses)
+    return f"CAST(EXTRACT(EPOCH FROM ({end} - {start})) AS DOUBLE PRECISION)"
 
 
 def is_sqlite(url: str) -> bool:

@@ -618,6 +618,55 @@ class TransferList(_Response):
     offset: int
 
 
+class HandoverCounts(_Response):
+    """Handovers of a window by outcome, with the bytes and latency of the done ones."""
+
+    total: int
+    planned: int = Field(description="Planned, never executed by kvplane's workers")
+    queued: int
+    running: int
+    done: int
+    failed: int
+    bytes_moved: int = Field(description="Bytes of the done handovers")
+    p50_s: float | None = Field(
+        description="Median creation-to-done latency of the done handovers (nearest rank); "
+        "null without one"
+    )
+    p99_s: float | None = Field(description="99th percentile of the same (nearest rank)")
+
+
+class HandoverPeer(HandoverCounts):
+    """An instance's handovers with one peer: the instance on the other side."""
+
+    peer: str = Field(description="A generation instance for a context instance, and reverse")
+    pairing_id: str | None = Field(description="The two instances' pairing; null when unpaired")
+    last_at: datetime = Field(description="Creation time of the newest handover")
+
+
+class HandoverFailure(_Response):
+    """One failed handover and why."""
+
+    transfer_id: str
+    request_id: str
+    peer: str
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class InstanceHandovers(_Response):
+    """An instance's transfers of a recent window (the handovers it sent as a context instance,
+    or received as a generation instance): per peer, in all, and the latest failures."""
+
+    instance: str
+    role: Role
+    since: datetime = Field(description="Start of the window: handovers created since then")
+    window_s: int
+    peers: list[HandoverPeer] = Field(description="One entry per peer, by name")
+    total: HandoverCounts = Field(description="Every peer together")
+    failures: list[HandoverFailure] = Field(description="The newest failed handovers first")
+
+
 class RouteFragments(_Response):
     """Expanded fragments of one route: ``[src_pool, src_offset, dst_pool, dst_offset, length]``."""
 

@@ -69,10 +69,10 @@ def timestamp(moment: datetime | None) -> str:
 
 
 def duration(seconds: float | None) -> str:
-    """``0.0123`` → ``12.3 ms``."""
+    """``0.0123`` → ``12.3 ms``; ``0.9996`` → ``1 s``."""
     if seconds is None:
         return "—"
-    if seconds < 1:
+    if seconds < 0.9995:  # above, three digits of milliseconds round up to 1 s
         return f"{seconds * 1000:.3g} ms"
     return f"{seconds:.3g} s"
 

@@ -182,14 +182,27 @@ def pairings_of_instance(*, session: Session, instance_id: int) -> list[tuple[st
 
 
 def list_transfers(
-    *, session: Session, status: str | None, limit: int, offset: int
+    *,
+    session: Session,
+    status: str | None,
+    limit: int,
+    offset: int,
+    context: str | None = None,
+    generation: str | None = None,
 ) -> tuple[list[TransferRow], int]:
-    """One page of transfers, newest first, without their block lists."""
-    query = select(TransferRow)
-    count = select(func.count()).select_from(TransferRow)
-    if status is not None:
-        query = query.where(TransferRow.status == status)
-        count = count.where(TransferRow.status == status)
+    """One page of transfers, newest first, without their block lists; of one status, context
+    or generation instance where given."""
+    conditions = [
+        column == value
+        for column, value in (
+            (TransferRow.status, status),
+            (TransferRow.context_name, context),
+            (TransferRow.generation_name, generation),
+        )
+        if value is not None
+    ]
+    query = select(TransferRow).where(*conditions)
+    count = select(func.count()).select_from(TransferRow).where(*conditions)
     total = int(session.scalar(count) or 0)
     rows = session.scalars(
         query.options(defer(TransferRow.blocks))

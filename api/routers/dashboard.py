@@ -25,7 +25,9 @@ from api.errors import KvplaneError, NotFound
 from api.geometry import GeometryError, Instance, active_ranks, view_geometry
 from api.routers.deps import DbDep
 from api.routers.transfers import push_commands
+from api.schemas import NAME_PATTERN
 from api.services import execution as execution_service
+from api.services import handovers as handover_service
 from api.services import instances as instance_service
 from api.services import pairings as pairing_service
 from api.services import registration
@@ -50,6 +52,7 @@ TRANSFER_STATUSES = ("planned", "queued", "running", "done", "failed")
 PAIRING_STATUSES = ("compatible", "incompatible", "stale")
 
 Page = Annotated[int, Query(ge=1, le=1 << 20)]
+InstanceFilter = Annotated[str | None, Query(pattern=NAME_PATTERN)]
 DpRank = Annotated[int | None, Query(ge=0, lt=4096)]
 
 
@@ -240,7 +243,8 @@ def _geometry_rows(instance: Instance) -> list[dict[str, Any]]:
 
 @router.get("/ui/instances/{name}", response_class=HTMLResponse)
 def instance_detail(request: Request, name: str, db: DbDep) -> HTMLResponse:
-    """One instance: parallelism, counters and every rank's page table."""
+    """One instance: parallelism, its handovers of the last hour, its pairings and every
+    rank's page table."""
     with db.read() as session:
         try:
             row = instance_service.get_instance(session=session, name=name)
@@ -249,6 +253,9 @@ def instance_detail(request: Request, name: str, db: DbDep) -> HTMLResponse:
         summary = instance_service.instance_summary(row)
         geometry = instance_service.load_geometry(row)
         pairings = queries.pairings_of_instance(session=session, instance_id=row.id)
+        handovers = handover_service.instance_handovers(
+            session=session, instance=row, now=_now(request)
+        )
     return _render(
         request,
         "instance.html",
@@ -256,6 +263,7 @@ def instance_detail(request: Request, name: str, db: DbDep) -> HTMLResponse:
         instance=summary,
         ranks=_geometry_rows(geometry),
         pairings=pairings,
+        handovers=handovers,
     )
 
 
@@ -507,22 +515,33 @@ def transfer_list(
     request: Request,
     db: DbDep,
     status: Annotated[str | None, Query(pattern="^(planned|queued|running|done|failed)$")] = None,
+    context: InstanceFilter = None,
+    generation: InstanceFilter = None,
     page: Page = 1,
 ) -> HTMLResponse:
-    """Recent transfers, newest first."""
+    """Recent transfers, newest first; of one status, context or generation instance."""
+    filtered = status is not None or context is not None or generation is not None
     with db.read() as session:
         rows, total = queries.list_transfers(
-            session=session, status=status, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+            session=session,
+            status=status,
+            context=context,
+            generation=generation,
+            limit=PAGE_SIZE,
+            offset=(page - 1) * PAGE_SIZE,
         )
         stats = queries.job_stats(session=session, transfer_ids=[row.id for row in rows])
         items = [_transfer_row(row, stats.get(row.id)) for row in rows]
-        shown = _charts(session, request) if page == 1 and status is None else {}
+        shown = _charts(session, request) if page == 1 and not filtered else {}
     return _render(
         request,
         "transfers.html",
         nav="transfers",
         items=items,
         status=status,
+        context=context,
+        generation=generation,
+        filtered=filtered,
         statuses=TRANSFER_STATUSES,
         pager=_pages(total, page),
         **shown,

@@ -1,16 +1,17 @@
-"""``/v1/instances``: register (whole or rank by rank), read, list, delete."""
+"""``/v1/instances``: register (whole or rank by rank), read, list, delete; one instance's
+handovers of the last hour."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Path, Query, Response, status
+from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 
 from api import schemas
 from api.errors import problem_responses
 from api.routers.deps import DbDep, MetricsDep
+from api.services import handovers, registration, stats
 from api.services import instances as service
-from api.services import registration, stats
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 
@@ -136,6 +137,25 @@ def get_instance(name: InstanceName, response: Response, db: DbDep) -> schemas.I
         result = service.instance_read(service.get_instance(session=session, name=name))
     _etag(response, result.generation)
     return result
+
+
+@router.get(
+    "/{name}/handovers",
+    operation_id="get_instance_handovers",
+    response_model=schemas.InstanceHandovers,
+    responses=problem_responses(404, 422, 503),
+)
+def get_instance_handovers(
+    name: InstanceName, request: Request, db: DbDep
+) -> schemas.InstanceHandovers:
+    """The instance's handovers created in the last hour (sent as a context instance, received
+    as a generation instance): per peer and in all, by outcome, with bytes moved and
+    creation-to-done latency (p50, p99), and the latest failures with their errors."""
+    with db.read() as session:
+        row = service.get_instance(session=session, name=name)
+        return handovers.instance_handovers(
+            session=session, instance=row, now=request.app.state.clock()
+        )
 
 
 @router.delete(

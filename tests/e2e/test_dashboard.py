@@ -100,6 +100,92 @@ def test_instance_pages_show_every_ranks_head_geometry(live_server: LiveServer, 
     screenshot(page, "12-instance-gen-4heads")
 
 
+def test_instance_page_shows_its_handovers_by_peer(
+    live_server: LiveServer, sqlite_url: str, page: Any
+) -> None:
+    seed_fleet(live_server.api)
+    now = utcnow()
+
+    def row(
+        request_id: str,
+        generation: str,
+        status: str,
+        *,
+        after_s: float | None = None,
+        error: str | None = None,
+        age_s: float = 60,
+    ) -> dict[str, Any]:
+        created = now - timedelta(seconds=age_s)
+        return {
+            "id": uuid.uuid4().hex,
+            "context_name": "ctx-tp4",
+            "generation_name": generation,
+            "request_id": request_id,
+            "status": status,
+            "execute": True,
+            "blocks": {},
+            "summary": {"routes": [], "bytes": 3 << 20, "fragments": 8},
+            "bytes": 3 << 20,
+            "fragments": 8,
+            "request_hash": "0" * 64,
+            "error": error,
+            "created_at": created,
+            "updated_at": created,
+            "finished_at": None if after_s is None else created + timedelta(seconds=after_s),
+        }
+
+    db = Database(sqlite_url)
+    try:
+        with db.write() as session:
+            session.execute(
+                insert(TransferRow),
+                [
+                    row("h-1", "gen-tp2", "done", after_s=0.25),
+                    row("h-2", "gen-tp2", "done", after_s=0.75),
+                    row("h-3", "gen-tp2", "failed", after_s=2, error="generation rank 1: NIXL"),
+                    row("h-4", "gen-adp", "running"),
+                    row("h-old", "gen-adp", "done", after_s=0.1, age_s=7200),
+                ],
+            )
+    finally:
+        db.dispose()
+
+    page.goto(live_server.url + "/ui/instances/ctx-tp4")
+    table = page.locator("table.handovers")
+    expect(table.locator("tbody tr")).to_have_count(2)
+    tp2 = table.locator('tr[data-peer="gen-tp2"]')
+    for column, text in {
+        "total": "3",
+        "done": "2",
+        "failed": "1",
+        "in-flight": "0",
+        "bytes": "6 MiB",
+        "p50": "250 ms",
+        "p99": "750 ms",
+    }.items():
+        expect(tp2.locator(f'[data-col="{column}"]')).to_have_text(text)
+    expect(table.locator('tr[data-peer="gen-adp"] [data-col="in-flight"]')).to_have_text("1")
+    expect(table.locator('tfoot [data-col="total"]')).to_have_text("4")  # not the 2 h old one
+    failures = page.locator("table.handover-failures tbody tr")
+    expect(failures).to_have_count(1)
+    expect(failures.first).to_contain_text("h-3")
+    expect(failures.first).to_contain_text("generation rank 1: NIXL")
+    screenshot(page, "13-instance-handovers")
+
+    tp2.locator('[data-col="failed"] a').click()
+    expect(page.locator("table tbody tr")).to_have_count(1)
+    expect(page.locator("table tbody tr").first).to_contain_text("h-3")
+    page.go_back()
+    tp2.get_by_role("link", name="gen-tp2").click()
+    expect(page.get_by_role("heading", level=1)).to_contain_text("gen-tp2")
+    received = page.locator('table.handovers tr[data-peer="ctx-tp4"]')
+    expect(received.locator('[data-col="total"]')).to_have_text("3")
+
+    page.goto(live_server.url + "/ui/instances/gen-4heads")
+    expect(page.locator("main")).to_contain_text("No handovers in the last hour")
+    expect(page.locator("table.handovers")).to_have_count(0)
+
+
 def test_incompatible_pairing_lists_its_error_codes(live_server: LiveServer, page: Any) -> None:
     fleet = seed_fleet(live_server.api)
     page.goto(live_server.url + "/ui/pairings")
