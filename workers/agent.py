@@ -498,6 +498,8 @@ class Worker:
                 if seen.get("directory_revision") != self.directory.revision:
                     self.refresh_directory()
             except ConflictError as error:
+                if self._stop.is_set():
+                    return  # stopping: its own deregistration refused this heartbeat
                 if error.code == "worker_superseded":
                     if self._superseded_unless_reattached(worker_id, error.detail):
                         return
@@ -508,6 +510,8 @@ class Worker:
                 except ApiError as attach_error:
                     log.warning("attaching again failed: %s", attach_error)
             except NotFoundError as error:
+                if self._stop.is_set():
+                    return
                 log.warning("heartbeat refused (%s); attaching again", error.detail)
                 try:
                     self.attach()

@@ -130,8 +130,8 @@ def test_the_dashboard_shows_the_engines(fleet: dict[str, Any], page: Any) -> No
     url = fleet["plane"].url
     batch = prompts(4, (70, 99))
     assert handover(fleet, batch, batch) == fleet["prefill"].generate(batch, 16)["tokens"]
-    page.goto(f"{url}/ui/instances")
     for name in ("vllm-prefill", "vllm-decode"):
+        page.goto(f"{url}/ui/instances")
         expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
         instance = httpx.get(f"{url}/v1/instances/{name}", timeout=10).json()
         page.goto(f"{url}/ui/instances/{name}")

@@ -608,6 +608,39 @@ def test_a_superseded_worker_stops_instead_of_attaching_again() -> None:
     assert not thread.is_alive() and agent.superseded and client.attaches == 0
 
 
+@pytest.mark.parametrize("refusal", ["stopped", "gone"])
+def test_a_stopping_worker_never_attaches_again(refusal: str) -> None:
+    """A heartbeat in flight while the worker stops meets its own deregistration (409: stopped)
+    or a removed row (404): the worker is stopping, so it must not attach again (a second row
+    of the rank would read alive after the engine stopped)."""
+    from api.client import ConflictError, NotFoundError
+
+    stopping = threading.Event()
+
+    class Stopping(StubClient):
+        attaches = 0
+
+        def heartbeat(self, worker_id: str, **_: Any) -> Any:
+            agent._stop.set()  # Worker.stop() ran while this heartbeat was on its way
+            stopping.set()
+            if refusal == "stopped":
+                raise ConflictError(409, "worker_stale", "this worker was stopped; attach again")
+            raise NotFoundError(404, "not_found", "no worker w-1")
+
+        def get_instance(self, name: str) -> Any:
+            self.attaches += 1
+            raise AssertionError("a stopping worker must not attach again")
+
+    client = Stopping()
+    agent = Worker(client, "ctx", 1, device="cpu")  # type: ignore[arg-type]
+    agent.worker_id = "w-1"
+    agent.heartbeat_interval_s = 0.01
+    thread = threading.Thread(target=agent._heartbeat_loop, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert stopping.is_set() and not thread.is_alive() and client.attaches == 0
+
+
 def test_a_worker_that_attached_again_outlives_its_old_ids_supersession() -> None:
     """A re-registration makes a heartbeat re-attach (a new worker id), and the control plane
     tells the old id's command stream "superseded by <new id>", possibly before the attach has
