@@ -260,14 +260,31 @@ def record_transfers(
     """A worker's batch of finished transfer parts (repeats are ignored). Settles transfers
     and wakes their `?wait=` long-polls. Refused whole: times outside a window of the control
     plane's clock (422 `record_time_out_of_range`), a pairing that is not the record's own
-    instances' (403 `pairing_mismatch`), blocks its plan cannot expand (422 `invalid_blocks`)."""
+    instances' (403 `pairing_mismatch`), blocks its plan cannot expand, a layer group without
+    its context or generation list included (422 `invalid_blocks`; the transfer, if another
+    record opened it, fails with the reason)."""
     now = now_of(request)
     stored: list[wire.TransferRecord] = []
-    with db.write() as session:
-        accepted, settled = execution.record_parts(
-            session=session, body=body, now=now, stored=stored
-        )
-        finished = stats.finished(session=session, transfer_ids=settled)
+    try:
+        with db.write() as session:
+            accepted, settled = execution.record_parts(
+                session=session, body=body, now=now, stored=stored
+            )
+            finished = stats.finished(session=session, transfer_ids=settled)
+    except execution.UnexpandableBlocks as error:
+        # Refused whole; a transfer the other side's records already opened fails now, with
+        # the reason, instead of waiting for a part that will never be stored.
+        with db.write() as session:
+            failed = execution.fail_transfers(
+                session=session,
+                transfer_ids=[error.extra["transfer_id"]],
+                now=now,
+                reason=error.detail,
+            )
+            finished = stats.finished(session=session, transfer_ids=failed)
+        request.app.state.completions.settled(failed)
+        metrics.transfers_settled(finished)
+        raise
     completions: Completions = request.app.state.completions
     completions.settled(settled)
     relay = hub_of(request).relay

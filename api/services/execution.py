@@ -50,6 +50,11 @@ REAP_BATCH = 100  # overdue transfers one request fails at most (issue 13 item 1
 ACTIVE = ("queued", "running")
 
 
+class UnexpandableBlocks(BadRequest):
+    """An engine-path record whose block lists its pairing's plan cannot expand (422
+    ``invalid_blocks``); the transfer it names fails with the reason, where it exists."""
+
+
 def engine_transfer_id(
     pairing_id: str, context_epoch: str, generation_epoch: str, request_id: str
 ) -> str:
@@ -781,23 +786,32 @@ def _description(
         plans[key] = _plan_of(session, tid, record)
     pairing, plan_row, plan = plans[key]
     blocks = record.blocks or {}
+    for group, lists in blocks.items():
+        if set(lists) != {"context", "generation"}:  # a missing side would expand to nothing
+            raise UnexpandableBlocks(
+                f"engine transfer {tid}: layer group {group} needs a context and a generation "
+                f"list, not {sorted(lists)}",
+                code="invalid_blocks",
+                errors=[
+                    {"loc": ["body", "records", "blocks", group], "msg": "context, generation"}
+                ],
+                extra={"transfer_id": tid},
+            )
     summary: dict[str, Any] = {"routes": [], "bytes": 0, "fragments": 0}
     if plan is not None:
         try:
             summary = summarize(
                 plan,
-                {
-                    int(g): (v.get("context", []), v.get("generation", []))
-                    for g, v in blocks.items()
-                },
+                {int(g): (v["context"], v["generation"]) for g, v in blocks.items()},
                 record.num_tokens,
                 None if summaries is None else summaries.setdefault(key, {}),
             )
         except Exception as error:  # stored, it would settle the transfer with 0 bytes
-            raise BadRequest(
+            raise UnexpandableBlocks(
                 f"engine transfer {tid}: its blocks do not fit the pairing's plan: {error}",
                 code="invalid_blocks",
                 errors=[{"loc": ["body", "records", "blocks"], "msg": str(error)[:500]}],
+                extra={"transfer_id": tid},
             ) from None
     summary["num_tokens"] = record.num_tokens
     return {

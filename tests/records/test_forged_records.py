@@ -198,6 +198,9 @@ def test_a_rank_that_takes_no_part_cannot_fail_a_rest_transfer(client: TestClien
         {"0": {"context": [0, 0], "generation": [2, 3]}},  # repeated
         {"7": {"context": [0], "generation": [1]}},  # no such layer group
         {"x": {"context": [0], "generation": [1]}},  # not a layer group at all
+        {"0": {"context": [0, 1]}},  # no generation list
+        {"0": {"generation": [2, 3]}},  # no context list
+        {"0": {"context": [0, 1], "generation": [2, 3], "draft": [4]}},  # a side that is none
     ],
 )
 def test_an_engine_record_whose_blocks_cannot_be_expanded_is_refused(
@@ -230,3 +233,22 @@ def test_metrics_count_only_records_that_changed_state(client: TestClient) -> No
     text = client.get("/metrics").text
     assert _metric(text, "kvplane_moved_bytes_total", kind="receive") == 1000
     assert _metric(text, "kvplane_recorded_parts_total", state="done") == 1
+
+
+def test_a_refused_record_fails_the_transfer_it_names_at_once(client: TestClient) -> None:
+    """The sender's record opened the transfer without block lists (a record may leave them
+    to another); the receiver's names no generation list. The receiver's batch is refused, and
+    the transfer fails now with the reason, instead of waiting as `running` for a part that
+    will never be stored."""
+    fleet = _fleet(client)
+    opened = _post(client, fleet["ctx"][0], _record(fleet, "send", 0, blocks=None))
+    assert opened.status_code == 200, opened.text
+    (transfer,) = _transfers(client)
+    assert transfer["status"] == "running"
+    bad = _record(fleet, "receive", 0, blocks={"0": {"context": [0, 1]}})
+    answer = _post(client, fleet["gen"][0], bad)
+    assert answer.status_code == 422 and answer.json()["code"] == "invalid_blocks"
+    assert answer.json()["transfer_id"] == transfer["id"]
+    failed = client.get(f"/v1/transfers/{transfer['id']}").json()
+    assert failed["status"] == "failed"
+    assert "needs a context and a generation list" in failed["error"]
