@@ -11,6 +11,8 @@ Commands, one JSON object per line; each answer is one line starting with ``@@ `
   gets ``{"do_remote_decode": true}``). Answers ``{"tokens", "params", "seconds"}``.
 - ``{"op": "idle", "timeout_s": S}``: waits until every KV block is free again (the prefill's
   held blocks are freed when the decode has read them), answers ``{"idle": bool}``.
+- ``{"op": "preemptions"}``: how many times the engine preempted a request so far (needs
+  ``--log-stats``), answers ``{"preemptions": N}``.
 - ``{"op": "quit"}``.
 """
 
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
     parser.add_argument("--failure-policy", default="fail")
+    parser.add_argument("--num-blocks", type=int, default=None, help="the KV cache's blocks")
+    parser.add_argument("--log-stats", action="store_true", help="vLLM's metrics, for ops")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -72,6 +76,8 @@ def main() -> None:
         enable_prefix_caching=False,
         max_model_len=2048,
         kv_transfer_config=kv,
+        num_gpu_blocks_override=args.num_blocks,
+        disable_log_stats=not args.log_stats,
     )
     print("@@ " + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -116,6 +122,13 @@ def main() -> None:
                 time.sleep(0.2)
                 idle = llm.reset_prefix_cache()
             print("@@ " + json.dumps({"idle": idle}), flush=True)
+        elif op == "preemptions":
+            count = sum(
+                getattr(metric, "value", 0)
+                for metric in llm.get_metrics()
+                if metric.name == "vllm:num_preemptions"
+            )
+            print("@@ " + json.dumps({"preemptions": count}), flush=True)
         else:
             print("@@ " + json.dumps({"error": f"unknown op {op!r}"}), flush=True)
 

@@ -15,11 +15,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from workers.testing.engine import ControlPlane, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "tests" / "vllm"  # engine.py, tiny_model.py
@@ -57,7 +59,8 @@ class Engine:
     """One vLLM engine process (``engine.py``), driven over its stdin/stdout.
 
     ``core`` binds its OpenMP threads (``"0"``, ``"1"``, or ``"0|1"`` for TP 2, one core per
-    rank); ``env`` adds to its environment (e.g. ``KVPLANE_WORKER_HOLD_S``)."""
+    rank); ``env`` adds to its environment (e.g. ``KVPLANE_WORKER_HOLD_S``); ``num_blocks`` sizes
+    its KV cache; ``log_stats`` keeps vLLM's metrics (the ``preemptions`` op)."""
 
     def __init__(
         self,
@@ -74,6 +77,8 @@ class Engine:
         failure_policy: str = "fail",
         env: Mapping[str, str] | None = None,
         log_name: str | None = None,
+        num_blocks: int | None = None,
+        log_stats: bool = False,
     ) -> None:
         environment = {
             **os.environ,
@@ -102,6 +107,10 @@ class Engine:
         ]
         if instance:
             argv += ["--instance", instance, "--control-plane", str(control_plane)]
+        if num_blocks is not None:
+            argv += ["--num-blocks", str(num_blocks)]
+        if log_stats:
+            argv.append("--log-stats")
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
                 argv,
@@ -322,3 +331,112 @@ def recorded(
         if len(found) >= at_least or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+class Side:
+    """One OpenAI server of a :func:`serve_pair`: its core, connector extra config (and
+    ``kv_load_failure_policy``) and more server arguments."""
+
+    def __init__(
+        self, core: str, *, extra: Mapping[str, Any] | None = None, args: Sequence[str] = ()
+    ) -> None:
+        self.core, self.extra, self.args = core, dict(extra or {}), tuple(args)
+
+
+@contextlib.contextmanager
+def serve_pair(
+    workdir: Path,
+    model: Path,
+    plane: str,
+    *,
+    prefill: Side | None = None,
+    decode: Side | None = None,
+    prefix_caching: bool = False,
+    args: Sequence[str] = (),
+) -> Iterator[dict[str, Any]]:
+    """A prefill and a decode OpenAI server with ``KvplaneConnector`` (instances
+    ``vllm-prefill`` and ``vllm-decode``, cores 0 and 1 unless ``prefill``/``decode`` say
+    otherwise; ``args`` go to both), started one at a time (two cores), and the proxy in front.
+    Yields their URLs (``proxy``, ``prefill``, ``decode``), ``plane``, ``model`` and the
+    ``processes``; everything stops on exit."""
+    running: list[Process] = []
+    urls: dict[str, str] = {}
+    try:
+        for name, role, side in (
+            ("vllm-prefill", "kv_producer", prefill or Side("0")),
+            ("vllm-decode", "kv_consumer", decode or Side("1")),
+        ):
+            port = free_port()
+            config = connector_config(role, name, plane, **side.extra)
+            server = openai_server(
+                workdir,
+                model,
+                name,
+                config,
+                side.core,
+                port,
+                prefix_caching=prefix_caching,
+                args=(*side.args, *args),
+            )
+            running.append(server)
+            urls[name] = f"http://127.0.0.1:{port}"
+            server.wait_ready(f"{urls[name]}/health", SERVER_START_S)
+        port = free_port()
+        front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
+        running.append(front)
+        front.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
+        yield {
+            "plane": plane,
+            "proxy": f"http://127.0.0.1:{port}",
+            "prefill": urls["vllm-prefill"],
+            "decode": urls["vllm-decode"],
+            "model": str(model),
+            "workdir": workdir,
+            "processes": running,
+        }
+    finally:
+        for process in reversed(running):
+            process.stop()
+
+
+def completion(model: str, prompt: list[int], **more: Any) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body that answers token ids (12 unless ``max_tokens``)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **more,
+    }
+
+
+def complete(url: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> list[int]:
+    """The token ids ``url`` completes ``body`` with (asserting a 200)."""
+    answer = httpx.post(f"{url}/v1/completions", json=dict(body), timeout=timeout_s)
+    assert answer.status_code == 200, answer.text
+    return list(answer.json()["choices"][0]["token_ids"])
+
+
+@contextlib.contextmanager
+def engine_bed(
+    workdir: Path, model: Path, engines: Sequence[tuple[str, str, str, Mapping[str, Any]]]
+) -> Iterator[tuple[ControlPlane, dict[str, Engine]]]:
+    """A control plane and ``engines`` on it, each ``(role, instance, core, Engine options)``,
+    started one at a time (two cores); everything stops on exit."""
+    plane = ControlPlane(workdir)
+    plane.start()
+    started: dict[str, Engine] = {}
+    try:
+        for role, name, core, options in engines:
+            engine = Engine(
+                workdir, model, role, core, instance=name, control_plane=plane.url, **options
+            )
+            started[name] = engine
+            assert engine.read() == {"ready": True}
+        yield plane, started
+    finally:
+        for engine in started.values():
+            engine.stop()
+        plane.stop()
