@@ -20,15 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.testing.engine import ControlPlane, free_port
+from workers.testing.engine import ControlPlane
 from workers.testing.vllm_bed import (
-    SERVER_START_S,
-    Process,
-    connector_config,
-    openai_server,
+    Side,
+    complete,
+    completion,
     prompts,
-    proxy,
     recorded,
+    serve_pair,
     write_model,
 )
 
@@ -48,73 +47,34 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = write_model(workdir)
     plane = ControlPlane(workdir)
     plane.start()
-    running: list[Process] = []
     try:
-        urls = {}
-        for name, role, core, extra, args in (
-            (
-                "vllm-prefill",
-                "kv_producer",
+        with serve_pair(
+            workdir,
+            model,
+            plane.url,
+            prefill=Side(
                 "0",
-                {},
-                ("--max-num-batched-tokens", str(CHUNK_TOKENS), "--enable-chunked-prefill"),
+                args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--enable-chunked-prefill"),
             ),
-            (
-                "vllm-decode",
-                "kv_consumer",
+            decode=Side(
                 "1",
-                {"kv_load_failure_policy": "recompute"},
-                ("--num-gpu-blocks-override", str(DECODE_BLOCKS)),
+                extra={"kv_load_failure_policy": "recompute"},
+                args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)),
             ),
-        ):
-            port = free_port()
-            config = connector_config(role, name, plane.url, **extra)
-            server = openai_server(
-                workdir,
-                model,
-                name,
-                config,
-                core,
-                port,
-                prefix_caching=True,
-                args=(*args, "--dtype", "float32"),
-            )
-            running.append(server)
-            urls[name] = f"http://127.0.0.1:{port}"
-            server.wait_ready(f"{urls[name]}/health", SERVER_START_S)
-        port = free_port()
-        front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
-        running.append(front)
-        front.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
-        yield {
-            "plane": plane.url,
-            "proxy": f"http://127.0.0.1:{port}",
-            "prefill": urls["vllm-prefill"],
-            "decode": urls["vllm-decode"],
-            "model": str(model),
-        }
+            prefix_caching=True,
+            args=("--dtype", "float32"),
+        ) as pair:
+            yield pair
     finally:
-        for process in reversed(running):
-            process.stop()
         plane.stop()
 
 
 def _body(servers: dict[str, Any], prompt: list[int], **more: Any) -> dict[str, Any]:
-    return {
-        "model": servers["model"],
-        "prompt": prompt,
-        "max_tokens": 48,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **more,
-    }
+    return completion(servers["model"], prompt, **{"max_tokens": 48, **more})
 
 
 def _complete(url: str, body: dict[str, Any]) -> list[int]:
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-    assert answer.status_code == 200, answer.text
-    return list(answer.json()["choices"][0]["token_ids"])
+    return complete(url, body, timeout_s=300.0)
 
 
 def _metric(url: str, name: str) -> float:

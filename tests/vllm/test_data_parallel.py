@@ -14,15 +14,14 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.testing.engine import ControlPlane, free_port
+from workers.testing.engine import ControlPlane
 from workers.testing.vllm_bed import (
-    SERVER_START_S,
-    Process,
-    connector_config,
-    openai_server,
+    Side,
+    complete,
+    completion,
     prompts,
-    proxy,
     recorded,
+    serve_pair,
     write_model,
 )
 
@@ -38,47 +37,16 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = write_model(workdir)
     plane = ControlPlane(workdir)
     plane.start()
-    running: list[Process] = []
     try:
-        urls = {}
-        for name, role, core, args in (
-            ("vllm-prefill", "kv_producer", "0", ()),
-            ("vllm-decode", "kv_consumer", "0|1", ("--data-parallel-size", "2")),
-        ):
-            port = free_port()
-            config = connector_config(role, name, plane.url)
-            server = openai_server(workdir, model, name, config, core, port, args=args)
-            running.append(server)
-            urls[name] = f"http://127.0.0.1:{port}"
-            server.wait_ready(f"{urls[name]}/health", SERVER_START_S)
-        port = free_port()
-        front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
-        running.append(front)
-        front.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
-        yield {
-            "plane": plane.url,
-            "proxy": f"http://127.0.0.1:{port}",
-            "decode": urls["vllm-decode"],
-            "model": str(model),
-        }
+        decode = Side("0|1", args=("--data-parallel-size", "2"))
+        with serve_pair(workdir, model, plane.url, decode=decode) as pair:
+            yield pair
     finally:
-        for process in reversed(running):
-            process.stop()
         plane.stop()
 
 
 def _complete(url: str, servers: dict[str, Any], prompt: list[int]) -> list[int]:
-    body = {
-        "model": servers["model"],
-        "prompt": prompt,
-        "max_tokens": 12,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    return list(answer.json()["choices"][0]["token_ids"])
+    return complete(url, completion(servers["model"], prompt))
 
 
 def test_each_dp_rank_is_an_instance_and_decodes_as_one_engine(servers: dict[str, Any]) -> None:

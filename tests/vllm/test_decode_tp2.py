@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from workers.testing.engine import ControlPlane
-from workers.testing.vllm_bed import Engine, handover, prompts, recorded, write_model
+from workers.testing.vllm_bed import engine_bed, handover, prompts, recorded, write_model
 
 from .conftest import require_vllm
 
@@ -26,36 +25,18 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     require_vllm()
     workdir = tmp_path_factory.mktemp("vllm-decode-tp2")
     model = write_model(workdir)
-    plane = ControlPlane(workdir)
-    plane.start()
-    engines: list[Engine] = []
-
-    def start(role: str, name: str, core: str, tp: int) -> Engine:
-        engine = Engine(
-            workdir,
-            model,
-            role,
-            core,
-            instance=name,
-            control_plane=plane.url,
-            tp=tp,
-            dtype="float32",
-        )
-        engines.append(engine)
-        assert engine.read() == {"ready": True}
-        return engine
-
-    try:
+    engines = [
+        ("decode", "vllm-decode-tp2", "0|1", {"tp": 2, "dtype": "float32"}),
+        ("prefill", "vllm-prefill-tp1", "0", {"tp": 1, "dtype": "float32"}),
+        ("prefill", "vllm-prefill-tp2", "1|0", {"tp": 2, "dtype": "float32"}),
+    ]
+    with engine_bed(workdir, model, engines) as (plane, started):
         yield {
             "plane": plane,
-            "decode": start("decode", "vllm-decode-tp2", "0|1", 2),
-            "prefill-tp1": start("prefill", "vllm-prefill-tp1", "0", 1),
-            "prefill-tp2": start("prefill", "vllm-prefill-tp2", "1|0", 2),
+            "decode": started["vllm-decode-tp2"],
+            "prefill-tp1": started["vllm-prefill-tp1"],
+            "prefill-tp2": started["vllm-prefill-tp2"],
         }
-    finally:
-        for engine in engines:
-            engine.stop()
-        plane.stop()
 
 
 @pytest.mark.parametrize(

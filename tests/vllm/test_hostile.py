@@ -23,14 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.testing.engine import ControlPlane, free_port
+from workers.testing.engine import ControlPlane
 from workers.testing.vllm_bed import (
-    SERVER_START_S,
     Process,
-    connector_config,
-    openai_server,
+    Side,
+    complete,
+    completion,
     prompts,
-    proxy,
+    serve_pair,
     write_model,
 )
 
@@ -51,65 +51,25 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = write_model(workdir)
     plane = ControlPlane(workdir)
     plane.start()
-    running: list[Process] = []
     try:
-        urls = {}
-        for name, role, core, extra in (
-            ("vllm-prefill", "kv_producer", "0", {"hold_s": HOLD_S}),
-            (
-                "vllm-decode",
-                "kv_consumer",
-                "1",
-                {"timeout_s": TIMEOUT_S, "kv_load_failure_policy": "recompute"},
-            ),
-        ):
-            port = free_port()
-            config = connector_config(role, name, plane.url, **extra)
-            # Two sequences at a time: a third request waits unscheduled (the abort case). A
-            # stop gives the ranks 10 s to stop their workers (vLLM's default kills them).
-            server = openai_server(
-                workdir,
-                model,
-                name,
-                config,
-                core,
-                port,
-                prefix_caching=True,
-                args=("--max-num-seqs", "2", "--shutdown-timeout", "10"),
-            )
-            running.append(server)
-            urls[name] = f"http://127.0.0.1:{port}"
-            server.wait_ready(f"{urls[name]}/health", SERVER_START_S)
-        decode_server = running[-1]
-        port = free_port()
-        front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
-        running.append(front)
-        front.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
-        yield {
-            "plane": plane,
-            "proxy": f"http://127.0.0.1:{port}",
-            "prefill": urls["vllm-prefill"],
-            "decode": urls["vllm-decode"],
-            "model": str(model),
-            "workdir": workdir,
-            "decode_server": decode_server,
-        }
+        # Two sequences at a time: a third request waits unscheduled (the abort case). A stop
+        # gives the ranks 10 s to stop their workers (vLLM's default kills them).
+        with serve_pair(
+            workdir,
+            model,
+            plane.url,
+            prefill=Side("0", extra={"hold_s": HOLD_S}),
+            decode=Side("1", extra={"timeout_s": TIMEOUT_S, "kv_load_failure_policy": "recompute"}),
+            prefix_caching=True,
+            args=("--max-num-seqs", "2", "--shutdown-timeout", "10"),
+        ) as pair:
+            yield {**pair, "plane": plane, "decode_server": pair["processes"][1]}
     finally:
-        for process in reversed(running):
-            process.stop()
         plane.stop()
 
 
 def _body(servers: dict[str, Any], prompt: list[int], **more: Any) -> dict[str, Any]:
-    return {
-        "model": servers["model"],
-        "prompt": prompt,
-        "max_tokens": 12,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **more,
-    }
+    return completion(servers["model"], prompt, **more)
 
 
 def _post(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> httpx.Response:
@@ -117,9 +77,7 @@ def _post(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> httpx.Resp
 
 
 def _complete(url: str, body: dict[str, Any]) -> list[int]:
-    answer = _post(url, body)
-    assert answer.status_code == 200, answer.text
-    return list(answer.json()["choices"][0]["token_ids"])
+    return complete(url, body, timeout_s=60.0)
 
 
 def _alone(servers: dict[str, Any], prompt: list[int]) -> list[int]:

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.testing.engine import ControlPlane
-from workers.testing.vllm_bed import Engine, handover, prompts, recorded, write_model
+from workers.testing.vllm_bed import engine_bed, handover, prompts, recorded, write_model
 
 from .conftest import require_vllm
 
@@ -32,26 +31,16 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     require_vllm()
     workdir = tmp_path_factory.mktemp("vllm-hybrid")
     model = write_model(workdir, sliding=True)
-    plane = ControlPlane(workdir)
-    plane.start()
-    engines: list[Engine] = []
-
-    def start(role: str, name: str, core: str) -> Engine:
-        engine = Engine(workdir, model, role, core, instance=name, control_plane=plane.url)
-        engines.append(engine)
-        assert engine.read() == {"ready": True}
-        return engine
-
-    try:
+    engines = [
+        ("prefill", "vllm-prefill-swa", "0", {}),
+        ("decode", "vllm-decode-swa", "1", {}),
+    ]
+    with engine_bed(workdir, model, engines) as (plane, started):
         yield {
             "plane": plane,
-            "prefill": start("prefill", "vllm-prefill-swa", "0"),
-            "decode": start("decode", "vllm-decode-swa", "1"),
+            "prefill": started["vllm-prefill-swa"],
+            "decode": started["vllm-decode-swa"],
         }
-    finally:
-        for engine in engines:
-            engine.stop()
-        plane.stop()
 
 
 def test_each_kv_cache_group_registers_as_a_layer_group(bed: dict[str, Any]) -> None:
@@ -100,3 +89,25 @@ def test_a_prompt_that_leaves_the_window_computes_locally(bed: dict[str, Any]) -
     assert "no longer holds the blocks of KV cache group 1" in bed["decode"].log()
     assert bed["prefill"].call(op="idle", timeout_s=30) == {"idle": True}
     assert bed["decode"].call(op="idle", timeout_s=10) == {"idle": True}
+
+
+def test_a_failed_load_of_a_hybrid_model_fails_its_request_only(bed: dict[str, Any]) -> None:
+    """With several KV cache groups vLLM takes load failures per request (block ids name a
+    block of one group only; block-level errors would stop the engine). Forged ids in the
+    sliding-window group make the prefill refuse the ask: the request finishes with an error
+    (this decode's ``kv_load_failure_policy`` is "fail"), the prefill frees its blocks, and the
+    next handover decodes as one engine does."""
+    prefill, decode = bed["prefill"], bed["decode"]
+    (prompt,) = prompts(64, (200,))
+    (params,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])["params"]
+    groups = params["remote_block_ids"]
+    assert len(groups) == 2 and None in groups[1], groups  # the window dropped some
+    groups[1] = [None if b is None else b + 5000 for b in groups[1]]
+    failed = decode.generate([prompt], 8, [params])
+    assert failed["finish"] == ["error"] and failed["tokens"] == [[]], failed
+    assert "holds other blocks" in decode.log()
+    assert prefill.call(op="idle", timeout_s=30) == {"idle": True}
+    assert decode.call(op="idle", timeout_s=10) == {"idle": True}
+    batch = prompts(65, (150,))
+    alone = decode.generate(batch, 8)["tokens"]
+    assert handover(prefill, decode, batch, batch, 8, context="vllm-prefill-swa") == alone

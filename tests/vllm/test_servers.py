@@ -18,14 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from workers.testing.engine import ControlPlane, free_port
+from workers.testing.engine import ControlPlane
 from workers.testing.vllm_bed import (
-    SERVER_START_S,
-    Process,
-    connector_config,
-    openai_server,
+    complete,
+    completion,
     prompts,
-    proxy,
+    serve_pair,
     write_model,
 )
 
@@ -41,53 +39,19 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = write_model(workdir)
     plane = ControlPlane(workdir)
     plane.start()
-    running: list[Process] = []
     try:
-        urls = {}
-        for name, role, core in (
-            ("vllm-prefill", "kv_producer", "0"),
-            ("vllm-decode", "kv_consumer", "1"),
-        ):
-            port = free_port()
-            server = openai_server(
-                workdir, model, name, connector_config(role, name, plane.url), core, port
-            )
-            running.append(server)
-            urls[name] = f"http://127.0.0.1:{port}"
-            server.wait_ready(f"{urls[name]}/health", SERVER_START_S)  # one at a time: two cores
-        port = free_port()
-        front = proxy(workdir, urls["vllm-prefill"], urls["vllm-decode"], port)
-        running.append(front)
-        front.wait_ready(f"http://127.0.0.1:{port}/healthz", 30)
-        yield {
-            "plane": plane.url,
-            "proxy": f"http://127.0.0.1:{port}",
-            "decode": urls["vllm-decode"],
-            "prefill": urls["vllm-prefill"],
-            "model": str(model),
-        }
+        with serve_pair(workdir, model, plane.url) as pair:
+            yield pair
     finally:
-        for process in reversed(running):
-            process.stop()
         plane.stop()
 
 
 def _body(servers: dict[str, Any], prompt: list[int], **more: Any) -> dict[str, Any]:
-    return {
-        "model": servers["model"],
-        "prompt": prompt,
-        "max_tokens": 12,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **more,
-    }
+    return completion(servers["model"], prompt, **more)
 
 
 def _complete(url: str, body: dict[str, Any]) -> list[int]:
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    return list(answer.json()["choices"][0]["token_ids"])
+    return complete(url, body)
 
 
 def _done_transfers(plane: str, at_least: int) -> list[dict[str, Any]]:

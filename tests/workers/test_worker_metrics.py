@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -583,29 +583,46 @@ def test_importing_the_worker_metrics_pulls_no_server_code() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_a_superseded_worker_stops_instead_of_attaching_again() -> None:
-    """Another worker took the rank over: attaching again would take it back, and the two would
-    fight over the rank. The heartbeat's 409 worker_superseded stops this one."""
-    from api.client import ConflictError
+class NoAttach(StubClient):
+    """A control plane whose heartbeats ``refuse`` (an exception, given the worker) and where
+    attaching again (which reads the instance first) is counted and fails."""
 
-    class Superseded(StubClient):
-        attaches = 0
+    def __init__(self, refuse: Callable[[Worker], Exception]) -> None:
+        super().__init__()
+        self.refuse, self.attaches = refuse, 0
+        self.worker: Worker | None = None
 
-        def heartbeat(self, worker_id: str, **_: Any) -> Any:
-            raise ConflictError(409, "worker_superseded", "worker w-2 took rank 1 over")
+    def heartbeat(self, worker_id: str, **_: Any) -> Any:
+        assert self.worker is not None
+        raise self.refuse(self.worker)
 
-        def get_instance(self, name: str) -> Any:
-            self.attaches += 1
-            raise AssertionError("a superseded worker must not attach again")
+    def get_instance(self, name: str) -> Any:
+        self.attaches += 1
+        raise AssertionError("this worker must not attach again")
 
-    client = Superseded()
+
+def run_heartbeats(client: NoAttach) -> Worker:
+    """A worker's heartbeat loop on ``client``, until it returns (within 5 s)."""
     agent = Worker(client, "ctx", 1, device="cpu")  # type: ignore[arg-type]
+    client.worker = agent
     agent.worker_id = "w-1"
     agent.heartbeat_interval_s = 0.01
     thread = threading.Thread(target=agent._heartbeat_loop, daemon=True)
     thread.start()
     thread.join(timeout=5)
-    assert not thread.is_alive() and agent.superseded and client.attaches == 0
+    assert not thread.is_alive()
+    return agent
+
+
+def test_a_superseded_worker_stops_instead_of_attaching_again() -> None:
+    """Another worker took the rank over: attaching again would take it back, and the two would
+    fight over the rank. The heartbeat's 409 worker_superseded stops this one."""
+    from api.client import ConflictError
+
+    client = NoAttach(
+        lambda _: ConflictError(409, "worker_superseded", "worker w-2 took rank 1 over")
+    )
+    assert run_heartbeats(client).superseded and client.attaches == 0
 
 
 @pytest.mark.parametrize("refusal", ["stopped", "gone"])
@@ -615,30 +632,15 @@ def test_a_stopping_worker_never_attaches_again(refusal: str) -> None:
     of the rank would read alive after the engine stopped)."""
     from api.client import ConflictError, NotFoundError
 
-    stopping = threading.Event()
+    def refuse(agent: Worker) -> Exception:
+        agent._stop.set()  # Worker.stop() ran while this heartbeat was on its way
+        if refusal == "stopped":
+            return ConflictError(409, "worker_stale", "this worker was stopped; attach again")
+        return NotFoundError(404, "not_found", "no worker w-1")
 
-    class Stopping(StubClient):
-        attaches = 0
-
-        def heartbeat(self, worker_id: str, **_: Any) -> Any:
-            agent._stop.set()  # Worker.stop() ran while this heartbeat was on its way
-            stopping.set()
-            if refusal == "stopped":
-                raise ConflictError(409, "worker_stale", "this worker was stopped; attach again")
-            raise NotFoundError(404, "not_found", "no worker w-1")
-
-        def get_instance(self, name: str) -> Any:
-            self.attaches += 1
-            raise AssertionError("a stopping worker must not attach again")
-
-    client = Stopping()
-    agent = Worker(client, "ctx", 1, device="cpu")  # type: ignore[arg-type]
-    agent.worker_id = "w-1"
-    agent.heartbeat_interval_s = 0.01
-    thread = threading.Thread(target=agent._heartbeat_loop, daemon=True)
-    thread.start()
-    thread.join(timeout=5)
-    assert stopping.is_set() and not thread.is_alive() and client.attaches == 0
+    client = NoAttach(refuse)
+    agent = run_heartbeats(client)
+    assert agent._stop.is_set() and not agent.superseded and client.attaches == 0
 
 
 def test_a_worker_that_attached_again_outlives_its_old_ids_supersession() -> None:
