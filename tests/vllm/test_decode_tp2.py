@@ -8,9 +8,11 @@ longer continuations a near-tie flipped one token in one run of several (measure
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from workers.testing.vllm_bed import engine_bed, handover, prompts, recorded, write_model
@@ -31,6 +33,15 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ("prefill", "vllm-prefill-tp2", "1|0", {"tp": 2, "dtype": "float32"}),
     ]
     with engine_bed(workdir, model, engines) as (plane, started):
+        # Paired before the first request, and every rank's directory refreshed (one heartbeat):
+        # this module is about head slices across TP layouts; first contact has its own test
+        # (test_hostile.py). In two full-suite runs of several, a prefill TP 1 rank learned of
+        # a pairing made by the first request only after the decode's 30 s receive deadline.
+        for prefill in ("vllm-prefill-tp1", "vllm-prefill-tp2"):
+            pairing = {"context": prefill, "generation": "vllm-decode-tp2"}
+            answer = httpx.post(f"{plane.url}/v1/pairings", json=pairing, timeout=30)
+            assert answer.status_code == 201 and answer.json()["compatible"], answer.text
+        time.sleep(3)
         yield {
             "plane": plane,
             "decode": started["vllm-decode-tp2"],
