@@ -8,7 +8,7 @@ For each layout, vLLM's own ``create_kv_cache_views`` builds the per-layer ``[B,
 of a 3-layer, 4-KV-head model over one flat buffer, as its workers do, and
 ``workers.connectors.layouts.describe`` turns them into pools and views. Then, for every pair
 of layouts kvplane describes, a TP 2 context (2 heads per rank) sends 5 blocks to a TP 1
-generation (4 heads) with the plan that ``api.geometry`` compiles and kvplane's executors
+generation (4 heads) with the plan that ``geometry`` compiles and kvplane's executors
 (``copy_local``); every destination block must equal a reference gather of the source views,
 head by head, and every other block stay zero. Prints one JSON object: each layout's pools and
 views (or its refusal), and each pair's result.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from api.geometry import compile_plan, parse_instance
+from geometry import compile_plan, parse_instance
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheTensor,

@@ -84,3 +84,49 @@ def test_prefill_tp2_to_decode_tp1_equals_one_engine(tp_bed: dict[str, Any]) -> 
         }, transfer
     assert tp_bed["prefill"].call(op="idle", timeout_s=30) == {"idle": True}
     assert tp_bed["decode"].call(op="idle", timeout_s=10) == {"idle": True}
+
+
+def test_a_prefill_rank_no_route_uses_frees_its_blocks_at_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A one-layer model with one KV head on a prefill TP 2: both ranks hold the head, and
+    the plan elects one of them to write (a layer is the unit of election), so the other is
+    never asked. It reports each request sent as soon as it holds it, and vLLM frees the blocks
+    then, not after ``hold_s`` (60 s): a decode's release notices go only to the ranks that
+    write to it."""
+    require_vllm()
+    workdir = tmp_path_factory.mktemp("vllm-routeless")
+    model = write_model(workdir, layers=1, kv_heads=1)
+    plane = ControlPlane(workdir)
+    plane.start()
+    engines: list[Engine] = []
+    try:
+        for role, core, tp in (("prefill", "0|1", 2), ("decode", "1", 1)):
+            engine = Engine(
+                workdir,
+                model,
+                role,
+                core,
+                instance=f"vllm-{role}",
+                control_plane=plane.url,
+                tp=tp,
+                dtype="float32",
+            )
+            engines.append(engine)
+            assert engine.read() == {"ready": True}
+        prefill, decode = engines
+        batch = prompts(22, (60, 100))
+        alone = decode.generate(batch, 8)["tokens"]
+        assert handover(prefill, decode, batch, batch, 8) == alone
+        routes = {
+            (r["sender_rank"], r["receiver_rank"])
+            for t in httpx.get(f"{plane.url}/v1/transfers", timeout=10).json()["items"]
+            for r in t["routes"]
+        }
+        assert len(routes) == 1, routes  # one of the two prefill ranks writes
+        # Well before hold_s: both ranks reported the requests sent, so every block is free.
+        assert prefill.call(op="idle", timeout_s=5) == {"idle": True}
+    finally:
+        for engine in engines:
+            engine.stop()
+        plane.stop()

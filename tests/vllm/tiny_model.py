@@ -2,13 +2,14 @@
 
 Run with the vLLM environment's Python (it has ``transformers``)::
 
-    .venv-vllm/bin/python tests/vllm/tiny_model.py DIR [--mla]
+    .venv-vllm/bin/python tests/vllm/tiny_model.py DIR [--mla | --sliding] [--layers N]
 
 ``--mla`` writes a DeepSeek-V2-style model instead (multi-head latent
 attention: one compressed KV latent per token and layer, 2 dense layers), for the MLA case.
 ``--sliding`` makes layers 1 and 3 sliding-window layers (64 tokens, as Gemma and Mistral
 models mix them with full attention): vLLM's hybrid KV cache manager then keeps two KV cache
-groups.
+groups. ``--layers`` and ``--kv-heads`` shrink the Llama (one layer with one KV head on a
+prefill TP 2 leaves one rank without a route).
 
 4 layers, 8 query heads, 4 KV heads (GQA), head_dim 32, vocabulary 4096: ~9 MB in bfloat16.
 The weights are drawn with a large ``initializer_range`` so that a continuation depends on the
@@ -18,12 +19,14 @@ continues alike, and a token-equality oracle could not fail).
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 SLIDING_WINDOW = 64
 
 
-def write(path: str, seed: int = 0, *, sliding: bool = False) -> None:
+def write(
+    path: str, seed: int = 0, *, sliding: bool = False, layers: int = 4, kv_heads: int = 4
+) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,16 +34,16 @@ def write(path: str, seed: int = 0, *, sliding: bool = False) -> None:
     mixed: dict[str, object] = {}
     if sliding:
         mixed = {
-            "layer_types": ["full_attention", "sliding_attention"] * 2,
+            "layer_types": ["full_attention", "sliding_attention"] * (layers // 2),
             "sliding_window": SLIDING_WINDOW,
         }
     config = LlamaConfig(
         vocab_size=4096,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=8,
-        num_key_value_heads=4,
+        num_key_value_heads=kv_heads,
         head_dim=32,
         max_position_embeddings=2048,
         initializer_range=0.15,
@@ -80,7 +83,15 @@ def write_mla(path: str, seed: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    if "--mla" in sys.argv[2:]:
-        write_mla(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("path")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--mla", action="store_true")
+    kind.add_argument("--sliding", action="store_true")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    args = parser.parse_args()
+    if args.mla:
+        write_mla(args.path)
     else:
-        write(sys.argv[1], sliding="--sliding" in sys.argv[2:])
+        write(args.path, sliding=args.sliding, layers=args.layers, kv_heads=args.kv_heads)

@@ -862,6 +862,8 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
             self._expect(receive, deadline)
         finished = self.worker.get_finished()
         now_wall, now = time.time(), time.monotonic()
+        # Held before the first pairing reached this rank, which none of them elects: free.
+        routeless = bool(self._held) and self._routeless()
         refuse: list[Ask] = []
         failed: list[tuple[Receive, str, float | None]] = []
         with self._lock:
@@ -877,8 +879,8 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
             for receive in self._quarantined.due(now_wall):
                 self._failed(receive)
             for request_id, (_, until) in list(self._held.items()):
-                if until < now_wall and request_id not in self._sending:
-                    self._done_sending.add(request_id)  # nobody asked in time: free them
+                if (routeless or until < now_wall) and request_id not in self._sending:
+                    self._done_sending.add(request_id)  # nobody asked in time, or will: free
             for transfer, (ask, since) in list(self._parked.items()):
                 if now - since > PARK_S:
                     del self._parked[transfer]

@@ -40,14 +40,19 @@ def vllm_missing() -> str | None:
     return None
 
 
-def write_model(workdir: Path, *, mla: bool = False, sliding: bool = False) -> Path:
+def write_model(
+    workdir: Path, *, mla: bool = False, sliding: bool = False, layers: int = 4, kv_heads: int = 4
+) -> Path:
     """The tier's small random-weight checkpoint (``tiny_model.py``) under ``workdir``: a GQA
-    Llama, one whose odd layers use a sliding window (``sliding``), or (``mla``) a
-    DeepSeek-V2-style model with multi-head latent attention."""
-    flag = "--mla" if mla else "--sliding" if sliding else None
-    model = workdir / ("model" + (flag.replace("--", "-") if flag else ""))
+    Llama (``layers`` layers of ``kv_heads`` KV heads), one whose odd layers use a sliding
+    window (``sliding``), or (``mla``) a DeepSeek-V2-style model with multi-head latent
+    attention."""
+    flags = ["--mla"] if mla else ["--sliding"] if sliding else []
+    if (layers, kv_heads) != (4, 4):
+        flags += ["--layers", str(layers), "--kv-heads", str(kv_heads)]
+    model = workdir / "-".join(["model", *(f.strip("-") for f in flags)])
     subprocess.run(
-        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *([flag] if flag else [])],
+        [str(VLLM_PYTHON), str(HERE / "tiny_model.py"), str(model), *flags],
         check=True,
         capture_output=True,
         timeout=300,
