@@ -67,12 +67,12 @@ demo: install
 test: install lint node-tools vllm-env
 	$(VENV)/bin/pytest -q
 
-LINTED := api workers web tests bench migrations examples
+LINTED := geometry api cli workers web tests bench migrations examples
 
 lint: install
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
-	$(VENV)/bin/mypy api workers
+	$(VENV)/bin/mypy geometry api cli workers
 
 bench: install
 	$(PY) bench/plan.py

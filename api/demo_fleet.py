@@ -2,7 +2,7 @@
 
 Bodies follow the DESIGN's contract: one pool per rank holding a target K/V view and, optionally,
 a draft K/V view with its own (smaller) head count, both HND, bfloat16. They are thin defaults
-over :mod:`api.geometry.builders`, which lays out the bytes.
+over :mod:`geometry.builders`, which lays out the bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from api import schemas
 from api.db import Database
 from api.errors import KvplaneError
-from api.geometry import builders
+from geometry import builders
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def instance_body(
 ) -> dict[str, Any]:
     """A full registration body (``ranks`` included unless ``with_ranks`` is false).
 
-    Built by :func:`api.geometry.builders.instance_body`: target layers split over the pipeline
+    Built by :func:`geometry.builders.instance_body`: target layers split over the pipeline
     stages, draft layers on the last stage, one pool per rank, HND bfloat16.
     """
     body = builders.instance_body(

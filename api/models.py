@@ -1,7 +1,7 @@
 """SQLAlchemy models. The schema only ever changes through Alembic migrations (``migrations/``).
 
 Registrations are stored as the raw JSON the instance sent (header + one row per rank) and
-re-parsed by ``api.geometry`` when needed, so the planning core stays the single source of truth.
+re-parsed by ``geometry`` when needed, so the planning core stays the single source of truth.
 Compiled plans are cached per (pairing, context epoch, generation epoch, dp ranks): a new epoch
 can never hit an old plan. A later migration adds the ``jobs`` table, referencing ``transfers.id``.
 """

@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from api.demo_fleet import fake_peer  # noqa: E402
-from api.geometry.builders import ViewSpec, instance_body  # noqa: E402
 from api.migrate import upgrade  # noqa: E402
 from api.schemas_exec import MAX_METADATA_B64  # noqa: E402
+from geometry.builders import ViewSpec, instance_body  # noqa: E402
 
 HOST = "127.0.0.1"  # loopback only
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]

@@ -78,7 +78,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
-from api.geometry import compile_plan, expand, parse_instance  # noqa: E402
+from geometry import compile_plan, expand, parse_instance  # noqa: E402
 from workers.testing.engine import (  # noqa: E402
     CONTEXT,
     GENERATION,

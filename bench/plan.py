@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.geometry import compile_plan, expand, parse_instance, validate_pairing  # noqa: E402
-from api.geometry.builders import ViewSpec, instance_body  # noqa: E402
+from geometry import compile_plan, expand, parse_instance, validate_pairing  # noqa: E402
+from geometry.builders import ViewSpec, instance_body  # noqa: E402
 
 SCENARIOS = {
     "TP8 -> TP2": ({"tp": 8}, {"tp": 2}, None),

@@ -1,6 +1,6 @@
 """The ``kvplane`` command line, above the server it drives (nothing in the server imports it).
 
-- :mod:`.main`: the root command (``kvplane``, also ``python -m api.cli``): ``serve``,
+- :mod:`.main`: the root command (``kvplane``, also ``python -m cli``): ``serve``,
   ``migrate``, ``check``, ``describe``, ``worker``, ``demo``; it adds the two families below;
 - :mod:`.ops`: operator commands against a running control plane through :mod:`api.client`
   (``instances``, ``pairings``, ``plan``, ``transfers``, ``workers``);

@@ -1,5 +1,5 @@
-"""``python -m api.cli``: the ``kvplane`` command line without its console script."""
+"""``python -m cli``: the ``kvplane`` command line without its console script."""
 
-from api.cli.main import main
+from cli.main import main
 
 main()

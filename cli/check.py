@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api.geometry import (
+from api.schemas import InstanceCreate
+from geometry import (
     GeometryError,
     Instance,
     Problem,
@@ -19,7 +20,6 @@ from api.geometry import (
     parse_instance,
     validate_pairing,
 )
-from api.schemas import InstanceCreate
 
 # What each finding means for the operator, printed under it by ``kvplane check``.
 EXPLANATIONS: dict[str, str] = {

@@ -16,7 +16,7 @@ A draft config contributes its own layers (``num_hidden_layers``, e.g. 1 for EAG
 and head geometry, as a ``draft``-owned view in the same pool as the target.
 
 Hybrid configs (Mamba2 / Mamba + attention, detected by ``mamba_d_state`` / ``state_size``) add a
-per-request state group: see :mod:`api.cli.describe_hybrid`.
+per-request state group: see :mod:`cli.describe_hybrid`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api.cli.describe_hybrid import (
+from cli.describe_hybrid import (
     HybridConfigError,
     attention_layers,
     describe_hybrid,
     hybrid_spec,
     is_hybrid,
 )
-from api.geometry.builders import ELEMENT_BYTES, ViewSpec, instance_body
+from geometry.builders import ELEMENT_BYTES, ViewSpec, instance_body
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,7 @@ A config is *hybrid* when it carries Mamba fields (``mamba_d_state`` or ``state_
   (entries containing ``"attention"``), ``attn_layer_indices``, ``hybrid_override_pattern``
   (``*`` = attention), or ``attn_layer_period`` + ``attn_layer_offset`` (Jamba); none → every
   layer is recurrent (pure Mamba2);
-- attention heads as in :mod:`api.cli.describe` (``num_key_value_heads``, ``head_dim`` …);
+- attention heads as in :mod:`cli.describe` (``num_key_value_heads``, ``head_dim`` …);
 - ``d_state``: ``mamba_d_state`` / ``state_size`` / ``ssm_state_size``; ``d_conv``:
   ``mamba_d_conv`` / ``conv_kernel``; ``expand``: ``mamba_expand`` / ``expand``;
   ``d_inner = expand × hidden_size`` (or ``mamba_d_inner``);
@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api.geometry.builders import ELEMENT_BYTES
-from api.geometry.state_builders import HybridSpec, hybrid_body
+from geometry.builders import ELEMENT_BYTES
+from geometry.state_builders import HybridSpec, hybrid_body
 
 STATE_KEYS = ("mamba_d_state", "state_size", "ssm_state_size")
 
@@ -97,7 +97,7 @@ def hybrid_spec(
     ssm_dtype: str | None = None,
 ) -> HybridSpec:
     """The hybrid shape of a config; attention heads come from
-    :func:`api.cli.describe.view_spec`."""
+    :func:`cli.describe.view_spec`."""
     layers = _positive(config.get("num_hidden_layers"), "num_hidden_layers")
     d_state = _positive(_first(config, STATE_KEYS), "d_state (mamba_d_state / state_size)")
     d_conv = _positive(_first(config, ("mamba_d_conv", "conv_kernel"), 4), "d_conv")

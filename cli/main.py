@@ -1,5 +1,5 @@
 """The ``kvplane`` root command: serve, migrate, check, describe, worker, demo, and the
-operator and token families (:mod:`api.cli.ops`, :mod:`api.cli.tokens`)."""
+operator and token families (:mod:`cli.ops`, :mod:`cli.tokens`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from api.cli.ops import (
+from cli.ops import (
     DEFAULT_URL,
     ControlPlane,
     Token,
@@ -109,8 +109,8 @@ def check(
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
 ) -> None:
     """Validate a planned pairing offline (no server): exit 0 compatible, 1 not, 2 bad input."""
-    from api.cli.check import check_bodies, explain
-    from api.geometry import GeometryError
+    from cli.check import check_bodies, explain
+    from geometry import GeometryError
 
     context_body = _load_json(context_file)
     generation_body = _load_json(generation_file)
@@ -187,8 +187,8 @@ def describe(
 ) -> None:
     """Build a registration body from a model config and a parallelism (hybrid Mamba/attention
     configs add a per-request state group)."""
-    from api.cli.describe import ConfigError
-    from api.cli.describe import describe as build
+    from cli.describe import ConfigError
+    from cli.describe import describe as build
 
     if layout not in ("HND", "NHD"):
         typer.echo("error: --layout must be HND or NHD", err=True)
@@ -314,7 +314,7 @@ def demo(
     keep_running: bool = typer.Option(False, help="Leave server and workers up afterwards."),
 ) -> None:
     """The main job: control plane + 6 real workers, a verified NIXL transfer TP4 → TP2."""
-    from api.cli.demo import run_demo
+    from cli.demo import run_demo
 
     raise typer.Exit(
         run_demo(blocks=blocks, host=host, port=port, database=database, keep_running=keep_running)
@@ -322,7 +322,7 @@ def demo(
 
 
 def _install_operator_commands() -> None:
-    from api.cli.ops import install
+    from cli.ops import install
 
     install(cli)
 
@@ -330,7 +330,7 @@ def _install_operator_commands() -> None:
 _install_operator_commands()
 
 
-from api.cli.tokens import tokens_app  # noqa: E402
+from cli.tokens import tokens_app  # noqa: E402
 
 cli.add_typer(tokens_app, name="tokens")
 

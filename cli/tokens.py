@@ -11,7 +11,7 @@ import json
 import typer
 
 from api.auth import BOUND_SCOPES, SCOPES, create_token, list_tokens, revoke_token
-from api.cli.ops import database_errors
+from cli.ops import database_errors
 
 tokens_app = typer.Typer(
     help="Create, list and revoke API tokens (works on the database directly).",

@@ -10,12 +10,12 @@ for different ``tokens_per_block``), :mod:`.state` (per-request recurrent state:
 SSM heads, SECTIONED conv state).
 """
 
-from api.geometry.errors import GeometryError, Problem
-from api.geometry.expand import Expansion, expand, summarize
-from api.geometry.heads import ViewGeometry
-from api.geometry.model import Buffer, Instance, Pool, RankTable, View
-from api.geometry.parse import parse_instance, parse_rank
-from api.geometry.plan import (
+from geometry.errors import GeometryError, Problem
+from geometry.expand import Expansion, expand, summarize
+from geometry.heads import ViewGeometry
+from geometry.model import Buffer, Instance, Pool, RankTable, View
+from geometry.parse import parse_instance, parse_rank
+from geometry.plan import (
     Plan,
     ReceiverPlan,
     Route,
@@ -24,8 +24,8 @@ from api.geometry.plan import (
     compile_plan,
     validate_pairing,
 )
-from api.geometry.state import StateGeometry, view_geometry
-from api.geometry.validate import Issue, Report
+from geometry.state import StateGeometry, view_geometry
+from geometry.validate import Issue, Report
 
 __all__ = [
     "Buffer",

@@ -1,6 +1,6 @@
 """Block alignment by token position: which block of one side pairs with which of the other.
 
-Shared by the planner's expansion (:mod:`api.geometry.expand`) and the workers
+Shared by the planner's expansion (:mod:`geometry.expand`) and the workers
 (:func:`workers.executors.align_request`), so both read a request's block lists alike.
 
 **The rule.** A request has ``P = num_tokens`` prompt tokens whose KV exists on the context side
@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from api.geometry.errors import GeometryError, Problem
+from geometry.errors import GeometryError, Problem
 
 AMBIGUOUS_ALIGNMENT = "ambiguous_alignment"
 Loc = tuple[str | int, ...]

@@ -1,6 +1,6 @@
 """Expansion of a plan's templates for one request's block lists.
 
-Block alignment (:mod:`api.geometry.align`): blocks pair by their token position from the start
+Block alignment (:mod:`geometry.align`): blocks pair by their token position from the start
 of the request. With ``num_tokens`` (``P``) a side of ``T`` tokens per block spans ``N = ⌈P / T⌉``
 logical blocks and each list is a suffix of them (element ``k`` of a list of length ``L`` is
 logical block ``N − L + k``); without it, the longer list is taken to start at block 0 where that
@@ -39,7 +39,7 @@ in plan order, then segments, then block-major, then run order): fragment ``i`` 
 block ``i // F`` and fragment ``i mod F`` of the block's template (``F`` fragments per block),
 so a window costs memory by its own length, never by the transfer's.
 
-Per-request state groups (segments with ``state``, :mod:`api.geometry.state`) are not aligned:
+Per-request state groups (segments with ``state``, :mod:`geometry.state`) are not aligned:
 each side names its state slot, ``[slot]`` (the same slot on every CP rank of that side) or one
 ``[slot]`` per CP rank; the segment applies once, to the pair of slots of the route's CP ranks.
 ``[]`` on either side moves nothing; more than one slot is ``invalid_blocks``. A block-size ratio
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from api.geometry.align import (
+from geometry.align import (
     RatioPairs,
     align_equal,
     align_ratio,
@@ -64,9 +64,9 @@ from api.geometry.align import (
     request_totals,
     trimmed_length,
 )
-from api.geometry.errors import GeometryError, Problem
-from api.geometry.plan import Plan, Route, Segment
-from api.geometry.state import pair_slots, route_cp_ranks, state_slots
+from geometry.errors import GeometryError, Problem
+from geometry.plan import Plan, Route, Segment
+from geometry.state import pair_slots, route_cp_ranks, state_slots
 
 BlockLists = Mapping[int, tuple[Sequence[int], Sequence[int]]]
 
@@ -242,7 +242,7 @@ def expand(plan: Plan, blocks: BlockLists, num_tokens: int | None = None) -> Exp
     """Apply ``plan`` to per-layer-group ``(context_ids, generation_ids)`` block lists.
 
     Every layer group the plan moves must be named (``[]`` on either side: nothing to move).
-    ``num_tokens``: the request's prompt tokens (see :mod:`api.geometry.align`: blocks align by
+    ``num_tokens``: the request's prompt tokens (see :mod:`geometry.align`: blocks align by
     token position; without it, only placements that are exact are accepted).
     """
     known = {ref.layer_group for ref in plan.pools.values()}
@@ -414,7 +414,7 @@ def _plain_shape(plan: Plan, blocks: BlockLists) -> tuple[tuple[int, int, int], 
 
 def _trimmed(segment: Segment, tokens: int, small_tokens_per_block: int) -> Segment:
     """A ratio segment cut to the first ``tokens`` tokens of its small block: every run is one
-    head of one small block (``len = t × u``, see :func:`api.geometry.plan._ratio_runs`)."""
+    head of one small block (``len = t × u``, see :func:`geometry.plan._ratio_runs`)."""
     runs = segment.runs.copy()
     loc = ("blocks", str(segment.layer_group))
     runs[:, 2] = [trimmed_length(int(n), tokens, small_tokens_per_block, loc) for n in runs[:, 2]]

@@ -10,7 +10,7 @@ Notation (per view, per rank):
   ``replicas = G / shards`` (ranks holding identical heads: duplication when ``G > H``);
   ``shard = g // replicas``, ``replica = g % replicas``, heads held ``h = H / shards``,
   global head range ``[shard × h, (shard + 1) × h)``.
-- Pairing-level duplication (:func:`api.geometry.validate.derive_duplication`): where a side's
+- Pairing-level duplication (:func:`geometry.validate.derive_duplication`): where a side's
   ``H`` is only the "no duplication" assumption ``h × G``, the pair's smaller head count is taken
   instead when it explains the side's per-rank count (``h = H / min(G, H)``), as TensorRT-LLM
   derives its duplicate-head factor ``max(1, h_self·G_self // (h_peer·G_peer))``.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api.geometry.errors import GeometryError, Problem
-from api.geometry.model import Instance, RankTable, View
+from geometry.errors import GeometryError, Problem
+from geometry.model import Instance, RankTable, View
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from api.geometry.model import Instance, View
+from geometry.model import Instance, View
 
 Key = tuple[str, tuple[str, ...], int]  # (owner, roles, layer)
 

@@ -6,8 +6,8 @@ An *instance* has ``tp × pp × cp`` ranks; rank ``r`` decomposes CP-minor as
 A view is one class of buffers (owner, roles, layout, head geometry) with rows
 ``{layer, offset, size}``: byte ranges inside one slot.
 
-Data only: :mod:`api.geometry.parse` checks a registration body and builds these; the head
-geometry (:mod:`api.geometry.heads`, :mod:`api.geometry.state`) reads them. This module imports
+Data only: :mod:`geometry.parse` checks a registration body and builds these; the head
+geometry (:mod:`geometry.heads`, :mod:`geometry.state`) reads them. This module imports
 neither, so the geometry is built in one direction.
 """
 
@@ -19,7 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
-from api.geometry.errors import GeometryError
+from geometry.errors import GeometryError
 
 
 @dataclass(frozen=True, slots=True)

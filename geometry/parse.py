@@ -1,4 +1,4 @@
-"""The parser that checks a registration body and returns it as :mod:`api.geometry.model` data.
+"""The parser that checks a registration body and returns it as :mod:`geometry.model` data.
 
 Page-table rules enforced here (each violation names its field):
 
@@ -7,11 +7,11 @@ Page-table rules enforced here (each violation names its field):
   (``invalid_geometry``);
 - within a view every layer has the same number of buffers and every buffer the same ``size``;
 - one rank never holds the same ``(owner, roles, layer)`` in two views;
-- the view's head geometry (see :mod:`api.geometry.heads`) is consistent with the TP group and
+- the view's head geometry (see :mod:`geometry.heads`) is consistent with the TP group and
   divides the registered bytes exactly;
 - ``layer_groups`` (optional, instance-wide) lists ``{id, tokens_per_slot}``: a group with
   ``tokens_per_slot: null`` holds per-request recurrent state (one slot per request); its views
-  follow :mod:`api.geometry.state`. Groups not listed are paged with ``tokens_per_block``.
+  follow :mod:`geometry.state`. Groups not listed are paged with ``tokens_per_block``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from api.geometry.errors import GeometryError, Loc, ProblemSink
-from api.geometry.model import Buffer, Instance, Pool, RankTable, View
-from api.geometry.state import view_geometry
+from geometry.errors import GeometryError, Loc, ProblemSink
+from geometry.model import Buffer, Instance, Pool, RankTable, View
+from geometry.state import view_geometry
 
 OWNERS = ("target", "draft")
 LAYOUTS = ("HND", "NHD", "REPLICATED", "SECTIONED")

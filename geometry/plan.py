@@ -5,11 +5,11 @@ rank is its own attention group (``dp_rank = tp_rank``): only the ranks with
 ``tp_rank == context_dp_rank`` send, only those with ``tp_rank == generation_dp_rank`` receive.
 
 **Head ranges (any ratio).** A receiver view on rank ``r`` needs the global heads ``[a, b)`` (see
-:mod:`api.geometry.heads`); a sender shard holds ``[s, t)``. Every sender shard with
+:mod:`geometry.heads`); a sender shard holds ``[s, t)``. Every sender shard with
 ``s < b`` and ``t > a`` fills ``[max(a, s), min(b, t))``: several shards when the sender is finer,
 a sub-range of one when it is coarser, and both when neither shard count divides the other
 (TP 3 → TP 2 with 12 heads: receiver 0 takes ``[0, 4)`` from sender 0 and ``[4, 6)`` from
-sender 1). Only the bytes of one head of one token must agree (:mod:`api.geometry.validate`).
+sender 1). Only the bytes of one head of one token must agree (:mod:`geometry.validate`).
 Validation requires, per sender stage and CP rank, a holder for every needed head
 (``missing_peer_shard``), so the compile never meets a range without a holder.
 
@@ -32,14 +32,14 @@ tokens_per_block``; head ``i`` starts at ``i × T × u`` on the HND side (token 
 ``i × u`` on the NHD side (token step ``token_bytes``). Template size depends on the layer and
 head count, never on the number of blocks or tokens.
 
-**Per-request state** (:mod:`api.geometry.state`): state views shard over the state axis
+**Per-request state** (:mod:`geometry.state`): state views shard over the state axis
 ``tp × cp`` (1 under attention-DP), SSM heads as head ranges, SECTIONED conv state as ranges of
 section-0 bytes cut into one run per (layer, buffer, section). Their segments carry
 ``state = true``: expansion applies them once, to the request's state slot on each side (no block
 alignment, no CP block filter; under CP each CP rank's own slot).
 
 **Block-size ratio** (HND on both sides, larger ``tokens_per_block`` ``= r ×`` the smaller ``t``;
-block alignment in :mod:`api.geometry.expand`). With ``b = t × u`` the bytes of one head of one
+block alignment in :mod:`geometry.expand`). With ``b = t × u`` the bytes of one head of one
 small block, a small block holds head ``h`` at ``h × b`` and a large block at ``h × r·b``; small
 block ``i`` of a large block is, per head, the run ``[h × r·b + i × b, + b)``. A route gets one
 segment per (pool pair, ``sub_block = i``): per (layer, buffer) one run of ``len = b``, ``count =
@@ -66,13 +66,13 @@ from typing import Any
 
 import numpy as np
 
-from api.geometry.errors import GeometryError, Problem
-from api.geometry.heads import ViewGeometry
-from api.geometry.match import Match, SenderIndex
-from api.geometry.model import Instance, View
-from api.geometry.state import StateGeometry, sectioned_runs, slice_bytes
-from api.geometry.state_checks import check_state_groups, check_state_match, involves_state
-from api.geometry.validate import (
+from geometry.errors import GeometryError, Problem
+from geometry.heads import ViewGeometry
+from geometry.match import Match, SenderIndex
+from geometry.model import Instance, View
+from geometry.state import StateGeometry, sectioned_runs, slice_bytes
+from geometry.state_checks import check_state_groups, check_state_match, involves_state
+from geometry.validate import (
     Findings,
     Report,
     check_coverage,
@@ -213,7 +213,7 @@ class Route:
 
     With CP on one side (``cp_side``), the route carries only the logical blocks ``j`` with
     ``j % cp_modulus == cp_remainder``: logical block ``j`` of the request (counted from the
-    start of the longer list, see :mod:`api.geometry.expand`) lives on ``cp_rank = j % cp``.
+    start of the longer list, see :mod:`geometry.expand`) lives on ``cp_rank = j % cp``.
     """
 
     sender_rank: int

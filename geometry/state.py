@@ -11,7 +11,7 @@ axis** of a rank, not over the attention TP group:
 **HND over SSM heads** (roles e.g. ``["ssm_state"]``): a buffer is ``[heads][head_dim][d_state]``;
 one head is the unit, ``unit = head_dim × d_state × itemsize`` bytes (taken from the registered
 bytes: ``unit = size / h``; when ``head_dim``, ``d_state`` and a known ``dtype`` are all given,
-they must agree). Heads shard like KV heads (:mod:`api.geometry.heads`) with ``G_s`` for ``G``:
+they must agree). Heads shard like KV heads (:mod:`geometry.heads`) with ``G_s`` for ``G``:
 ``H`` = the view's ``total_kv_heads``, else ``num_kv_heads × G_s`` (never the instance's KV
 totals, which describe attention); ``shards = min(G_s, H)``, ``replicas = G_s / shards``,
 ``shard = g_s // replicas``, ``h = H / shards``, heads ``[shard × h, (shard + 1) × h)``.
@@ -43,7 +43,7 @@ to the slots of its two ranks' CP ranks.
 NHD has no meaning without a token axis and is refused in a state group, as is SECTIONED outside
 one.
 
-Validation (:mod:`api.geometry.state_checks`) compares the **TP-aggregated** bytes of one buffer:
+Validation (:mod:`geometry.state_checks`) compares the **TP-aggregated** bytes of one buffer:
 ``H × unit`` (HND), ``Σ S_i`` and every ``S_i`` (SECTIONED), the region (REPLICATED).
 """
 
@@ -55,11 +55,11 @@ from typing import Any
 
 import numpy as np
 
-from api.geometry.builders import ELEMENT_BYTES
-from api.geometry.errors import GeometryError, Problem
-from api.geometry.heads import ViewGeometry
-from api.geometry.heads import view_geometry as head_view_geometry
-from api.geometry.model import Instance, RankTable, View
+from geometry.builders import ELEMENT_BYTES
+from geometry.errors import GeometryError, Problem
+from geometry.heads import ViewGeometry
+from geometry.heads import view_geometry as head_view_geometry
+from geometry.model import Instance, RankTable, View
 
 STATE_LAYOUTS = ("HND", "SECTIONED", "REPLICATED")
 
@@ -120,7 +120,7 @@ def is_state_view(instance: Instance, table: RankTable, view: View) -> bool:
 
 
 def view_geometry(instance: Instance, table: RankTable, view: View) -> ViewGeometry:
-    """Any view's geometry: state views here, paged (KV) views in :mod:`api.geometry.heads`."""
+    """Any view's geometry: state views here, paged (KV) views in :mod:`geometry.heads`."""
     if is_state_view(instance, table, view):
         return state_geometry(instance, table, view)
     if view.layout == "SECTIONED":

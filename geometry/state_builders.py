@@ -6,7 +6,7 @@ Layout of one rank (what ``kvplane describe`` reports for a Mamba2/Jamba-style c
   rank's pipeline stage, HND, ``heads_per_rank × tokens_per_block × head_dim × itemsize`` each;
 - pool 1, layer group ``state_group`` (``tokens_per_slot: null``): per recurrent layer of the
   stage, its conv state (``SECTIONED``, roles ``["conv_state"]``) then its SSM state (``HND`` over
-  SSM heads, roles ``["ssm_state"]``). Sizes follow :mod:`api.geometry.state`: the conv buffer is
+  SSM heads, roles ``["ssm_state"]``). Sizes follow :mod:`geometry.state`: the conv buffer is
   ``Σ S_i / G_s`` with ``S_i = channels_i × (d_conv − 1) × itemsize``; the SSM buffer is
   ``h × head_dim × d_state × itemsize`` with ``h = H / min(G_s, H)``.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from api.geometry.builders import ELEMENT_BYTES, pipeline_stages
+from geometry.builders import ELEMENT_BYTES, pipeline_stages
 
 
 @dataclass(frozen=True)

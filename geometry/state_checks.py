@@ -1,6 +1,6 @@
-"""Pairing checks of per-request state groups (see :mod:`api.geometry.state` for the formulas).
+"""Pairing checks of per-request state groups (see :mod:`geometry.state` for the formulas).
 
-Codes (stable API, added to those of :mod:`api.geometry.validate`):
+Codes (stable API, added to those of :mod:`geometry.validate`):
 
 =============================  =====================================================================
 code                           meaning
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.geometry.heads import ViewGeometry
-from api.geometry.match import Match
-from api.geometry.model import Instance, View
-from api.geometry.state import StateGeometry
-from api.geometry.validate import Findings, geometry_of, mismatch_finding
+from geometry.heads import ViewGeometry
+from geometry.match import Match
+from geometry.model import Instance, View
+from geometry.state import StateGeometry
+from geometry.validate import Findings, geometry_of, mismatch_finding
 
 
 def _state_layers(instance: Instance) -> dict[int, set[int]]:

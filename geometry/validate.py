@@ -36,13 +36,13 @@ code                           meaning
 
 Per-request state groups (``tokens_per_slot: null``) add ``state_group_mismatch``,
 ``state_bytes_mismatch``, ``section_count_mismatch``, ``section_bytes_mismatch`` and
-``d_state_mismatch``: see :mod:`api.geometry.state_checks`.
+``d_state_mismatch``: see :mod:`geometry.state_checks`.
 
 Warnings: ``missing_peer_view`` (draft), ``layer_count_mismatch``, ``nhd_head_slicing``,
 ``layout_conversion`` (HND ↔ NHD, converted head by head), ``tokens_per_block_ratio`` (HND on
 both sides, no CP, the larger ``tokens_per_block`` a multiple ``r`` of the smaller: one large
 block pairs with ``r`` small ones by token position, so transfers must give ``num_tokens``, see
-:mod:`api.geometry.align`; ``detail.ratio`` and ``detail.larger_side``; per-request state
+:mod:`geometry.align`; ``detail.ratio`` and ``detail.larger_side``; per-request state
 groups are unaffected and still pair one slot per side).
 """
 
@@ -53,11 +53,11 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from api.geometry.errors import GeometryError
-from api.geometry.heads import ViewGeometry, assumed_total, declared_heads, derived_total
-from api.geometry.match import Match, Unmatched
-from api.geometry.model import Instance, View
-from api.geometry.state import is_state_view, view_geometry
+from geometry.errors import GeometryError
+from geometry.heads import ViewGeometry, assumed_total, declared_heads, derived_total
+from geometry.match import Match, Unmatched
+from geometry.model import Instance, View
+from geometry.state import is_state_view, view_geometry
 
 
 @dataclass(frozen=True)

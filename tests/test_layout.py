@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("api", "workers", "web")
+PACKAGES = ("geometry", "api", "cli", "workers", "web")
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,9 @@ class Layer:
 LAYERS = [
     Layer(
         ("api", "workers", "web"),
-        ("api.cli",),
+        ("cli",),
         "the command line sits above the server and the workers; nothing below imports it",
-        exempt=("api.cli",),
+        exempt=("cli",),
     ),
     Layer(
         ("workers",),
@@ -181,13 +181,13 @@ LAYERS = [
         ("api",),
         "workers reach the control plane only through the client, the wire schemas, the logs "
         "and the planning core",
-        allowed=("api.client", "api.schemas", "api.schemas_exec", "api.logs", "api.geometry"),
+        allowed=("api.client", "api.schemas", "api.schemas_exec", "api.logs", "geometry"),
     ),
     Layer(
-        ("api.geometry",),
-        ("api", "workers", "web"),
+        ("geometry",),
+        ("api", "cli", "workers", "web"),
         "the planning core imports nothing else of kvplane",
-        allowed=("api.geometry",),
+        allowed=("geometry",),
     ),
 ]
 

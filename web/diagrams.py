@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.geometry import GeometryError, Instance, view_geometry
+from geometry import GeometryError, Instance, view_geometry
 from web.format import human_bytes, ranges
 
 PALETTE_SIZE = 8

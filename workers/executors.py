@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from api.geometry.align import plain_pair
+from geometry.align import plain_pair
 from workers.crc import crc32
 from workers.pools import Pool
 
@@ -367,7 +367,7 @@ def align_blocks(
     """Per layer group ``(context_ids, generation_ids)`` → the route's aligned block lists,
     for a route with equal block sizes (a ratio needs :func:`align_request`).
 
-    Same rule as the planning core (:mod:`api.geometry.align`): blocks pair by token position.
+    Same rule as the planning core (:mod:`geometry.align`): blocks pair by token position.
     With ``num_tokens`` a side of ``T`` tokens per block spans ``⌈num_tokens / T⌉`` logical
     blocks and each list is a suffix of them; without it the longer list starts at block 0
     (a generation list longer than the context's is refused, as are CP groups of different
@@ -403,13 +403,13 @@ def align_request(
     same layer groups on the same CP ranks align alike, so the second one reuses the first's
     lists (the same arrays: read only).
     """
-    from api.geometry.align import (
+    from geometry.align import (
         align_equal,
         align_ratio,
         request_totals,
         trimmed_length,
     )
-    from api.geometry.errors import GeometryError
+    from geometry.errors import GeometryError
 
     route = as_route(route)
     key = None
@@ -509,7 +509,7 @@ def _align_plain(
     """:func:`align_request`'s most common case in plain Python: equal block sizes, no CP, no
     per-request state, no ``num_tokens``, both sides flat lists of distinct ids ≥ 0 and the
     generation's no longer than the context's (where both list blocks). The lists then pair
-    from their ends, as :func:`api.geometry.align.align_equal` pairs them; anything else
+    from their ends, as :func:`geometry.align.align_equal` pairs them; anything else
     (including every error) is None, for the general path. A 4-block request's lists align in
     about a tenth of the general path's time, which is numpy calls on arrays of four."""
     src: dict[int, np.ndarray] = {}
@@ -550,7 +550,7 @@ def _state_slot(side: Any, cp_rank: int, cp: int, what: str) -> np.ndarray:
 
 
 def _state_pair(route: Route, g: int, pair: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-request state (same rule as :func:`api.geometry.expand.expand`): the request's state
+    """Per-request state (same rule as :func:`geometry.expand.expand`): the request's state
     slot on each side, on the route's CP ranks; nothing when either side names none."""
     cp = route.cp_modulus
     on_context = route.cp_remainder if route.cp_side == "context" and cp > 1 else 0
@@ -565,7 +565,7 @@ def _state_pair(route: Route, g: int, pair: tuple[Any, Any]) -> tuple[np.ndarray
 def _align_ratio(route: Route, lists: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
     """Different block sizes: both lists end at the same token; the last ``n = min(len_L,
     ⌊len_S / r⌋)`` large blocks pair with the last ``n × r`` small ones, as ``[n]`` and ``[n, r]``
-    (same rule as :func:`api.geometry.expand.align_ratio`)."""
+    (same rule as :func:`geometry.expand.align_ratio`)."""
     r = route.block_ratio
     ids = {
         side: np.asarray(raw, dtype=np.int64).reshape(-1)

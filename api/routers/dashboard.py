@@ -22,7 +22,6 @@ from fastapi.staticfiles import StaticFiles
 from api import csrf
 from api.db import utcnow
 from api.errors import KvplaneError, NotFound
-from api.geometry import GeometryError, Instance, active_ranks, view_geometry
 from api.routers.deps import DbDep
 from api.routers.transfers import push_commands
 from api.schemas import NAME_PATTERN
@@ -33,6 +32,7 @@ from api.services import pairings as pairing_service
 from api.services import registration
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
+from geometry import GeometryError, Instance, active_ranks, view_geometry
 from web import charts, diagrams, queries
 from web.format import rate
 from web.pages import STATIC_DIR, STATIC_URL, templates

@@ -36,10 +36,10 @@ from sqlalchemy.orm import Session
 
 from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, Forbidden, KvplaneError, NotFound, Unavailable
-from api.geometry import Plan, summarize
 from api.models import NO_DP_RANK, InstanceRow, JobRow, PairingRow, PlanRow, TransferRow, WorkerRow
 from api.services.pairings import plan_for_pairing
 from api.services.workers import current_worker, instance_by_name, live_worker_ids, live_workers
+from geometry import Plan, summarize
 
 log = logging.getLogger(__name__)
 
@@ -774,7 +774,7 @@ def _description(
     """An engine-path transfer's pairing, plan, blocks and summary from a record, as column
     values (``plans``: the batch's pairings and plans, looked up and parsed once;
     ``summaries``: the batch's summaries per plan, kept per block count, see
-    :func:`~api.geometry.expand.summarize`)."""
+    :func:`~geometry.expand.summarize`)."""
     key = (
         record.pairing_id,
         record.context_epoch,

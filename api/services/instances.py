@@ -29,8 +29,8 @@ from sqlalchemy.orm import Session, selectinload
 from api import schemas
 from api.db import utcnow
 from api.errors import BadRequest, NotFound, PreconditionFailed
-from api.geometry import GeometryError, Instance, parse_instance, parse_rank
 from api.models import InstanceRow, RankRow
+from geometry import GeometryError, Instance, parse_instance, parse_rank
 
 
 def new_epoch() -> str:

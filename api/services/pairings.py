@@ -21,10 +21,10 @@ from sqlalchemy.orm import Session, aliased
 from api import schemas
 from api.db import utcnow
 from api.errors import BadRequest, Conflict, Incompatible, NotFound
-from api.geometry import GeometryError, Instance, Plan, compile_plan, parse_instance
-from api.geometry import validate_pairing as validate_geometry
 from api.models import NO_DP_RANK, InstanceRow, PairingRow, PlanRow
 from api.services.instances import geometry_problem, load_geometry
+from geometry import GeometryError, Instance, Plan, compile_plan, parse_instance
+from geometry import validate_pairing as validate_geometry
 
 PLAN_MEMO_SIZE = 256
 

@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session, aliased, contains_eager
 from api import schemas
 from api.db import utcnow
 from api.errors import BadRequest, Conflict, NotFound
-from api.geometry import GeometryError, Plan, expand
 from api.models import InstanceRow, PairingRow, TransferRow
 from api.services.execution import attempt_values, dispatch_commands
 from api.services.pairings import cached_plan, load_plan, plan_for_pairing
+from geometry import GeometryError, Plan, expand
 
 
 def request_hash(body: schemas.TransferCreate) -> str:

@@ -26,10 +26,10 @@ from sqlalchemy.orm import Session, load_only
 
 from api import schemas_exec as wire
 from api.errors import BadRequest, Conflict, NotFound
-from api.geometry.plan import _dp_choices
 from api.models import InstanceRow, PairingRow, WorkerRow
 from api.services.instances import load_geometry
 from api.services.pairings import bump_peer_directories, cached_plan, plan_for_pairing
+from geometry.plan import _dp_choices
 
 HEARTBEAT_INTERVAL_S = 1.0
 WORKER_GONE_S = 10.0

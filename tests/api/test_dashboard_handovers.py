@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from api.db import utcnow
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 from web.format import duration, human_bytes
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]

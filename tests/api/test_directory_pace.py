@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=2, head_dim=16)]
 

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.db import utcnow
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
 from api.logs import ContextFilter, JsonFormatter, log_context, set_process_context
+from geometry.builders import ViewSpec, instance_body
 from workers.metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "monitoring" / "grafana-dashboard.json"

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from api.geometry.state_builders import HybridSpec, hybrid_body
+from geometry.state_builders import HybridSpec, hybrid_body
 
 SPEC = HybridSpec(
     num_layers=4,
@@ -111,7 +111,7 @@ def test_bad_state_bodies_are_422_invalid_geometry_naming_every_field(client: Te
 
 
 def test_state_on_one_side_only_is_an_incompatible_pairing(client: TestClient) -> None:
-    from api.geometry.builders import ViewSpec, instance_body
+    from geometry.builders import ViewSpec, instance_body
 
     plain = instance_body(role="context", views=[ViewSpec("target", 4, 4, 8)], tokens_per_block=4)
     assert client.put("/v1/instances/ctx-p", json=plain).status_code == 201

@@ -239,8 +239,8 @@ def test_fragment_pages_stay_small_whatever_the_transfer(client: TestClient) -> 
     fragments, gigabytes if expanded at once). A page costs memory by its own size only."""
     import tracemalloc
 
-    from api.geometry.builders import ViewSpec
-    from api.geometry.builders import instance_body as build
+    from geometry.builders import ViewSpec
+    from geometry.builders import instance_body as build
 
     nhd = [ViewSpec("target", layers=1, kv_heads=8, head_dim=128, layout="NHD")]
     for name, role, tp in (("ctx-a", "context", 4), ("gen-b", "generation", 2)):
@@ -280,8 +280,8 @@ def test_duplicate_block_ids_are_422_invalid_blocks(client: TestClient) -> None:
 
 
 def test_helix_generation_block_tables_per_cp_rank(client: TestClient) -> None:
-    from api.geometry.builders import ViewSpec
-    from api.geometry.builders import instance_body as build
+    from geometry.builders import ViewSpec
+    from geometry.builders import instance_body as build
 
     views = [ViewSpec("target", 2, 4, 8)]
     ctx = build(role="context", views=views, tp=2, tokens_per_block=4, num_slots=16)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from api.cli.describe import ConfigError, describe
-from api.cli.main import cli
-from api.geometry import compile_plan, expand, parse_instance, validate_pairing
+from cli.describe import ConfigError, describe
+from cli.main import cli
+from geometry import compile_plan, expand, parse_instance, validate_pairing
 
 from .test_offline_check import MODELS, config, runner, write_body
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli.describe import ConfigError, describe
-from api.cli.main import cli
-from api.geometry import compile_plan, parse_instance, validate_pairing
+from cli.describe import ConfigError, describe
+from cli.main import cli
+from geometry import compile_plan, parse_instance, validate_pairing
 
 MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
 runner = CliRunner()

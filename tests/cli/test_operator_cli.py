@@ -18,10 +18,10 @@ import uvicorn
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli.main import cli
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
 from api.settings import Settings
+from cli.main import cli
+from geometry.builders import ViewSpec, instance_body
 
 runner = CliRunner()
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
@@ -184,7 +184,7 @@ def _kvplane_process(args: list[str], url: str | None) -> subprocess.CompletedPr
     if url is not None:
         env["KVPLANE_URL"] = url
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -18,7 +18,7 @@ runner = CliRunner()
 
 
 def invoke(db_url: str, *args: str, env: dict[str, str] | None = None) -> Any:
-    from api.cli.main import cli
+    from cli.main import cli
 
     return runner.invoke(cli, list(args), env={"KVPLANE_DATABASE_URL": db_url, **(env or {})})
 

@@ -43,7 +43,7 @@ def served(sqlite_url: str) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLANE_")}
     env["KVPLANE_DATABASE_URL"] = sqlite_url
     process = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "cli", "serve", "--port", str(port)],
         env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,

@@ -37,9 +37,9 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.demo_fleet import fake_peer, instance_body, rank_body
 from api.errors import STATUS_TITLES
-from api.geometry import builders
 from api.migrate import upgrade
 from api.settings import Settings
+from geometry import builders
 
 JSON_TYPES = ("application/json", "application/problem+json")
 INSTANCE_FIELDS = ("name", "instance", "context", "generation")

@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 
 from api.app import create_app
-from api.geometry.builders import ViewSpec, instance_body
 from api.settings import Settings
+from geometry.builders import ViewSpec, instance_body
 
 CHROMIUM = os.environ.get("KVPLANE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

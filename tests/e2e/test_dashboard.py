@@ -13,10 +13,10 @@ from sqlalchemy import insert, select
 
 from api import models, schemas
 from api.db import Database, utcnow
-from api.geometry.builders import ViewSpec, instance_body
 from api.models import TransferRow
 from api.services.pairings import create_pairing
 from api.services.registration import register_instance
+from geometry.builders import ViewSpec, instance_body
 from tests.e2e.conftest import DRAFT, TARGET, LiveServer, screenshot, seed_fleet
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """A test-side byte-provenance oracle for the planning core.
 
-Independent of ``api.geometry``'s math: the head geometry, the byte layout of every buffer and
+Independent of ``geometry``'s math: the head geometry, the byte layout of every buffer and
 the block alignment are recomputed here from the DESIGN formulas, and the plan is judged only by
 what its expanded fragments do to memory.
 
@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from api.geometry import Instance, RankTable, View, compile_plan, expand, parse_instance
-from api.geometry.builders import ViewSpec, instance_body
-from api.geometry.state_builders import HybridSpec
+from geometry import Instance, RankTable, View, compile_plan, expand, parse_instance
+from geometry.builders import ViewSpec, instance_body
+from geometry.state_builders import HybridSpec
 
 # label bit fields (low → high)
 _BYTE_BITS, _TOKEN_BITS, _HEAD_BITS, _BUF_BITS, _LAYER_BITS, _ROLES_BITS, _OWNER_BITS = (

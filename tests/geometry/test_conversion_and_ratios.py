@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from api.geometry import compile_plan, parse_instance, validate_pairing
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import compile_plan, parse_instance, validate_pairing
+from geometry.builders import ViewSpec, instance_body
 
 TPB = 2
 HT = 4 * 2  # bytes of one head of one token
@@ -205,7 +205,7 @@ def test_ratio_with_pipeline_and_attention_dp(oracle) -> None:
 
 
 def test_ratio_plan_round_trips() -> None:
-    from api.geometry import Plan
+    from geometry import Plan
 
     ctx, gen = ratio_pair(8, 2, {"tp": 2}, {"tp": 1})
     plan = compile_plan(ctx, gen)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.geometry import GeometryError, compile_plan, expand, parse_instance, summarize
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import GeometryError, compile_plan, expand, parse_instance, summarize
+from geometry.builders import ViewSpec, instance_body
 
 ONE_HEAD = [ViewSpec("target", 1, 2, 4)]  # TP1: K and V of 32 bytes, slot 64 bytes
 

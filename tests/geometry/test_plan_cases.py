@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from api.geometry import (
+from geometry import (
     GeometryError,
     Plan,
     Route,
@@ -20,7 +20,7 @@ from api.geometry import (
     parse_instance,
     view_geometry,
 )
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 
 TPB = 2
 BPH = TPB * 4 * 2  # bytes per head of a head_dim-4 bfloat16 HND buffer

@@ -11,8 +11,8 @@ import hypothesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.geometry import Plan, compile_plan, expand, parse_instance, validate_pairing
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import Plan, compile_plan, expand, parse_instance, validate_pairing
+from geometry.builders import ViewSpec, instance_body
 
 # KVPLANE_GEOMETRY_EXAMPLES raises the example count for a soak run (1200 took ~3.5 min).
 PROPERTY = settings(

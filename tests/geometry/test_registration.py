@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from api.geometry import GeometryError, parse_instance, parse_rank
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import GeometryError, parse_instance, parse_rank
+from geometry.builders import ViewSpec, instance_body
 
 
 def body(tp: int = 2, views=None, **kw: Any) -> dict[str, Any]:
@@ -203,7 +203,7 @@ def test_parse_rank_checks_one_rank_against_its_instance() -> None:
 
 def test_planning_core_imports_neither_fastapi_sqlalchemy_nor_torch() -> None:
     script = (
-        "import sys, api.geometry, api.geometry.builders; "
+        "import sys, geometry, geometry.builders; "
         "print(sorted(m for m in ('fastapi', 'sqlalchemy', 'torch', 'starlette', 'pydantic') "
         "if m in sys.modules))"
     )

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from api.geometry import (
+from geometry import (
     GeometryError,
     compile_plan,
     expand,
     parse_instance,
     validate_pairing,
 )
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 
 TPB = 2
 

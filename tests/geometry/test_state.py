@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from api.geometry import GeometryError, Plan, compile_plan, expand, parse_instance
-from api.geometry import validate_pairing as validate
-from api.geometry.state_builders import HybridSpec, hybrid_body
+from geometry import GeometryError, Plan, compile_plan, expand, parse_instance
+from geometry import validate_pairing as validate
+from geometry.state_builders import HybridSpec, hybrid_body
 
 from .conftest import HYBRID_SPEC
 
@@ -217,7 +217,7 @@ def test_aggregated_bytes_section_count_and_ssm_heads_differ() -> None:
 
 
 def test_state_on_one_side_only_is_an_error() -> None:
-    from api.geometry.builders import ViewSpec, instance_body
+    from geometry.builders import ViewSpec, instance_body
 
     plain = instance_body(role="context", views=[ViewSpec("target", 4, 4, 4)], tokens_per_block=2)
     report = validate(parse_instance(plain, "c"), hybrid("generation"))
@@ -343,7 +343,7 @@ def test_bad_state_bodies_name_their_field(change, where, code) -> None:
 
 
 def test_a_layer_paged_on_one_sender_rank_and_state_on_another_is_refused() -> None:
-    from api.geometry.builders import ViewSpec, instance_body
+    from geometry.builders import ViewSpec, instance_body
 
     views = [ViewSpec("target", 2, 8, 4)]
     ctx = instance_body(role="context", views=views, tp=2, tokens_per_block=2)

@@ -13,8 +13,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.geometry import Plan, compile_plan, expand, parse_instance, validate_pairing
-from api.geometry.state_builders import HybridSpec, hybrid_body
+from geometry import Plan, compile_plan, expand, parse_instance, validate_pairing
+from geometry.state_builders import HybridSpec, hybrid_body
 
 PROPERTY = settings(
     max_examples=int(os.environ.get("KVPLANE_GEOMETRY_EXAMPLES", "60")),

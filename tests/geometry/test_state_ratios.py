@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from api.geometry import Plan, compile_plan, expand, parse_instance
-from api.geometry import validate_pairing as validate
-from api.geometry.state_builders import hybrid_body
+from geometry import Plan, compile_plan, expand, parse_instance
+from geometry import validate_pairing as validate
+from geometry.state_builders import hybrid_body
 
 from .conftest import HYBRID_SPEC
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from api.geometry import GeometryError, compile_plan, expand, parse_instance, validate_pairing
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import GeometryError, compile_plan, expand, parse_instance, validate_pairing
+from geometry.builders import ViewSpec, instance_body
 
 
 def kv(heads: int = 4, layers: int = 2, **kw: Any) -> ViewSpec:

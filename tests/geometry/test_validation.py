@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from api.geometry import GeometryError, compile_plan, parse_instance, validate_pairing
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import GeometryError, compile_plan, parse_instance, validate_pairing
+from geometry.builders import ViewSpec, instance_body
 
 
 def spec(owner: str = "target", layers: int = 2, heads: int = 8, **kw: Any) -> ViewSpec:

@@ -158,7 +158,7 @@ def assert_on_the_data_network(
 
 def payload_bytes(blocks: int, num_slots: int = NUM_SLOTS) -> int:
     """Bytes one demo request of ``blocks`` blocks moves (all routes)."""
-    from api.geometry import compile_plan, expand, parse_instance
+    from geometry import compile_plan, expand, parse_instance
     from workers.testing.engine import CONTEXT, GENERATION, demo_bodies, request_blocks
 
     context, generation = demo_bodies(num_slots=num_slots)

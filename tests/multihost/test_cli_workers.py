@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from api.client import Client
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 from workers.testing.engine import REPO, ControlPlane
 from workers.testing.netbed import DATA_DEVICE, Bed
 
@@ -56,7 +56,7 @@ def test_cli_workers_on_two_hosts(bed: Bed, server: ControlPlane, tmp_path: Path
                 argv = [
                     sys.executable,
                     "-m",
-                    "api.cli",
+                    "cli",
                     "worker",
                     "--control-plane",
                     server.url,

@@ -12,10 +12,10 @@ from sqlalchemy import select
 from api import schemas, schemas_exec
 from api.db import Database, utcnow
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
 from api.models import InstanceRow, PairingRow
 from api.services import execution, instances, pairings, registration, transfers
 from api.services import workers as worker_service
+from geometry.builders import ViewSpec, instance_body
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
 

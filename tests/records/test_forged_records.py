@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
 

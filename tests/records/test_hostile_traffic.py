@@ -20,9 +20,9 @@ from api.db import Database, utcnow
 from api.demo_fleet import fake_peer
 from api.dispatch import CommandHub, CommandStreamResponse, encode, render
 from api.errors import Conflict
-from api.geometry.builders import instance_body
 from api.services import execution, registration
 from api.services import workers as worker_service
+from geometry.builders import instance_body
 
 from .conftest import VIEWS, attach_worker, record, setup_fleet, status_of, submit
 

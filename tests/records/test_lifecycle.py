@@ -195,7 +195,7 @@ def test_overdue_transfers_fail_naming_the_silent_ranks(db: Database) -> None:
 
 def test_a_reregistration_fails_running_transfers(db: Database) -> None:
     from api import schemas
-    from api.geometry.builders import ViewSpec, instance_body
+    from geometry.builders import ViewSpec, instance_body
 
     setup_fleet(db, ctx_tp=1, gen_tp=1)
     transfer_id = submit(db, "r1")

@@ -1,4 +1,4 @@
-"""Real server processes (``python -m api.cli serve``) on this test's database, a small fleet
+"""Real server processes (``python -m cli serve``) on this test's database, a small fleet
 registered over HTTP, and fake workers that speak the real worker protocol without NIXL.
 
 - :class:`Server`: one ``kvplane serve`` child process; SIGKILLed at teardown if a test left it
@@ -33,7 +33,7 @@ import pytest
 
 from api.client import ApiError, Client, TransportError
 from api.demo_fleet import fake_peer
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 from workers.records import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ class Server:
                 [
                     sys.executable,
                     "-m",
-                    "api.cli",
+                    "cli",
                     "serve",
                     "--port",
                     str(self.port),

@@ -21,7 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from api.geometry.builders import ViewSpec, instance_body  # noqa: E402
+from geometry.builders import ViewSpec, instance_body  # noqa: E402
 
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
 INSTANCES = 20  # each: register, pair, one planned and one executed transfer

@@ -42,7 +42,7 @@ def spawn_worker(url: str, instance: str, secret: str, log: Path) -> subprocess.
             [
                 sys.executable,
                 "-m",
-                "api.cli",
+                "cli",
                 "worker",
                 "--control-plane",
                 url,

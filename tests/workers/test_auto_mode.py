@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from api.geometry import compile_plan, parse_instance
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import compile_plan, parse_instance
+from geometry.builders import ViewSpec, instance_body
 from workers.executors import Route
 from workers.handover import AUTO_FRAGMENT_BYTES, normalize_blocks, route_mode_of
 

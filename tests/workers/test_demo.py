@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
-from api.cli.demo import BURST_REQUESTS, BURST_ROUNDS  # noqa: E402
+from cli.demo import BURST_REQUESTS, BURST_ROUNDS  # noqa: E402
 from workers.testing.engine import free_port  # noqa: E402 (after the importorskips)
 
 ROOT = Path(__file__).resolve().parents[2]

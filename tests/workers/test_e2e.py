@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from api.client import ApiError, Client
-from api.geometry import compile_plan, expand, parse_instance
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import compile_plan, expand, parse_instance
+from geometry.builders import ViewSpec, instance_body
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 pytest.importorskip("nixl")
@@ -57,7 +57,7 @@ class Fleet:
     def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         with (self.tmp_path / f"{name}.log").open("wb") as log:  # the child keeps its copy
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", *args],
+                [sys.executable, "-m", "cli", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**self.env, **(env or {})},
@@ -421,7 +421,7 @@ def test_hybrid_state_rides_rest_execute_and_every_byte_verifies(fleet: Fleet, t
     sections and SSM heads of both context ranks land in the generation's state slot. With a
     block-size ratio the attention blocks align by token position (``num_tokens``; the last block
     partial) and the state still moves as one slot pair."""
-    from api.geometry.state_builders import HybridSpec, hybrid_body
+    from geometry.state_builders import HybridSpec, hybrid_body
 
     spec = HybridSpec(
         num_layers=4,

@@ -282,7 +282,7 @@ def test_block_size_ratio_staged_and_per_fragment(tpb):
     partial last block) travel through both NIXL paths and land where the naive reference copy
     puts them."""
     from api import geometry
-    from api.geometry.builders import ViewSpec, instance_body
+    from geometry.builders import ViewSpec, instance_body
     from workers.executors import align_request
     from workers.pools import PoolSpec
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from api import geometry
-from api.geometry.builders import ViewSpec, instance_body
+from geometry.builders import ViewSpec, instance_body
 from workers.executors import (
     align_request,
     copy_local,
@@ -127,7 +127,7 @@ def test_fleet_transfer_matches_expanded_fragments(layout, ctx_tp, gen_tp, heads
     ],
 )
 def test_hybrid_state_moves_through_the_local_executor_like_the_fragments(ctx, gen, state, tpb):
-    from api.geometry.state_builders import HybridSpec, hybrid_body
+    from geometry.state_builders import HybridSpec, hybrid_body
 
     spec = HybridSpec(num_layers=4, attention_layers=(1,), kv_heads=4, head_dim=8, ssm_heads=8,
                       ssm_head_dim=4, d_state=4, conv_channels=(32, 16, 16), d_conv=4)  # fmt: skip

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from api.client import ApiError
-from api.geometry import compile_plan, expand, parse_instance
-from api.geometry.builders import ViewSpec, instance_body
+from geometry import compile_plan, expand, parse_instance
+from geometry.builders import ViewSpec, instance_body
 
 from .test_e2e import Fleet, _serving
 

@@ -14,7 +14,7 @@ finished), so a thin adapter plugs it into such an engine:
    the same map on both sides, ``{layer_group: (context_ids, generation_ids)}`` (or the REST form
    ``{"0": {"context": [...], "generation": [...]}}``): a router hands the request's two block
    tables to both engines, with ``num_tokens`` (the prompt tokens that move): blocks pair by
-   token position from the start of the request (:mod:`api.geometry.align`; a block-size ratio
+   token position from the start of the request (:mod:`geometry.align`; a block-size ratio
    runs as the lanes of :func:`~workers.executors.align_request`). Each rank computes its own
    routes from the cached templates; nothing coordinates them. A per-request state group
    (Mamba/SSM conv and SSM state,

@@ -162,7 +162,7 @@ class Handover(GrantExchange):
 
         ``num_tokens``: the request's prompt tokens whose KV the context holds (vLLM's
         ``num_computed_tokens``); blocks pair by token position from the start of the request
-        (:mod:`api.geometry.align`), and both sides must give the same value. Required with a
+        (:mod:`geometry.align`), and both sides must give the same value. Required with a
         block-size ratio (a partial last block then moves only its tokens) and with CP over
         layer groups of different lengths; ``ambiguous_alignment`` otherwise.
         ``timeout_s``: the handle fails when not released by then; ``mode``: ``staged``,

@@ -80,8 +80,8 @@ import httpx
 import numpy as np
 
 from api.client import Client
-from api.geometry.builders import ViewSpec, instance_body
 from api.logs import QUIET_LOGGERS
+from geometry.builders import ViewSpec, instance_body
 
 CONTEXT = "demo-ctx-tp4"
 GENERATION = "demo-gen-tp2"
@@ -987,7 +987,7 @@ class ControlPlane:
             argv = [
                 sys.executable,
                 "-m",
-                "api.cli",
+                "cli",
                 "serve",
                 "--host",
                 self.host,
