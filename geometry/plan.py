@@ -127,7 +127,8 @@ def active_ranks(instance: Instance, dp_rank: int | None, field: str) -> tuple[i
     return tuple(r for r in range(instance.world_size) if instance.coords(r)[1] == dp_rank)
 
 
-def _dp_choices(instance: Instance) -> list[int | None]:
+def dp_choices(instance: Instance) -> list[int | None]:
+    """The DP ranks a plan is made for: each one under attention DP, else ``[None]``."""
     return list(range(instance.tp)) if instance.attention_dp else [None]
 
 
@@ -141,10 +142,10 @@ def validate_pairing(context: Instance, generation: Instance) -> Report:
     check_state_groups(context, generation, findings)
     cache: dict[Any, ViewGeometry] = {}
     derive_duplication(context, generation, cache)
-    for context_dp in _dp_choices(context):
+    for context_dp in dp_choices(context):
         senders = active_ranks(context, context_dp, "context_dp_rank")
         index = SenderIndex(context, senders)
-        for generation_dp in _dp_choices(generation):
+        for generation_dp in dp_choices(generation):
             receivers = active_ranks(generation, generation_dp, "generation_dp_rank")
             _match_all(context, generation, index, receivers, findings, cache)
     return findings.report()

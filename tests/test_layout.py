@@ -1,5 +1,6 @@
-"""The folder tree keeps its architecture: no import circles among ``api``, ``workers`` and ``web``,
-and no layer imports one above it.
+"""The folder tree keeps its architecture: the top-level packages depend on each other one way,
+no import circles among ``api``, ``workers`` and ``web``, no layer imports one above it, and no
+module imports another one's underscore (private) names.
 
 The import graph is read from the source (a walk over every ``import`` statement, including the
 ones inside functions and under ``if TYPE_CHECKING:``: a deferred import still ties two modules
@@ -13,6 +14,7 @@ import ast
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from graphlib import TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,20 +49,30 @@ def _known(name: str, modules: Mapping[str, Path]) -> str | None:
     return name or None
 
 
+def _package_of(name: str, path: Path) -> str:
+    """The package a module's relative imports start from (a package's own, for ``__init__``)."""
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _source(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a ``from ... import`` statement in ``package`` reads."""
+    if not node.level:
+        return node.module or ""
+    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+    return ".".join([*anchor, *([node.module] if node.module else [])])
+
+
 def import_graph(modules: Mapping[str, Path]) -> dict[str, list[Import]]:
     """For each module, the imports that reach another module of ``modules``."""
     graph: dict[str, list[Import]] = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        package = _package_of(name, path)
         edges: list[Import] = []
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 named = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    base = ".".join([*anchor, *([node.module] if node.module else [])])
+                base = _source(node, package)
                 named = [
                     f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                     for alias in node.names
@@ -151,6 +163,42 @@ def test_no_import_circles_among_api_workers_and_web() -> None:
     )
 
 
+#: What each top-level package may import besides itself. As arrows they run one way:
+#: geometry ← web ← api ← cli, and geometry ← workers → api (the client, the wire schemas and the
+#: logs only: see :data:`LAYERS`). The dashboard's rendering (``web``: templates, charts,
+#: diagrams) sits below the server that serves it: ``api.routers.dashboard`` imports ``web``,
+#: and ``web`` imports nothing of ``api``.
+FOLDERS: dict[str, tuple[str, ...]] = {
+    "geometry": (),
+    "web": ("geometry",),
+    "api": ("geometry", "web"),
+    "workers": ("geometry", "api"),
+    "cli": ("geometry", "api", "workers"),
+}
+
+
+def folder_imports(root: Path, packages: Iterable[str]) -> list[str]:
+    """Each import from one top-level package into another that :data:`FOLDERS` does not allow."""
+    graph = import_graph(module_files(root, packages))
+    found = []
+    for module, edges in sorted(graph.items()):
+        folder = module.partition(".")[0]
+        for edge in edges:
+            target = edge.target.partition(".")[0]
+            if target != folder and target not in FOLDERS.get(folder, ()):
+                where = f"{edge.path.relative_to(root)}:{edge.line}"
+                found.append(f"{module} -> {edge.target} ({where})")
+    return list(dict.fromkeys(found))  # one line per import statement
+
+
+def test_top_level_packages_depend_on_each_other_one_way() -> None:
+    assert set(FOLDERS) == set(PACKAGES), "every top-level package has its place in FOLDERS"
+    TopologicalSorter(FOLDERS).prepare()  # CycleError where FOLDERS itself lets two go both ways
+    wrong = folder_imports(ROOT, PACKAGES)
+    message = "imports between top-level packages that FOLDERS does not allow:"
+    assert not wrong, "\n".join([message, *wrong])
+
+
 @dataclass(frozen=True)
 class Layer:
     """A boundary: modules under ``importers`` (but not under ``exempt``) import nothing under
@@ -229,4 +277,84 @@ def test_a_circle_is_named_with_its_imports(tmp_path: Path) -> None:
     assert circles == [
         "pkg.a -> pkg.sub.b -> pkg.sub.c -> pkg.a  "
         "(imports at pkg/a.py:1, pkg/sub/b.py:2, pkg/sub/c.py:1)"
+    ]
+
+
+def _is_private(name: str) -> bool:
+    """A leading underscore; a dunder such as ``__version__`` is public."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for a name or a chain of attributes on one, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return None if inner is None else f"{inner}.{node.attr}"
+    return None
+
+
+def private_imports(root: Path, packages: Iterable[str]) -> list[str]:
+    """Each use of another module's private name: ``from module import _name``, or
+    ``module._name`` on a module bound by an import. A shared helper is public (or moves)."""
+    modules = module_files(root, packages)
+    found = []
+    for name, path in modules.items():
+        package = _package_of(name, path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bound: dict[str, str] = {}  # a local name -> the module it was imported as
+        used: list[tuple[int, str, str]] = []  # (line, module, private name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    local = alias.asname or alias.name.partition(".")[0]
+                    bound[local] = alias.name if alias.asname else local
+            elif isinstance(node, ast.ImportFrom):
+                source = _source(node, package)
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+                    if _is_private(alias.name) and _known(source, modules) is not None:
+                        used.append((node.lineno, source, alias.name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                head, _, rest = (_dotted(node.value) or "").partition(".")
+                source = ".".join(filter(None, (bound.get(head), rest)))
+                if head in bound and source in modules:
+                    used.append((node.lineno, source, node.attr))
+        found += [
+            f"{path.relative_to(root)}:{line}: {name} uses {source}.{private}"
+            for line, source, private in sorted(used)
+            if source != name
+        ]
+    return found
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    used = private_imports(ROOT, PACKAGES)
+    message = "private names used outside their module (make them public, or move them):"
+    assert not used, "\n".join([message, *used])
+
+
+def test_a_private_import_is_named_with_its_line(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text('__version__ = "1"\n')
+    (package / "a.py").write_text("def _helper(): ...\n\ndef public(): ...\n\nx = _helper\n")
+    (package / "b.py").write_text(
+        "from __future__ import annotations\n"
+        "\n"
+        "import pkg.a\n"
+        "from os import _exit\n"  # not ours
+        "from pkg import __version__, a\n"  # a dunder is public
+        "from pkg.a import public\n"
+        "\n"
+        "def f():\n"
+        "    from .a import _helper as helper\n"
+        "    return helper, pkg.a._helper, a._helper, a.public, public, _exit, __version__\n"
+    )
+    assert private_imports(tmp_path, ["pkg"]) == [
+        "pkg/b.py:9: pkg.b uses pkg.a._helper",
+        "pkg/b.py:10: pkg.b uses pkg.a._helper",
+        "pkg/b.py:10: pkg.b uses pkg.a._helper",
     ]

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
-
-from api.db import utcnow
+from datetime import UTC, datetime
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -45,7 +43,7 @@ def age(moment: datetime | None, now: datetime | None = None) -> str:
     """How long ago ``moment`` was: ``4 s ago``, ``3 min ago``, ``2 h ago``, ``5 d ago``."""
     if moment is None:
         return "never"
-    return ago(((now or utcnow()) - moment).total_seconds())
+    return ago(((now or datetime.now(UTC)) - moment).total_seconds())
 
 
 def ago(seconds: float) -> str:

@@ -309,7 +309,8 @@ class StagingLayout:
         return out
 
 
-def _normalize_blocks(route: Route, blocks: Blocks, what: str) -> dict[int, np.ndarray]:
+def normalize_blocks(route: Route, blocks: Blocks, what: str) -> dict[int, np.ndarray]:
+    """``blocks`` as one int64 array per layer group of ``route`` (``[n]``, or ``[n, r]``)."""
     if isinstance(blocks, Mapping):
         got = {int(g): v for g, v in blocks.items()}
         missing = [g for g in route.layer_groups if g not in got]
@@ -584,7 +585,7 @@ def _align_ratio(route: Route, lists: tuple[Any, Any]) -> tuple[np.ndarray, np.n
 def staging_layout(route: Route | Mapping[str, Any], blocks: Blocks) -> StagingLayout:
     """Layout of the staged bytes of ``route`` for these (aligned) block lists."""
     route = as_route(route)
-    ids = _normalize_blocks(route, blocks, "blocks")
+    ids = normalize_blocks(route, blocks, "blocks")
     groups, off = [], 0
     for g in route.layer_groups:
         bpb, n = route.bytes_per_block(g), ids[g].shape[0]
@@ -596,7 +597,8 @@ def staging_layout(route: Route | Mapping[str, Any], blocks: Blocks) -> StagingL
 # --- validation -----------------------------------------------------------------------------
 
 
-def _check_ids(ids: np.ndarray, pool: Pool, g: int, side: str, unique: bool) -> None:
+def check_ids(ids: np.ndarray, pool: Pool, g: int, side: str, unique: bool) -> None:
+    """Raise :class:`BlockRangeError` for an id outside ``pool`` (or repeated, if ``unique``)."""
     if ids.size == 0:
         return
     bad = np.flatnonzero((ids < 0) | (ids >= pool.spec.num_slots))
@@ -612,7 +614,8 @@ def _check_ids(ids: np.ndarray, pool: Pool, g: int, side: str, unique: bool) -> 
         )
 
 
-def _check_template(seg: Segment, src: Pool | None, dst: Pool | None) -> tuple[_Family, ...]:
+def check_template(seg: Segment, src: Pool | None, dst: Pool | None) -> tuple[_Family, ...]:
+    """The segment's run families; :class:`TemplateError` if one overruns a pool's slot."""
     fams = _families(seg)
     for f in fams:
         if src is not None and f.src_extent > src.spec.slot_bytes:
@@ -828,7 +831,7 @@ def gather(
     import torch
 
     route = as_route(route)
-    ids = _normalize_blocks(route, src_blocks, "src_blocks")
+    ids = normalize_blocks(route, src_blocks, "src_blocks")
     layout = staging_layout(route, ids)
     if out is None:
         dev = next(iter(src_pools.values())).device if src_pools else "cpu"
@@ -841,9 +844,9 @@ def gather(
             if seg.layer_group != ch.layer_group:
                 continue
             pool = _pool(src_pools, seg.src_pool, "source")
-            fams = _check_template(seg, pool, None)
+            fams = check_template(seg, pool, None)
             sub = _column(ids[seg.layer_group][ch.start : ch.stop], seg)
-            _check_ids(sub, pool, seg.layer_group, "source", unique=False)
+            check_ids(sub, pool, seg.layer_group, "source", unique=False)
             stage = _stage_side(out, offset + g_off + seg_off, bpb, ch.start, ch.stop)
             _run(_pool_side(pool, sub), stage, fams, method)
             seg_off += seg.bytes_per_block
@@ -862,13 +865,13 @@ def scatter(
 ) -> None:
     """Copy staged bytes at ``staging[offset:]`` into ``dst_blocks`` of the receiver's pools."""
     route = as_route(route)
-    ids = _normalize_blocks(route, dst_blocks, "dst_blocks")
+    ids = normalize_blocks(route, dst_blocks, "dst_blocks")
     layout = staging_layout(route, ids)
     _check_staging(staging, offset, layout)
     for g in route.layer_groups:  # validate all ids before writing a byte
         for seg in route.segments:
             if seg.layer_group == g:
-                _check_ids(ids[g], _pool(dst_pools, seg.dst_pool, "destination"), g,
+                check_ids(ids[g], _pool(dst_pools, seg.dst_pool, "destination"), g,
                            "destination", unique=True)  # fmt: skip
     for ch in _chunk_filter(layout, chunk):
         g_off, bpb, _ = layout.group(ch.layer_group)
@@ -877,7 +880,7 @@ def scatter(
             if seg.layer_group != ch.layer_group:
                 continue
             pool = _pool(dst_pools, seg.dst_pool, "destination")
-            fams = _check_template(seg, None, pool)
+            fams = check_template(seg, None, pool)
             sub = _column(ids[seg.layer_group][ch.start : ch.stop], seg)
             stage = _stage_side(staging, offset + g_off + seg_off, bpb, ch.start, ch.stop)
             _run(stage, _pool_side(pool, sub), fams, method)
@@ -895,8 +898,8 @@ def copy_local(
 ) -> int:
     """Copy the route's bytes straight from source to destination pools; returns bytes moved."""
     route = as_route(route)
-    bs = _normalize_blocks(route, src_blocks, "src_blocks")
-    bd = _normalize_blocks(route, dst_blocks, "dst_blocks")
+    bs = normalize_blocks(route, src_blocks, "src_blocks")
+    bd = normalize_blocks(route, dst_blocks, "dst_blocks")
     work = []
     for seg in route.segments:
         g = seg.layer_group
@@ -907,9 +910,9 @@ def copy_local(
             )
         sp = _pool(src_pools, seg.src_pool, "source")
         dp = _pool(dst_pools, seg.dst_pool, "destination")
-        fams = _check_template(seg, sp, dp)
-        _check_ids(bs[g], sp, g, "source", unique=False)
-        _check_ids(bd[g], dp, g, "destination", unique=True)
+        fams = check_template(seg, sp, dp)
+        check_ids(bs[g], sp, g, "source", unique=False)
+        check_ids(bd[g], dp, g, "destination", unique=True)
         work.append((_pool_side(sp, _column(bs[g], seg)), _pool_side(dp, _column(bd[g], seg)),
                      fams))  # fmt: skip
     for src, dst, fams in work:
@@ -933,8 +936,8 @@ def expand_fragments(
     the peer's pool may still be registered memory of another of its pools).
     """
     route = as_route(route)
-    bs = _normalize_blocks(route, src_blocks, "src_blocks")
-    bd = _normalize_blocks(route, dst_blocks, "dst_blocks")
+    bs = normalize_blocks(route, src_blocks, "src_blocks")
+    bd = normalize_blocks(route, dst_blocks, "dst_blocks")
     acc: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     for seg in route.segments:
         g = seg.layer_group
@@ -1018,8 +1021,8 @@ def fragment_indices(
     pairwise: local ``[i]`` goes to remote ``[i]``. Raises :class:`BlockRangeError` for a block
     id outside its pool."""
     ids = (
-        _normalize_blocks(route, src_blocks, "src_blocks"),
-        _normalize_blocks(route, dst_blocks, "dst_blocks"),
+        normalize_blocks(route, src_blocks, "src_blocks"),
+        normalize_blocks(route, dst_blocks, "dst_blocks"),
     )
     out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
     checked: set[tuple[int, int, int, int]] = set()  # segments of one group share their ids

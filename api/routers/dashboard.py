@@ -25,6 +25,7 @@ from api.errors import KvplaneError, NotFound
 from api.routers.deps import DbDep
 from api.routers.transfers import push_commands
 from api.schemas import NAME_PATTERN
+from api.services import dashboard as queries
 from api.services import execution as execution_service
 from api.services import handovers as handover_service
 from api.services import instances as instance_service
@@ -33,7 +34,7 @@ from api.services import registration
 from api.services import transfers as transfer_service
 from api.services import workers as worker_service
 from geometry import GeometryError, Instance, active_ranks, view_geometry
-from web import charts, diagrams, queries
+from web import charts, diagrams
 from web.format import rate
 from web.pages import STATIC_DIR, STATIC_URL, templates
 

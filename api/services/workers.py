@@ -29,7 +29,7 @@ from api.errors import BadRequest, Conflict, NotFound
 from api.models import InstanceRow, PairingRow, WorkerRow
 from api.services.instances import load_geometry
 from api.services.pairings import bump_peer_directories, cached_plan, plan_for_pairing
-from geometry.plan import _dp_choices
+from geometry.plan import dp_choices
 
 HEARTBEAT_INTERVAL_S = 1.0
 WORKER_GONE_S = 10.0
@@ -497,8 +497,8 @@ def _build_directory(
     for pairing in _pairings_of(session, instance):
         peer = _peer_instance(pairing, instance)
         plans = []
-        for cdp in _dp_choices(load_geometry(pairing.context)):
-            for gdp in _dp_choices(load_geometry(pairing.generation)):
+        for cdp in dp_choices(load_geometry(pairing.context)):
+            for gdp in dp_choices(load_geometry(pairing.generation)):
                 hit = cached_plan(
                     pairing.id, pairing.context_epoch, pairing.generation_epoch, cdp, gdp
                 )

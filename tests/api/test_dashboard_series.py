@@ -1,4 +1,4 @@
-"""The dashboard's time series (``web.queries.transfer_series``) on both databases."""
+"""The dashboard's time series (``api.services.dashboard.transfer_series``) on both databases."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from sqlalchemy import insert
 
 from api.db import Database, utcnow
 from api.models import TransferRow
+from api.services.dashboard import failure_reason, transfer_series
 from web.charts import bar_chart, line_chart, nice_binary_ceiling, nice_ceiling, seconds
-from web.queries import failure_reason, transfer_series
 
 
 def _row(

@@ -244,20 +244,33 @@ def test_a_release_notice_reaches_the_context_engine_from_paired_workers_only() 
     entry = PlanEntry("p", "ctx", "gen", "ce", "ge", None, None, (1,), (0,), (route,), ({},))  # type: ignore[arg-type]
     writer = PeerWorker("ctx", 1, "ce", "w-ctx-1", "agent-ctx-1", {})
     reader = PeerWorker("gen", 0, "ge", "w-gen-0", "agent-gen-0", {})
-    generation = Handover(transport, instance="gen", rank=0)  # type: ignore[arg-type]
-    context = Handover(transport, instance="ctx", rank=1, on_release=on_release)  # type: ignore[arg-type]
+    generation = Handover(
+        transport,  # type: ignore[arg-type]
+        instance="gen",
+        rank=0,
+        directory=Directory(
+            "r",
+            "gen",
+            "generation",
+            0,
+            "ge",
+            plans={("ctx", None, None): entry},
+            peers={("ctx", 1): writer},
+        ),
+    )
+    context = Handover(
+        transport,  # type: ignore[arg-type]
+        instance="ctx",
+        rank=1,
+        on_release=on_release,
+        directory=Directory("r", "ctx", "context", 1, "ce", peers={("gen", 0): reader}),
+    )
     try:
-        generation.directory = Directory(
-            "r", "gen", "generation", 0, "ge", plans={("ctx", None, None): entry}
-        )
-        generation._peers[("ctx", 1)] = writer
         assert generation.release("cmpl-1", "ctx") == 1
         assert generation.release("cmpl-1", "unpaired") == 0
         assert generation.release("bad|id", "ctx") == 0
         assert sent == [("agent-ctx-1", b"R|cmpl-1|ce|ge|1|0")]
 
-        context.directory = Directory("r", "ctx", "context", 1, "ce")
-        context._agents["agent-gen-0"] = reader
         context._on_notification("agent-stranger", sent[0][1])  # not a paired worker: dropped
         context._on_notification("agent-gen-0", sent[0][1])
         assert seen.wait(5)

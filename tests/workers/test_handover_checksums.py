@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from workers.handover.handles import _mismatch
+from workers.handover.handles import checksum_mismatch
 from workers.handover.notices import decode, notice
 
 
@@ -16,10 +16,10 @@ def route(sender: int, checksum: int | None, told: int | None) -> SimpleNamespac
 
 
 def test_a_route_whose_sums_differ_fails_the_receive_naming_both() -> None:
-    assert _mismatch([route(0, 7, 7), route(1, 9, 9)]) is None  # type: ignore[list-item]
-    assert _mismatch([route(0, 7, None), route(1, 9, None)]) is None  # type: ignore[list-item]
+    assert checksum_mismatch([route(0, 7, 7), route(1, 9, 9)]) is None  # type: ignore[list-item]
+    assert checksum_mismatch([route(0, 7, None), route(1, 9, None)]) is None  # type: ignore[list-item]
     assert (
-        _mismatch([route(0, 7, 7), route(1, 9, 8)])  # type: ignore[list-item]
+        checksum_mismatch([route(0, 7, 7), route(1, 9, 8)])  # type: ignore[list-item]
         == "checksum_mismatch: route 1->0: sender crc32 8, receiver crc32 9"
     )
 

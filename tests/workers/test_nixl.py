@@ -281,7 +281,7 @@ def test_block_size_ratio_staged_and_per_fragment(tpb):
     """A plan with different tokens_per_block: the request's lanes (one per sub-block, one for a
     partial last block) travel through both NIXL paths and land where the naive reference copy
     puts them."""
-    from api import geometry
+    import geometry
     from geometry.builders import ViewSpec, instance_body
     from workers.executors import align_request
     from workers.pools import PoolSpec

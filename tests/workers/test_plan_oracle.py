@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from api import geometry
+import geometry
 from geometry.builders import ViewSpec, instance_body
 from workers.executors import (
     align_request,

@@ -555,7 +555,7 @@ def test_an_idle_progress_loop_slows_down_but_wakes_at_once(monkeypatch) -> None
         assert steps_in(1.0) <= 2  # one wake per 5 s (IDLE_WAIT_S: ~200)
 
         ran = threading.Event()
-        handover._call(ran.set)  # a call (send/expect) wakes it, not the next 5 s poll
+        handover.call_soon(ran.set)  # a call (send/expect) wakes it, not the next 5 s poll
         assert ran.wait(2.0)
 
         more.set()  # the idle hook has work left: short waits again

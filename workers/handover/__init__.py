@@ -37,15 +37,21 @@ finished), so a thin adapter plugs it into such an engine:
 5. **record**: finished handles go to the control plane in batches (``workers/records.py``); the
    record never blocks a transfer and catches up after a control-plane outage.
 
-Who owns what:
+Who owns what (:class:`Handover` holds one of each part and wires them together; each part sets
+its own state in its own ``__init__``, and the others change it only through its methods):
 
-- :mod:`.engine_api`: :class:`Handover`, the calls above (``send``, ``expect``, ``refuse``,
-  ``get_finished``, ``set_directory``, ``close``) and the progress thread that drives them;
+- :mod:`.engine_api`: :class:`Handover`, the calls above (``send``, ``expect``, ``release``,
+  ``refuse``, ``get_finished``, ``set_directory``, ``close``), the progress thread that drives
+  them and the dispatch of each notification to the part it is for;
+- :mod:`.handles`: :class:`Handle` and its lifecycle (step 4: complete, fail, abort, deadline),
+  held by ``Handover.handles`` (:class:`~.handles.Handles`: the pending requests and their
+  routes by key);
 - :mod:`.grants`: the grant exchange of step 3 (staged and fragments mode, asks, re-sent grants,
-  probes);
-- :mod:`.staging`: the staging areas a grant hands out, and their quarantine;
-- :mod:`.handles`: :class:`Handle` and its lifecycle (step 4: complete, fail, abort, deadline);
-- :mod:`.notices`: the notifications between the two sides and their wire format;
+  probes), ``Handover.grants``;
+- :mod:`.peers`: the peer workers, their NIXL endpoints and, through :mod:`.reloads`, the ones
+  whose connection failed, ``Handover.peers``;
+- :mod:`.staging`: the staging areas a grant hands out, and their quarantine, ``Handover.areas``;
+- :mod:`.notices`: the notifications between the two sides and their wire format (no state);
 - :mod:`.blocks`: the request's block map in both accepted forms.
 """
 

@@ -14,8 +14,19 @@ first contact with an idle rank, e.g. the connection set-up a fresh endpoint nee
 that long. A refreshed directory swaps in on the progress thread: a peer worker is retired only
 when its rank has another worker or its instance another epoch.
 
-The grant exchange is :mod:`workers.handover.grants`, how handles end is
-:mod:`workers.handover.handles`; :class:`Handover` inherits both.
+:class:`Handover` holds its parts and wires them together; each owns its own state:
+
+- ``handles`` (:class:`~workers.handover.handles.Handles`): the pending requests, their routes
+  by key, the resolved handles not yet polled, and how a handle ends;
+- ``grants`` (:class:`~workers.handover.grants.GrantExchange`): the grants and WRITEs of each
+  route, the routes that wait, asks;
+- ``peers`` (:class:`~workers.handover.peers.Peers`): the peer workers, their NIXL endpoints and,
+  in ``peers.reloads``, the ones whose connection failed;
+- ``areas`` (:class:`~workers.handover.staging.StagingAreas`): this rank's staging buffer.
+
+:class:`Handover` itself keeps what the engine and the progress thread need: the directory, the
+inbox of calls for the progress thread, and the notifications that came before their
+``send``/``expect``; it dispatches each notification to the part it is for.
 """
 
 from __future__ import annotations
@@ -33,11 +44,12 @@ from workers.directory import Directory, HandoverError, PeerWorker
 from workers.executors import BlockRangeError, align_request, staging_layout
 from workers.handover.blocks import BlockMap, blocks_of, normalize_blocks
 from workers.handover.grants import GRANT_RESEND_S, MODES, GrantExchange, route_mode_of
-from workers.handover.handles import FAILED, Finished, Handle, Op, RouteState
-from workers.handover.notices import Ask, decode, notice, reason_field
-from workers.handover.reloads import RELOAD_ME, PeerReloads
+from workers.handover.handles import Finished, Handle, Handles, Op, RouteState
+from workers.handover.notices import Ask, RouteKey, decode, notice
+from workers.handover.peers import Peers
+from workers.handover.reloads import RELOAD_ME
 from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
-from workers.transport import PeerUnreachable, TransportError
+from workers.transport import PeerUnreachable
 
 if TYPE_CHECKING:
     from workers.transport.nixl import NixlTransport
@@ -62,7 +74,7 @@ PATIENT_SLEEP_S = 0.00025
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
 
-class Handover(GrantExchange):
+class Handover:
     """The hot path of one rank: ``send`` / ``expect`` per request, one progress thread."""
 
     def __init__(
@@ -87,30 +99,18 @@ class Handover(GrantExchange):
         self.instance = instance
         self.rank = rank
         self.directory = directory or Directory.empty(instance, rank)
-        self.on_finished = on_finished
         self.on_start = on_start  # caller's thread, before the first byte can move
-        # Progress thread, before a receive resolves: a reason fails it (fill-pattern checks).
-        # It gets the receive's route states, and may set the checksum of a fragments-mode
-        # route of a verified receive (the receiver then does not sum those bytes itself).
-        self.check = check
-        self.chunk_blocks = chunk_blocks
         self.default_timeout_s = default_timeout_s
         # Fault injection for tests and chaos drills: a receiver holds its grants, a sender
         # its writes, this long after the handle started (a frozen or dying peer).
         self.hold_s = hold_s
-        # Context side: called on the progress thread with each new Ask (keep it short).
-        self.on_ask = on_ask
         # Context side: called on the progress thread with (request id, generation instance)
         # when a paired generation rank will not ask for that request (see release()).
         self.on_release = on_release
-        # An ask from an agent the directory does not name yet (a peer paired a moment ago):
-        # the owner refreshes the directory off this thread; the ask comes again.
-        self.on_unknown_agent = on_unknown_agent
         # Progress thread, after IDLE_HOOK_S with no handle pending (and every IDLE_WAIT_S
         # while that lasts): the owner's background work (fill mode marks noted receives).
         # It returns True while it has more to do (the loop then does not slow down).
         self.on_idle = on_idle
-        self._asked: dict[str, float] = {}  # request ids asked for here: when
         self.areas = StagingAreas(int(transport.staging.numel()))
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
@@ -118,24 +118,30 @@ class Handover(GrantExchange):
         # handle; re-entrant, so a callback that starts another handle does not deadlock.
         self._mutex = threading.RLock()
         self._closed = False
-        self._ops: dict[int, Op] = {}
-        self._recv: dict[tuple[str, int, int], RouteState] = {}
-        self._send: dict[tuple[str, int, int], RouteState] = {}
-        self._waiting: list[RouteState] = []  # routes waiting for staging space or a peer
-        self._early: dict[tuple[str, int, int], tuple[str, list[str], float]] = {}
-        self._peers: dict[tuple[str, int], PeerWorker] = {}  # the directory's, plus kept ones
-        self._agents: dict[str, PeerWorker] = {}
-        self._retired: dict[str, PeerWorker] = {}
-        self._finished: deque[Handle] = deque()
-        self._loaded: set[str] = set()
-        self._next_resend = 0.0
-        # Routes this rank wrote: to which agent, and when (a reload since lost their bytes)
-        self._written: dict[tuple[str, int, int], tuple[str, float]] = {}
-        self._aborted: dict[tuple[str, int, int], tuple[str, str]] = {}  # sends failed: why
-        # Peers whose connection failed are probed and reloaded off this thread's critical path
-        self.reloads = PeerReloads(transport, self._wake.set, f"{instance}-{rank}", self._info_of)
-        transport.reconnect_inline = False
-        self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
+        # Grants and aborts that came before their send()/expect(): (agent, fields, when)
+        self._early: dict[RouteKey, tuple[str, list[str], float]] = {}
+        self._next_resend = 0.0  # when the progress loop next re-sends quiet grants
+        self.peers = Peers(transport, wake=self._wake.set, name=f"{instance}-{rank}")
+        self.handles = Handles(
+            transport,
+            self.areas,
+            self.peers,
+            self.peers.reloads,
+            check=check,
+            on_finished=on_finished,
+        )
+        self.grants = GrantExchange(
+            transport,
+            self.areas,
+            self.handles,
+            self.peers,
+            self.peers.reloads,
+            chunk_blocks=chunk_blocks,
+            sum_fragments=check is None,  # a check gathers those bytes: it sums them
+            on_ask=on_ask,
+            on_unknown_agent=on_unknown_agent,
+        )
+        transport.reconnect_inline = False  # failed peers are reloaded by peers.reloads
         self._apply_directory(self.directory)
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"kvplane-handover-{instance}-{rank}"
@@ -243,7 +249,7 @@ class Handover(GrantExchange):
         ce, ge = entry.epochs()
         sent = 0
         for sender in sorted({r.sender_rank for r in entry.routes if r.receiver_rank == self.rank}):
-            worker = self._peers.get((peer, sender))
+            worker = self.peers.get(peer, sender)
             if worker is None:
                 continue
             try:
@@ -257,34 +263,15 @@ class Handover(GrantExchange):
 
     def refuse(self, ask: Ask, reason: str) -> None:
         """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
-        ce, ge = ask.epochs
-        self._asked[ask.request_id] = time.monotonic()
-        try:
-            self.transport.send_notif(
-                ask.agent,
-                notice(
-                    "X", ask.request_id, ce, ge, ask.route[0], ask.route[1], reason_field(reason)
-                ),
-            )
-        except Exception as error:  # the asking rank is gone: its deadline covers it
-            log.debug("refusal to %s failed: %s", ask.agent, error)
+        self.grants.refuse(ask, reason)
 
     def get_finished(self) -> Finished:
         """Request ids whose handles resolved since the last call (connector-style poll)."""
-        sent, received, failed = set(), set(), {}
-        while self._finished:
-            handle = self._finished.popleft()
-            if handle.state == FAILED:
-                failed[handle.request_id] = str(handle.reason)
-            elif handle.side == "send":
-                sent.add(handle.request_id)
-            else:
-                received.add(handle.request_id)
-        return Finished(frozenset(sent), frozenset(received), failed)
+        return self.handles.take_finished()
 
     def set_directory(self, directory: Directory) -> None:
         """Swap in a refreshed directory (applied on the progress thread)."""
-        self._call(lambda: self._apply_directory(directory))
+        self.call_soon(lambda: self._apply_directory(directory))
 
     def close(self, reason: str = "the worker stopped") -> None:
         """Fail every pending handle with ``reason`` and stop the progress thread."""
@@ -293,24 +280,36 @@ class Handover(GrantExchange):
         done = threading.Event()
 
         def shutdown() -> None:
-            for op in list(self._ops.values()):
-                self._fail(op, reason)
+            for op in list(self.handles.ops.values()):
+                self.handles.fail(op, reason)
             self._closed = True
             done.set()
 
-        self.reloads.close()
-        self._call(shutdown)
+        self.peers.close()
+        self.call_soon(shutdown)
         if not done.wait(5.0):
             self._closed = True
         self._thread.join(timeout=5.0)
 
     @property
     def pending(self) -> int:
-        return len(self._ops)
+        """Handles not resolved yet."""
+        return len(self.handles.ops)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Handles sent, received and failed, and bytes moved, since the start."""
+        return self.handles.stats
 
     def peer(self, instance: str, rank: int) -> PeerWorker | None:
         """The worker of ``instance`` rank ``rank`` this rank would talk to now."""
-        return self._peers.get((instance, rank))
+        return self.peers.get(instance, rank)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread at its next step, which it wakes: there it may
+        read or change the handover's books (its parts) without racing the hot path."""
+        self._inbox.append(fn)
+        self._wake.set()
 
     # --- starting a handle (caller's thread: validation only) --------------------------------
 
@@ -423,7 +422,7 @@ class Handover(GrantExchange):
             self._begin(op)
         self._wake.set()
         if self._closed and not self._thread.is_alive():  # raced close(): nobody will run it
-            handle._resolve(FAILED, "the worker stopped")
+            self.handles.drop(handle, "the worker stopped")
         return handle
 
     def _validate_ids(self, op: Op) -> None:
@@ -459,10 +458,6 @@ class Handover(GrantExchange):
 
     # --- progress thread ---------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], None]) -> None:
-        self._inbox.append(fn)
-        self._wake.set()
-
     def _loop(self) -> None:
         quiet = 0  # polls in a row that moved nothing
         idle_since: float | None = None  # when the last pending handle resolved
@@ -491,7 +486,11 @@ class Handover(GrantExchange):
                         log.exception("handover idle hook failed")
                 # A rank that serves asks keeps the short wait: an ask comes while it is idle
                 # (its KV ready, waiting to be asked) and is on the request's path.
-                slow = not more and self.on_ask is None and now - idle_since >= IDLE_SLOW_AFTER_S
+                slow = (
+                    not more
+                    and self.grants.on_ask is None
+                    and now - idle_since >= IDLE_SLOW_AFTER_S
+                )
                 # cleared (and counted) at the loop's top
                 self._wake.wait(IDLE_SLOW_WAIT_S if slow else IDLE_WAIT_S)
         finally:
@@ -500,9 +499,9 @@ class Handover(GrantExchange):
             while self._inbox:
                 with contextlib.suppress(Exception):
                     self._inbox.popleft()()
-            for op in list(self._ops.values()):
+            for op in list(self.handles.ops.values()):
                 with contextlib.suppress(Exception):
-                    self._fail(op, "the worker stopped", notify=False)
+                    self.handles.fail(op, "the worker stopped", notify=False)
 
     def _step(self) -> tuple[bool, bool]:
         """One poll: ``(handles pending, something moved)``."""
@@ -511,26 +510,25 @@ class Handover(GrantExchange):
             self._inbox.popleft()()
         if self._closed:
             return False, progressed
-        finished = len(self._finished)
+        handles, grants, peers = self.handles, self.grants, self.peers
+        finished = len(handles.finished)
         progressed = self._drain() or progressed
-        if self.reloads.any_ready:
-            progressed = self._reload_ready() or progressed
+        if peers.reloads.any_ready:
+            progressed = peers.reload_ready() or progressed
         now = time.monotonic()
-        for state in list(self._send.values()):
+        for state in list(handles.sending.values()):
             if state.pending and not state.done:
-                self._poll_writes(state)
-        if self._waiting:
-            self._retry_waiting()
-        if self._recv and now > self._next_resend:
+                grants.poll_writes(state)
+        if grants.waiting:
+            grants.retry_waiting()
+        if handles.receiving and now > self._next_resend:
             self._next_resend = now + GRANT_RESEND_S / 4
-            self._resend_grants(now)
-        for op in list(self._ops.values()):
-            if now > op.deadline:
-                self._fail(op, self._deadline_reason(op))
+            grants.resend_grants(now)
+        handles.fail_overdue(now)
         self.areas.reclaim(now)
         if self._early:
             self._expire_early(now)
-        return bool(self._ops), progressed or len(self._finished) != finished
+        return bool(handles.ops), progressed or len(handles.finished) != finished
 
     def _drain(self) -> bool:
         """Handle every notification that arrived; whether there were any."""
@@ -538,7 +536,7 @@ class Handover(GrantExchange):
         for agent, msgs in notifications.items():
             for msg in msgs:
                 if msg.startswith(RELOAD_ME):  # a peer's probe: its connection to us failed
-                    self.reloads.requested(msg[len(RELOAD_ME) :].decode(errors="replace"))
+                    self.peers.reloads.requested(msg[len(RELOAD_ME) :].decode(errors="replace"))
                     continue
                 try:
                     self._on_notification(agent, msg)
@@ -547,26 +545,20 @@ class Handover(GrantExchange):
         return bool(notifications)
 
     def _begin(self, op: Op) -> None:
-        self._ops[id(op)] = op
+        handles = self.handles
+        handles.open(op)
         if self._closed:
-            self._fail(op, "the worker stopped", notify=False)
+            handles.fail(op, "the worker stopped", notify=False)
             return
         if not op.routes:  # this rank takes no part (e.g. another DP rank's request)
-            self._complete(op)
+            handles.complete(op)
             return
-        index = self._send if op.side == "send" else self._recv
-        if any(state.key in index for state in op.routes):
-            self._fail(
+        if not handles.index(op):
+            handles.fail(
                 op, f"request {op.xid!r} is already in flight on rank {self.rank}", notify=False
             )
             return
-        for state in op.routes:
-            if not state.layout.nbytes and state.mode == "staged":
-                state.done = True
-                continue
-            index[state.key] = state
-            self._waiting.append(state)
-        self._retry_waiting()
+        self.grants.begin(op)
         if op.side == "send":
             # A grant that already came in but waits in NIXL: take it now, and write on the
             # caller's thread instead of when the progress thread next polls.
@@ -575,101 +567,7 @@ class Handover(GrantExchange):
             early = self._early.pop(state.key, None)
             if early is not None and not op.handle.done:
                 self._on_message(early[0], early[1], state, received_at=early[2])
-        self._maybe_complete(op)
-
-    def _retry_waiting(self) -> None:
-        """Routes waiting for their peer's endpoint or for staging space."""
-        still = []
-        for state in self._waiting:
-            op = state.op
-            if op.handle.done:
-                continue
-            try:
-                if self._advance(state):
-                    still.append(state)
-            except PeerUnreachable as error:
-                self._on_unreachable(str(state.agent), error)
-            except Exception as error:  # e.g. the peer vanished between two chunks
-                self._fail(op, f"{type(error).__name__}: {error}")
-        self._waiting = [s for s in still if not s.op.handle.done]
-
-    def _advance(self, state: RouteState) -> bool:
-        """One waiting route's next step; True while it still waits."""
-        op = state.op
-        if state.agent is None:
-            peer = self._peers.get((op.peer, state.peer_rank))
-            if peer is None or not self._load_peer(peer):
-                return True
-            if peer.epoch != self._peer_epoch(op):
-                self._fail(
-                    op, f"peer_restarted: {op.peer} re-registered since the plan this request uses"
-                )
-                return False
-            state.agent = peer.agent
-        elif self.reloads.stale(state.agent) is not None:
-            return True  # its connection failed: loaded again once a probe reaches it
-        if time.monotonic() < op.hold_until:
-            return True
-        if op.side == "receive" and not state.granted:
-            if op.ask:
-                self._send_ask(state)
-            return not self._grant(state)
-        if op.side == "send" and state.grant is not None and not state.written:
-            if state.grant[0] != state.agent:
-                self._fail(
-                    op,
-                    f"peer_restarted: the grant came from a worker of {op.peer} "
-                    f"rank {state.peer_rank} that is not the current one",
-                )
-                return False
-            return not self._write(state)
-        return False
-
-    def _peer_epoch(self, op: Op) -> str:
-        entry = op.handle.entry
-        return entry.generation_epoch if op.side == "send" else entry.context_epoch
-
-    def _load_peer(self, peer: PeerWorker) -> bool:
-        if self.reloads.stale(peer.agent) is not None:
-            return False  # its connection failed: the watch thread reloads it once it answers
-        if peer.agent in self._loaded and self.transport.has_peer(peer.agent):
-            return True
-        try:
-            self.transport.add_peer(peer.info)
-        except TransportError as error:
-            log.warning("cannot load peer %s rank %d: %s", peer.instance, peer.rank, error)
-            if peer.agent in self._agents:
-                self.reloads.mark(peer.agent, error)  # probed off this thread from now on
-            return False
-        self._loaded.add(peer.agent)
-        return True
-
-    def _info_of(self, agent: str) -> Mapping[str, Any] | None:
-        """A peer worker's published endpoint (read by the reloads' watch thread)."""
-        peer = self._agents.get(agent)
-        return None if peer is None else peer.info
-
-    def _reload_ready(self) -> bool:
-        """Load again the failed peers a probe reached, where nothing is in flight to them:
-        every notification was read this step, and no WRITE to them is posted."""
-        moved = False
-        for agent in self.reloads.ready():
-            peer = self._agents.get(agent)
-            if peer is None:
-                self.reloads.forget(agent)
-                continue
-            if self.transport.outstanding(agent):
-                continue  # released by their own polls or deadlines first
-            try:
-                self.transport.remove_peer(agent)
-                self.transport.add_peer(peer.info)
-            except TransportError as error:
-                self.reloads.mark(agent, error, reload_failed=True)
-                continue
-            self._loaded.add(agent)
-            self.reloads.done(agent)
-            moved = True
-        return moved
+        handles.maybe_complete(op)
 
     # --- notifications -----------------------------------------------------------------------
 
@@ -679,26 +577,24 @@ class Handover(GrantExchange):
             return  # not ours (or mangled): nothing waits for it
         kind, key, fields = decoded
         if kind == "A":
-            self._on_ask(agent, fields)
+            if self.directory.role != "generation":
+                self.grants.serve_ask(agent, fields)
             return
         if kind == "R":
             self._on_release(agent, key[0])
             return
         index = (
-            self._send
+            self.handles.sending
             if kind == "G" or (kind == "X" and self.directory.role == "context")
-            else self._recv
+            else self.handles.receiving
         )
         state = index.get(key)
         if state is None:
-            written = self._written.get(key)
-            if kind == "G" and written is not None and written[0] == agent:
-                self._probe(agent, fields, written[1])
-                return
-            aborted = self._aborted.get(key)
-            if kind == "G" and aborted is not None and aborted[0] == agent:
-                self._abort_again(agent, fields, aborted[1])
-                return
+            if kind == "G" and (
+                self.grants.probe_written(agent, key, fields)
+                or self.handles.abort_again(agent, key, fields)
+            ):
+                return  # a grant again for a route this rank wrote, or whose send failed
             if kind == "X" or (kind == "G" and self.directory.role == "context"):
                 # send()/expect() not called yet: a grant, or an abort, waits for it
                 self._early[key] = (agent, fields, time.monotonic())
@@ -707,7 +603,7 @@ class Handover(GrantExchange):
 
     def _on_release(self, agent: str, request_id: str) -> None:
         """A paired generation rank will not ask for ``request_id`` (see :meth:`release`)."""
-        peer = self._agents.get(agent)
+        peer = self.peers.by_agent(agent)
         if self.on_release is None or self.directory.role != "context" or peer is None:
             return  # a stranger's notice: only a paired instance's worker may release
         try:
@@ -723,13 +619,13 @@ class Handover(GrantExchange):
             return
         kind = fields[0]
         if state.agent is not None and agent != state.agent:
-            owner = self._retired.get(agent) or self._agents.get(agent)
+            owner = self.peers.known(agent)
             who = f"{op.peer} rank {state.peer_rank}"
             if owner is not None:
-                self._fail(op, f"peer_restarted: a message from {who}'s previous worker")
+                self.handles.fail(op, f"peer_restarted: a message from {who}'s previous worker")
             return  # a stranger's message: drop it
         if (fields[2], fields[3]) != op.handle.entry.epochs():
-            self._fail(
+            self.handles.fail(
                 op,
                 f"peer_restarted: {op.peer} planned with other epochs "
                 f"({fields[2][:8]}/{fields[3][:8]})",
@@ -740,21 +636,21 @@ class Handover(GrantExchange):
             if kind == "X":
                 told = "|".join(fields[6:])
                 cause = "peer_unreachable: " if told.startswith("peer_unreachable") else ""
-                self._fail(
+                self.handles.fail(
                     op,
                     f"{cause}peer {op.peer} rank {state.peer_rank} aborted: {told}",
                     notify=False,
                 )
             elif kind == "G" and op.side == "send" and state.grant is None:
-                self._on_grant(state, agent, fields, received_at)
+                self.grants.on_grant(state, agent, fields, received_at)
             elif kind == "C" and op.side == "receive":
-                self._on_chunk(state, fields)
+                self.grants.on_chunk(state, fields)
             elif kind == "F" and op.side == "receive":
-                self._on_fragments_done(state, fields)
+                self.grants.on_fragments_done(state, fields)
         except PeerUnreachable as error:  # a WRITE after the grant met a failed connection
-            self._on_unreachable(agent, error)
+            self.handles.unreachable(agent, error)
         except Exception as error:  # bad blocks, NIXL errors, a malformed message: fail it
-            self._fail(op, f"{type(error).__name__}: {error}")
+            self.handles.fail(op, f"{type(error).__name__}: {error}")
 
     def _expire_early(self, now: float) -> None:
         self._early = {k: v for k, v in self._early.items() if now - v[2] < EARLY_TTL_S}
@@ -762,45 +658,8 @@ class Handover(GrantExchange):
     # --- directory ---------------------------------------------------------------------------
 
     def _apply_directory(self, directory: Directory) -> None:
-        """Swap in a refreshed directory.
-
-        A peer worker is retired only when its rank has another worker now or its instance
-        has another epoch. A rank that is merely missing (the control plane is slow, its
-        heartbeats lag) keeps its last known worker: the hot path does not depend on the control
-        plane's view of liveness, only on NIXL and on deadlines.
-        """
+        """Swap in a refreshed directory: its peer workers (see :class:`Peers` for which are
+        retired), and the handles whose peer restarted fail."""
         self.directory = directory
-        peers = dict(directory.peers)
-        for key, peer in self._peers.items():
-            if key in peers:
-                continue
-            epoch = directory.peer_epochs.get(peer.instance)
-            if epoch is None or epoch == peer.epoch:  # still that epoch, or not paired now
-                peers[key] = peer
-        retired = {p.agent for p in self._peers.values()} - {p.agent for p in peers.values()}
-        for agent in retired:
-            self._retired[agent] = self._agents[agent]
-            self.reloads.forget(agent)
-            if agent in self._loaded:
-                self._loaded.discard(agent)
-                try:
-                    self.transport.remove_peer(agent)
-                except TransportError as error:
-                    log.debug("dropping peer %s: %s", agent, error)
-        self._peers = peers
-        self._agents = {peer.agent: peer for peer in peers.values()}
-        if len(self._retired) > 4096:
-            self._retired = dict(list(self._retired.items())[-1024:])
-        for op in list(self._ops.values()):
-            current = directory.peer_epochs.get(op.peer)
-            if current is not None and current != self._peer_epoch(op):
-                self._fail(op, f"peer_restarted: {op.peer} re-registered (new epoch)")
-                continue
-            for state in op.routes:
-                if state.agent is not None and state.agent in retired and not state.done:
-                    self._fail(
-                        op,
-                        f"peer_restarted: the worker of {op.peer} rank "
-                        f"{state.peer_rank} was replaced",
-                    )
-                    break
+        retired = self.peers.apply(directory)
+        self.handles.peers_changed(directory.peer_epochs, retired)

@@ -13,8 +13,12 @@ gets a grant again for a route it already wrote probes the connection (``P``).
 A receiver whose context side has not called ``send`` asks first (``expect(..., ask=True)``): an
 ``A`` notification before each grant, answered by the context rank's ``on_ask`` hook.
 
-:class:`GrantExchange` is this part of :class:`~workers.handover.Handover`; it runs on the
-progress thread (and on the caller's thread while ``send``/``expect`` begin a handle).
+:class:`GrantExchange` is this part of :class:`~workers.handover.Handover`: it owns the routes
+that wait (for their peer's endpoint, for staging space, for a hold), the asks served here and
+the routes this rank wrote (to probe when their grant comes again); it ends handles through
+:class:`~workers.handover.handles.Handles` and finds peers through
+:class:`~workers.handover.peers.Peers`. It runs on the progress thread (and on the caller's
+thread while ``send``/``expect`` begin a handle).
 """
 
 from __future__ import annotations
@@ -22,15 +26,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from workers.crc import crc32
-from workers.directory import PeerWorker
 from workers.executors import Route, expand_fragments, fragments_crc32, gather, scatter
-from workers.handover.handles import HandleLifecycle, RouteState
 from workers.handover.notices import Ask, RouteKey, ask_payload, notice, parse_ask, reason_field
+from workers.handover.staging import CHUNK_BLOCKS
 from workers.transport import PeerUnreachable, TransportError
+
+if TYPE_CHECKING:
+    from workers.handover.handles import Handles, Op, RouteState
+    from workers.handover.peers import Peers
+    from workers.handover.reloads import PeerReloads
+    from workers.handover.staging import StagingAreas
+    from workers.transport.nixl import NixlTransport
 
 log = logging.getLogger("kvplane.handover")
 
@@ -55,16 +66,98 @@ def route_mode_of(route: Route) -> str:
     return "fragments" if fragments and nbytes >= AUTO_FRAGMENT_BYTES * fragments else "staged"
 
 
-class GrantExchange(HandleLifecycle):
+class GrantExchange:
     """The receiver's grants and the writer's WRITEs of each route (see the module docstring)."""
 
-    chunk_blocks: int
-    on_ask: Callable[[Ask], None] | None
-    on_unknown_agent: Callable[[str], None] | None
-    _asked: dict[str, float]
-    _agents: dict[str, PeerWorker]
-    _waiting: list[RouteState]
-    _written: dict[RouteKey, tuple[str, float]]
+    def __init__(
+        self,
+        transport: NixlTransport,
+        areas: StagingAreas,
+        handles: Handles,
+        peers: Peers,
+        reloads: PeerReloads,
+        *,
+        chunk_blocks: int = CHUNK_BLOCKS,
+        sum_fragments: bool = True,
+        on_ask: Callable[[Ask], None] | None = None,
+        on_unknown_agent: Callable[[str], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.areas = areas
+        self.handles = handles
+        self.peers = peers
+        self.reloads = reloads
+        self.chunk_blocks = chunk_blocks
+        # A verified receive sums its fragments-mode routes here; False: the handles' check
+        # gathers those bytes anyway and sums them (see Handles.check).
+        self.sum_fragments = sum_fragments
+        # Context side: called on the progress thread with each new Ask (keep it short).
+        self.on_ask = on_ask
+        # An ask from an agent the directory does not name yet (a peer paired a moment ago):
+        # the owner refreshes the directory off this thread; the ask comes again.
+        self.on_unknown_agent = on_unknown_agent
+        self.waiting: list[RouteState] = []  # routes waiting for a peer, staging space or hold
+        self._asked: dict[str, float] = {}  # request ids asked for here (served or refused): when
+        # Routes this rank wrote: to which agent, and when (a reload since lost their bytes)
+        self._written: dict[RouteKey, tuple[str, float]] = {}
+
+    # --- both sides --------------------------------------------------------------------------
+
+    def begin(self, op: Op) -> None:
+        """Take the first step of ``op``'s routes that move bytes (indexed by the handles):
+        a receiver grants, a sender writes for a grant that came early."""
+        for state in op.routes:
+            if not state.done:
+                self.waiting.append(state)
+        self.retry_waiting()
+
+    def retry_waiting(self) -> None:
+        """Routes waiting for their peer's endpoint or for staging space."""
+        still = []
+        for state in self.waiting:
+            op = state.op
+            if op.handle.done:
+                continue
+            try:
+                if self._advance(state):
+                    still.append(state)
+            except PeerUnreachable as error:
+                self.handles.unreachable(str(state.agent), error)
+            except Exception as error:  # e.g. the peer vanished between two chunks
+                self.handles.fail(op, f"{type(error).__name__}: {error}")
+        self.waiting = [s for s in still if not s.op.handle.done]
+
+    def _advance(self, state: RouteState) -> bool:
+        """One waiting route's next step; True while it still waits."""
+        op = state.op
+        if state.agent is None:
+            peer = self.peers.get(op.peer, state.peer_rank)
+            if peer is None or not self.peers.load(peer):
+                return True
+            if peer.epoch != op.peer_epoch:
+                self.handles.fail(
+                    op, f"peer_restarted: {op.peer} re-registered since the plan this request uses"
+                )
+                return False
+            state.agent = peer.agent
+        elif self.reloads.stale(state.agent) is not None:
+            return True  # its connection failed: loaded again once a probe reaches it
+        if time.monotonic() < op.hold_until:
+            return True
+        if op.side == "receive" and not state.granted:
+            if op.ask:
+                self._send_ask(state)
+            return not self._grant(state)
+        if op.side == "send" and state.grant is not None and not state.written:
+            if state.grant[0] != state.agent:
+                self.handles.fail(
+                    op,
+                    f"peer_restarted: the grant came from a worker of {op.peer} "
+                    f"rank {state.peer_rank} that is not the current one",
+                )
+                return False
+            return not self._write(state)
+        return False
 
     # --- receiver ----------------------------------------------------------------------------
 
@@ -130,17 +223,17 @@ class GrantExchange(HandleLifecycle):
         except PeerUnreachable as error:
             # Its connection failed: every handle on it fails, but a first grant never left,
             # so its route waits for the reload instead (within its deadline).
-            self._on_unreachable(state.agent, error, spare=None if again else op)
+            self.handles.unreachable(state.agent, error, spare=None if again else op)
             return False
         except TransportError as error:
-            self._fail(
+            self.handles.fail(
                 op,
                 f"peer_unreachable: cannot reach {op.peer} rank {state.peer_rank}: {error}",
                 notify=False,
             )
             return False
         if again and reconnected:  # the connection this route waited on had failed
-            self._on_unreachable(
+            self.handles.unreachable(
                 state.agent,
                 PeerUnreachable("the connection failed while this rank waited for its bytes"),
                 reload=False,
@@ -170,14 +263,14 @@ class GrantExchange(HandleLifecycle):
         except TransportError as error:  # the grant right after it fails the route
             log.debug("ask to %s failed: %s", state.agent, error)
 
-    def _on_ask(self, agent: str, fields: list[str]) -> None:
-        """A generation rank asks this rank to send (see :class:`Ask`)."""
+    def serve_ask(self, agent: str, fields: list[str]) -> None:
+        """A generation rank asks this (context) rank to send (see :class:`Ask`)."""
         xid = fields[1]
-        if self.on_ask is None or self.directory.role == "generation" or xid in self._asked:
+        if self.on_ask is None or xid in self._asked:
             return
-        if any(key[0] == xid for key in self._send):
+        if any(key[0] == xid for key in self.handles.sending):
             return  # already sending: the ask of another receiving rank of the same request
-        peer = self._agents.get(agent)
+        peer = self.peers.by_agent(agent)
         if peer is None:  # not a worker of a paired instance (yet): the ask comes again
             log.debug("ask for %s from unknown agent %s", xid, agent)
             if self.on_unknown_agent is not None:
@@ -197,10 +290,24 @@ class GrantExchange(HandleLifecycle):
         except Exception:
             log.exception("on_ask hook failed for %s", xid)
 
-    def _resend_grants(self, now: float) -> None:
+    def refuse(self, ask: Ask, reason: str) -> None:
+        """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
+        ce, ge = ask.epochs
+        self._asked[ask.request_id] = time.monotonic()
+        try:
+            self.transport.send_notif(
+                ask.agent,
+                notice(
+                    "X", ask.request_id, ce, ge, ask.route[0], ask.route[1], reason_field(reason)
+                ),
+            )
+        except Exception as error:  # the asking rank is gone: its deadline covers it
+            log.debug("refusal to %s failed: %s", ask.agent, error)
+
+    def resend_grants(self, now: float) -> None:
         """Granted routes that heard nothing for a while send their grant again: a grant lost on
         a connection that failed while idle gets through, and a failed one shows."""
-        for state in list(self._recv.values()):
+        for state in list(self.handles.receiving.values()):
             if (
                 state.granted
                 and not state.done
@@ -215,7 +322,7 @@ class GrantExchange(HandleLifecycle):
                     state, offset, max(1, int((state.op.deadline - now) * 1000)), again=True
                 )
 
-    def _on_chunk(self, state: RouteState, fields: list[str]) -> None:
+    def on_chunk(self, state: RouteState, fields: list[str]) -> None:
         i = int(fields[6])
         chunk = state.chunks.pop(i, None)
         if chunk is None:  # a duplicate or a chunk of another chunking: not ours
@@ -248,37 +355,31 @@ class GrantExchange(HandleLifecycle):
                 state.checksum = crc32(area.detach().cpu().numpy().data) & 0xFFFFFFFF
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
-        state.done = True
-        if self._recv.get(state.key) is state:
-            del self._recv[state.key]
-        self._maybe_complete(op)
+        self.handles.route_done(state)
 
-    def _on_fragments_done(self, state: RouteState, fields: list[str]) -> None:
+    def on_fragments_done(self, state: RouteState, fields: list[str]) -> None:
         op = state.op
         if len(fields) > 7:  # a verified route: the sender's sum
             state.sender_checksum = int(fields[7])
-        if op.verify and self.check is None:  # a fill check gathers these bytes: it sums them
+        if op.verify and self.sum_fragments:  # else a fill check gathers these bytes: it sums them
             info = self.transport.peer_info_of(str(state.agent))
             src_specs = {pid: p.spec for pid, p in info.pools.items()}
             fragments = expand_fragments(
                 state.route, src_specs, self.transport.pools, state.src, state.dst
             )
             state.checksum = fragments_crc32(self.transport.pools, fragments, side="dst")
-        state.done = True
-        if self._recv.get(state.key) is state:
-            del self._recv[state.key]
-        self._maybe_complete(op)
+        self.handles.route_done(state)
 
     # --- sender ------------------------------------------------------------------------------
 
-    def _on_grant(
+    def on_grant(
         self, state: RouteState, agent: str, fields: list[str], received_at: float | None = None
     ) -> None:
         op = state.op
         offset, nbytes, chunk_blocks, ttl_ms = (int(x) for x in fields[6:10])
         received = time.monotonic() if received_at is None else received_at
         if nbytes != state.layout.nbytes:
-            self._fail(
+            self.handles.fail(
                 op,
                 f"plan mismatch: receiver rank {state.receiver_rank} expects "
                 f"{nbytes} bytes of this route, this rank would send "
@@ -287,13 +388,13 @@ class GrantExchange(HandleLifecycle):
             return
         state.grant = (agent, offset, nbytes, chunk_blocks, received + ttl_ms / 1000)
         state.compared = tuple(fields[10:11]) == COMPARES
-        # Before the directory names the receiver's worker, the route waits in _waiting.
+        # Before the directory names the receiver's worker, the route waits in ``waiting``.
         if state.agent == agent and (
             time.monotonic() < op.hold_until
             or self.reloads.stale(agent) is not None  # written once the peer is loaded again
             or not self._write(state)
         ):
-            self._waiting.append(state)
+            self.waiting.append(state)
 
     def _write(self, state: RouteState) -> bool:
         """Gather and post this route's WRITEs; False while local staging has no room."""
@@ -303,7 +404,7 @@ class GrantExchange(HandleLifecycle):
         if state.written:
             return True
         if time.monotonic() > write_by:
-            self._fail(
+            self.handles.fail(
                 op,
                 f"the grant of receiver rank {state.receiver_rank} expired before "
                 "this rank could write",
@@ -333,7 +434,7 @@ class GrantExchange(HandleLifecycle):
                     nbytes,
                 )
             except PeerUnreachable as error:  # nothing left: wait for the peer's reload
-                self._on_unreachable(agent, error, spare=op)
+                self.handles.unreachable(agent, error, spare=op)
                 return False
             state.written = True
             if pending is None:  # no block to move: the notification alone
@@ -391,39 +492,36 @@ class GrantExchange(HandleLifecycle):
                 self.areas.free(area, nbytes)  # nothing left: wait for the peer's reload
                 state.area = None
                 state.written = False
-                self._on_unreachable(agent, error, spare=op)
+                self.handles.unreachable(agent, error, spare=op)
                 return False
             state.pending.append(pending)
         if op.verify:
             state.checksum = crc & 0xFFFFFFFF
         return True
 
-    def _poll_writes(self, state: RouteState) -> None:
+    def poll_writes(self, state: RouteState) -> None:
         try:
             if all([self.transport.poll(p) for p in state.pending]):
                 state.pending.clear()
                 self._route_sent(state)
         except PeerUnreachable as error:
-            self._on_unreachable(str(state.agent), error)
+            self.handles.unreachable(str(state.agent), error)
         except TransportError as error:
-            self._fail(state.op, f"transport: {error}")
+            self.handles.fail(state.op, f"transport: {error}")
 
-    def _abort_again(self, agent: str, fields: list[str], reason: str) -> None:
-        """A grant for a route this rank failed (its abort may have been lost with a failed
-        connection): tell the receiver again."""
-        if agent not in self._loaded or self.reloads.stale(agent) is not None:
-            return
-        try:
-            self.transport.send_notif(agent, notice("X", *fields[1:6], reason_field(reason)))
-        except PeerUnreachable as error:
-            self.reloads.mark(agent, error)
-        except TransportError as error:
-            log.debug("abort to %s failed: %s", agent, error)
+    def probe_written(self, agent: str, key: RouteKey, fields: list[str]) -> bool:
+        """A grant from ``agent`` again for a route this rank wrote to it: probe the connection
+        (were its bytes lost with it?). Whether it was such a grant."""
+        written = self._written.get(key)
+        if written is None or written[0] != agent:
+            return False
+        if self.peers.usable(agent):
+            self._probe(agent, fields, written[1])
+        return True
 
     def _probe(self, agent: str, fields: list[str], written_at: float) -> None:
-        """A grant again for a route this rank wrote: were its bytes lost with a connection?"""
-        if agent not in self._loaded or self.reloads.stale(agent) is not None:
-            return
+        """Send ``agent`` a ``P``; abort the route over a new connection when the old one had
+        failed, or was loaded again since ``written_at``."""
         head = fields[1:6]
         # The connection was loaded again since the WRITE: its bytes may have been lost with it.
         lost = self.reloads.reloaded.get(agent, 0.0) > written_at
@@ -448,11 +546,8 @@ class GrantExchange(HandleLifecycle):
         if state.area is not None:
             self.areas.free(state.area, state.layout.nbytes)
             state.area = None
-        state.done = True
-        if self._send.get(state.key) is state:
-            del self._send[state.key]
         if state.agent is not None:
             self._written[state.key] = (state.agent, time.monotonic())
             if len(self._written) > 4096:
                 del self._written[next(iter(self._written))]
-        self._maybe_complete(state.op)
+        self.handles.route_done(state)

@@ -10,12 +10,13 @@ already knows. Wait on a handle (``wait``), poll it (``done``, ``state``), give 
 poll :meth:`~workers.handover.Handover.get_finished` (a :class:`Finished`).
 
 Inside the handover a request is an :class:`Op` with one :class:`RouteState` per route this rank
-takes part in. :class:`HandleLifecycle` is the part of :class:`~workers.handover.Handover` that
-ends them: complete, fail (releasing or quarantining their staging, telling the peer), a lost
-connection, the deadline's reason, and the ``on_finished`` hook. After a failed fragments-mode
-receive whose writer had its grant, the handle's blocks become reusable only after the grant's
-time to live plus ``QUARANTINE_MARGIN_S`` (``reusable_at``): a WRITE already on the wire may
-still land in them.
+takes part in. :class:`Handles` holds them (the pending ops, their routes by key for the
+notifications to find, the resolved handles not yet polled, the counters) and ends them:
+complete, fail (releasing or quarantining their staging, telling the peer), a lost connection,
+a refreshed directory, the deadline's reason, and the ``on_finished`` hook. After a failed
+fragments-mode receive whose writer had its grant, the handle's blocks become reusable only
+after the grant's time to live plus ``QUARANTINE_MARGIN_S`` (``reusable_at``): a WRITE already
+on the wire may still land in them.
 """
 
 from __future__ import annotations
@@ -30,16 +31,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workers.directory import Directory, PlanEntry
+from workers.directory import PlanEntry
 from workers.executors import Route, StagingChunk, StagingLayout
 from workers.handover.notices import RouteKey, notice, reason_field
 from workers.handover.staging import CHUNK_BLOCKS, StagingAreas
-from workers.transport import PeerUnreachable
+from workers.transport import PeerUnreachable, TransportError
 
 if TYPE_CHECKING:
-    from workers.directory import PeerWorker
+    from workers.handover.peers import Peers
     from workers.handover.reloads import PeerReloads
-    from workers.transport.nixl import NixlTransport, _Pending
+    from workers.transport.nixl import NixlTransport, PendingWrite
 
 log = logging.getLogger("kvplane.handover")
 
@@ -157,7 +158,8 @@ class RouteState:
     area: int | None = None  # staging offset (receiver: granted area; sender: local area)
     chunks: dict[int, StagingChunk] = field(default_factory=dict)  # receiver: outstanding
     chunk_blocks: int = CHUNK_BLOCKS
-    pending: list[_Pending] = field(default_factory=list)  # sender: posted WRITEs
+    # sender: posted WRITEs, as NixlTransport.post_write/post_fragments return them
+    pending: list[PendingWrite] = field(default_factory=list)
     grant: tuple[str, int, int, int, float] | None = None  # agent, offset, nbytes, cb, write_by
     granted: bool = False
     heard_at: float = 0.0  # receiver: when it granted or the last chunk arrived
@@ -192,47 +194,98 @@ class Op:
     source: str | None = None  # receiver: the context engine's id of the request (Ask.source)
     dp: tuple[int | None, int | None] = (None, None)  # context and generation DP ranks
 
+    @property
+    def peer_epoch(self) -> str:
+        """The epoch of the peer instance that this request's plan was made with."""
+        entry = self.handle.entry
+        return entry.generation_epoch if self.side == "send" else entry.context_epoch
 
-class HandleLifecycle:
-    """How this rank's handles end; the part of :class:`~workers.handover.Handover` that every
-    other part calls. The state below is set by ``Handover.__init__``."""
 
-    transport: NixlTransport
-    directory: Directory
-    areas: StagingAreas
-    check: Callable[[Handle, Sequence[RouteState]], str | None] | None
-    on_finished: Callable[[Handle], None] | None
-    stats: dict[str, int]
-    _ops: dict[int, Op]
-    _send: dict[RouteKey, RouteState]
-    _recv: dict[RouteKey, RouteState]
-    _loaded: set[str]
-    _finished: deque[Handle]
-    _peers: dict[tuple[str, int], PeerWorker]
-    _aborted: dict[RouteKey, tuple[str, str]]
-    reloads: PeerReloads
+class Handles:
+    """This rank's pending handles, their routes by key, and how they end; the part of
+    :class:`~workers.handover.Handover` that every other part calls."""
 
-    def _maybe_complete(self, op: Op) -> None:
+    def __init__(
+        self,
+        transport: NixlTransport,
+        areas: StagingAreas,
+        peers: Peers,
+        reloads: PeerReloads,
+        *,
+        check: Callable[[Handle, Sequence[RouteState]], str | None] | None = None,
+        on_finished: Callable[[Handle], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.areas = areas
+        self.peers = peers
+        self.reloads = reloads
+        # Progress thread, before a receive resolves: a reason fails it (fill-pattern checks).
+        # It gets the receive's route states, and may set the checksum of a fragments-mode
+        # route of a verified receive (the receiver then does not sum those bytes itself).
+        self.check = check
+        self.on_finished = on_finished
+        self.ops: dict[int, Op] = {}  # pending, by id(op)
+        # The routes of pending handles that still move bytes, by key (a notification finds
+        # its route here): this rank's sends and its receives
+        self.sending: dict[RouteKey, RouteState] = {}
+        self.receiving: dict[RouteKey, RouteState] = {}
+        self.finished: deque[Handle] = deque()  # resolved since the last take_finished()
+        self.stats = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
+        self._aborted: dict[RouteKey, tuple[str, str]] = {}  # sends failed here: to whom, why
+
+    # --- beginning ---------------------------------------------------------------------------
+
+    def open(self, op: Op) -> None:
+        """Count ``op`` as pending: from now on it ends here."""
+        self.ops[id(op)] = op
+
+    def index(self, op: Op) -> bool:
+        """Enter ``op``'s routes in its side's index, so their notifications find them (a
+        staged route of no bytes is done at once); False, entering nothing, when the request is
+        already in flight here."""
+        index = self.sending if op.side == "send" else self.receiving
+        if any(state.key in index for state in op.routes):
+            return False
+        for state in op.routes:
+            if not state.layout.nbytes and state.mode == "staged":
+                state.done = True
+                continue
+            index[state.key] = state
+        return True
+
+    # --- ending ------------------------------------------------------------------------------
+
+    def route_done(self, state: RouteState) -> None:
+        """``state`` moved its bytes: out of the index; its handle resolves if it was the last."""
+        state.done = True
+        index = self.sending if state.op.side == "send" else self.receiving
+        if index.get(state.key) is state:
+            del index[state.key]
+        self.maybe_complete(state.op)
+
+    def maybe_complete(self, op: Op) -> None:
+        """Resolve ``op`` once every route of it is done."""
         if not op.handle.done and all(state.done for state in op.routes):
-            self._complete(op)
+            self.complete(op)
 
-    def _complete(self, op: Op) -> None:
+    def complete(self, op: Op) -> None:
+        """Resolve ``op``: released or arrived, or failed when the check or the sums say so."""
         handle = op.handle
         reason = None
         if self.check is not None and op.side == "receive" and op.routes:
             reason = self.check(handle, op.routes)  # may fill in the routes' checksums
         if reason is None and op.verify and op.side == "receive":
-            reason = _mismatch(op.routes)
+            reason = checksum_mismatch(op.routes)
         if op.verify and op.side == "send":  # every receiver compares: this send decides nothing
             handle.context["compared"] = bool(op.routes) and all(s.compared for s in op.routes)
         handle.bytes = sum(state.layout.nbytes for state in op.routes)
         handle.routes = self._route_results(op)
         if reason is not None:
-            self._ops.pop(id(op), None)
+            self.ops.pop(id(op), None)
             self.stats["failed"] += 1
             self._resolve(handle, FAILED, reason)
             return
-        self._ops.pop(id(op), None)
+        self.ops.pop(id(op), None)
         self.stats["sent" if op.side == "send" else "received"] += 1
         self.stats["bytes"] += handle.bytes
         self._resolve(handle, RELEASED if op.side == "send" else ARRIVED, None)
@@ -249,11 +302,12 @@ class HandleLifecycle:
             for s in op.routes
         ]
 
-    def _fail(self, op: Op, reason: str, notify: bool = True) -> None:
+    def fail(self, op: Op, reason: str, notify: bool = True) -> None:
+        """Fail ``op`` with ``reason``: its staging freed or quarantined, its posted WRITEs
+        released and, ``notify``, each other side told (an ``X`` notification)."""
         if op.handle.done:
             return
         now = time.monotonic()
-        ce, ge = op.handle.entry.epochs()
         if op.side == "receive" and any(
             state.mode == "fragments" and state.granted and not state.done for state in op.routes
         ):
@@ -263,7 +317,7 @@ class HandleLifecycle:
         for state in op.routes:
             if state.done:
                 continue
-            index = self._send if op.side == "send" else self._recv
+            index = self.sending if op.side == "send" else self.receiving
             if index.get(state.key) is state:
                 del index[state.key]
             if state.area is not None:
@@ -287,19 +341,56 @@ class HandleLifecycle:
             while len(self._aborted) > 4096:
                 del self._aborted[next(iter(self._aborted))]
         op.handle.routes = self._route_results(op)
-        self._ops.pop(id(op), None)
+        self.ops.pop(id(op), None)
         self.stats["failed"] += 1
         log.warning("%s %s failed: %s", op.side, op.xid, reason)
         self._resolve(op.handle, FAILED, reason)
 
+    def fail_overdue(self, now: float) -> None:
+        """Fail the handles whose deadline passed, saying what each still waited for."""
+        for op in list(self.ops.values()):
+            if now > op.deadline:
+                self.fail(op, self._deadline_reason(op))
+
+    def peers_changed(self, peer_epochs: Mapping[str, str], retired: set[str]) -> None:
+        """A refreshed directory: fail the handles whose peer instance has another epoch now
+        (``peer_epochs``) or whose peer worker was replaced (its agent in ``retired``)."""
+        for op in list(self.ops.values()):
+            current = peer_epochs.get(op.peer)
+            if current is not None and current != op.peer_epoch:
+                self.fail(op, f"peer_restarted: {op.peer} re-registered (new epoch)")
+                continue
+            for state in op.routes:
+                if state.agent is not None and state.agent in retired and not state.done:
+                    self.fail(
+                        op,
+                        f"peer_restarted: the worker of {op.peer} rank "
+                        f"{state.peer_rank} was replaced",
+                    )
+                    break
+
+    def drop(self, handle: Handle, reason: str) -> None:
+        """Fail a handle that no progress thread will run (``send``/``expect`` raced
+        ``close``); nothing else is told."""
+        handle._resolve(FAILED, reason)
+
+    def take_finished(self) -> Finished:
+        """Request ids whose handles resolved since the last call."""
+        sent, received, failed = set(), set(), {}
+        while self.finished:
+            handle = self.finished.popleft()
+            if handle.state == FAILED:
+                failed[handle.request_id] = str(handle.reason)
+            elif handle.side == "send":
+                sent.add(handle.request_id)
+            else:
+                received.add(handle.request_id)
+        return Finished(frozenset(sent), frozenset(received), failed)
+
     def _abort_notice(self, op: Op, state: RouteState, reason: str) -> None:
         """Tell the other side of ``state`` that ``op`` failed here (best effort; never over a
         connection that failed: the other side's own deadline covers it)."""
-        if (
-            state.agent is None
-            or state.agent not in self._loaded
-            or self.reloads.stale(state.agent) is not None
-        ):
+        if state.agent is None or not self.peers.usable(state.agent):
             return
         ce, ge = op.handle.entry.epochs()
         try:
@@ -321,11 +412,27 @@ class HandleLifecycle:
         except Exception as error:  # the peer may be gone: its deadline covers it
             log.debug("abort notification to %s failed: %s", state.agent, error)
 
+    def abort_again(self, agent: str, key: RouteKey, fields: list[str]) -> bool:
+        """A grant from ``agent`` for a route this rank's send failed (its abort may have been
+        lost with a failed connection): tell the receiver again. Whether it was such a grant."""
+        aborted = self._aborted.get(key)
+        if aborted is None or aborted[0] != agent:
+            return False
+        if not self.peers.usable(agent):
+            return True
+        try:
+            self.transport.send_notif(agent, notice("X", *fields[1:6], reason_field(aborted[1])))
+        except PeerUnreachable as error:
+            self.reloads.mark(agent, error)
+        except TransportError as error:
+            log.debug("abort to %s failed: %s", agent, error)
+        return True
+
     def _resolve(self, handle: Handle, state: str, reason: str | None) -> None:
         if handle._resolve(state, reason):
-            self._finished.append(handle)
-            if len(self._finished) > 100_000:  # nobody polls get_finished: stay bounded
-                self._finished.popleft()
+            self.finished.append(handle)
+            if len(self.finished) > 100_000:  # nobody polls get_finished: stay bounded
+                self.finished.popleft()
             if self.on_finished is not None:
                 try:
                     self.on_finished(handle)
@@ -336,7 +443,7 @@ class HandleLifecycle:
         waiting = [s for s in op.routes if not s.done]
         parts = []
         for s in waiting[:3]:
-            peer = self._peers.get((op.peer, s.peer_rank))
+            peer = self.peers.get(op.peer, s.peer_rank)
             agent = s.agent or (peer.agent if peer is not None else None)
             unreachable = self.reloads.why(agent) if agent is not None else None
             if unreachable is not None:
@@ -357,7 +464,7 @@ class HandleLifecycle:
                 )
         return f"deadline: {op.handle.timeout_s:g} s passed; " + "; ".join(parts)
 
-    def _on_unreachable(
+    def unreachable(
         self, agent: str, error: Exception, reload: bool = True, spare: Op | None = None
     ) -> None:
         """The connection to ``agent`` failed: every handle using it fails (``peer_unreachable``)
@@ -365,7 +472,7 @@ class HandleLifecycle:
         (:mod:`workers.handover.reloads`), never here: while the network is cut that load
         blocks for seconds, and a WRITE still posted to it must be released first."""
         victims: list[tuple[Op, str]] = []
-        for op in list(self._ops.values()):
+        for op in list(self.ops.values()):
             if op is spare:  # nothing of it left over that connection: it waits for the reload
                 continue
             # Lost with the connection: a sender's posted or completed WRITEs. What else goes
@@ -381,7 +488,7 @@ class HandleLifecycle:
                     f"peer_unreachable: the connection to {op.peer} rank {lost.peer_rank} "
                     f"failed: {error}"
                 )
-                self._fail(op, reason, notify=False)
+                self.fail(op, reason, notify=False)
                 victims.append((op, reason))
         if reload:
             self.reloads.mark(agent, error)
@@ -391,7 +498,7 @@ class HandleLifecycle:
                     self._abort_notice(op, state, reason)
 
 
-def _mismatch(routes: list[RouteState]) -> str | None:
+def checksum_mismatch(routes: list[RouteState]) -> str | None:
     """A verified receive's failure reason when a route's bytes do not sum to what its sender
     summed (both sides' crc32, compared here before the handle says ``arrived``)."""
     for state in routes:

@@ -555,7 +555,7 @@ class EngineRank:
             paused.set()
             resume.wait(run_timeout_s + 30)
 
-        handover._call(hold)
+        handover.call_soon(hold)
         if not paused.wait(10):
             raise RuntimeError("the handover's progress thread did not pause")
         out: dict[str, Any] = {"issued": {}, "arrived": {}, "error": None}
@@ -669,7 +669,7 @@ class EngineRank:
         """The NIXL agent of the peer instance's ``rank``, loaded into this rank's endpoint."""
         peer = self.worker.directory.peer(self.spec.peer, rank)
         assert peer is not None and self.worker.handover is not None
-        self.worker.handover._load_peer(peer)
+        self.worker.handover.peers.load(peer)
         return peer.agent
 
     def _raw_arrivals(self, out: dict[str, Any], counts: dict[int, int], expected: int) -> bool:
@@ -786,7 +786,7 @@ class EngineRank:
             )
             done.set()
 
-        handover._call(read)
+        handover.call_soon(read)
         if not done.wait(10):
             raise RuntimeError("the handover's progress thread did not answer")
         return out

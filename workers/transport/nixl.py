@@ -58,14 +58,14 @@ from workers.executors import (
     FragmentTable,
     Route,
     StagingChunk,
-    _check_ids,
-    _check_template,
-    _normalize_blocks,
     as_route,
+    check_ids,
+    check_template,
     expand_fragments,
     fragment_indices,
     fragment_tables,
     gather,
+    normalize_blocks,
     scatter,
     staging_layout,
 )
@@ -177,7 +177,7 @@ class PeerInfo:
 
 
 @dataclass
-class _Pending:
+class PendingWrite:
     handle: Any
     what: str
     nbytes: int = 0
@@ -438,7 +438,7 @@ class NixlTransport:
 
     def _post(
         self, peer: PeerInfo, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
-    ) -> _Pending:
+    ) -> PendingWrite:
         def make(info: PeerInfo) -> Any:
             ld = self._agent.get_xfer_descs(local, self.mem_type)
             rd = self._agent.get_xfer_descs(remote, info.mem_type)
@@ -448,7 +448,7 @@ class NixlTransport:
 
     def _post_with(
         self, peer: PeerInfo, make: Callable[[PeerInfo], Any], nbytes: int, what: str
-    ) -> _Pending:
+    ) -> PendingWrite:
         try:
             return self._post_once(peer, make, nbytes, what)
         except PeerUnreachable:
@@ -464,7 +464,7 @@ class NixlTransport:
 
     def _post_once(
         self, peer: PeerInfo, make: Callable[[PeerInfo], Any], nbytes: int, what: str
-    ) -> _Pending:
+    ) -> PendingWrite:
         h = None
         try:
             h = make(peer)
@@ -480,7 +480,7 @@ class NixlTransport:
                 h.release()
             raise TransportError(f"{what}: NIXL WRITE to {peer.agent!r} failed on post")
         self._outstanding[peer.agent] = self._outstanding.get(peer.agent, 0) + 1
-        return _Pending(h, what, nbytes, agent=peer.agent)
+        return PendingWrite(h, what, nbytes, agent=peer.agent)
 
     def _prepared(self, peer: PeerInfo | None, key: str, table: FragmentTable) -> Any:
         """The NIXL prepared descriptor list of ``table`` on this worker (``peer`` None) or on
@@ -515,7 +515,7 @@ class NixlTransport:
                 with contextlib.suppress(Exception):
                     handle.release()
 
-    def _poll(self, p: _Pending) -> bool:
+    def _poll(self, p: PendingWrite) -> bool:
         if p.done:
             return True
         try:
@@ -531,7 +531,7 @@ class NixlTransport:
             return True
         return False
 
-    def _release(self, p: _Pending) -> None:
+    def _release(self, p: PendingWrite) -> None:
         if not p.done:
             p.done = True
             if self._outstanding.get(p.agent, 0) > 1:
@@ -542,7 +542,7 @@ class NixlTransport:
             with contextlib.suppress(Exception):
                 p.handle.release()
 
-    def _wait(self, pending: list[_Pending], deadline: float) -> None:
+    def _wait(self, pending: list[PendingWrite], deadline: float) -> None:
         t_spin = time.monotonic() + _SPIN_S
         try:
             while True:
@@ -574,7 +574,7 @@ class NixlTransport:
 
     def post_write(
         self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes, what: str
-    ) -> _Pending:
+    ) -> PendingWrite:
         """Post one WRITE (descriptor arrays ``[addr, len, dev]``) with a notification."""
         return self._post(self._peer(peer), local, remote, notif, what)
 
@@ -587,7 +587,7 @@ class NixlTransport:
         notif: bytes,
         what: str,
         nbytes: int | None = None,
-    ) -> _Pending | None:
+    ) -> PendingWrite | None:
         """Post one WRITE of every fragment of these (aligned) block lists, pool to pool, with
         ``notif``; None when there is no fragment (nothing posted). ``nbytes``: the bytes they
         hold, when the caller knows them already (else computed).
@@ -633,11 +633,11 @@ class NixlTransport:
             nbytes = staging_layout(route, src_blocks).nbytes
         return self._post_with(info, make, nbytes, what)
 
-    def poll(self, pending: _Pending) -> bool:
+    def poll(self, pending: PendingWrite) -> bool:
         """Whether ``pending`` completed; raises :class:`TransportError` on NIXL's error."""
         return self._poll(pending)
 
-    def release(self, pending: _Pending) -> None:
+    def release(self, pending: PendingWrite) -> None:
         """Release a posted WRITE's handle (idempotent)."""
         self._release(pending)
 
@@ -762,7 +762,7 @@ class NixlTransport:
             )
         chunks = [c for c in layout.chunks(chunk_blocks) if c.nbytes]
         deadline = time.monotonic() + timeout_s
-        pending: list[_Pending] = []
+        pending: list[PendingWrite] = []
         try:
             for i, ch in enumerate(chunks):
                 if self.cancel.is_set():  # a withdrawn job must not write another byte
@@ -809,7 +809,7 @@ class NixlTransport:
         ``chunk_blocks`` must match the sender's. Returns bytes scattered.
         """
         route = as_route(route)
-        ids = _normalize_blocks(route, dst_blocks, "dst_blocks")
+        ids = normalize_blocks(route, dst_blocks, "dst_blocks")
         layout = staging_layout(route, ids)
         chunks: list[StagingChunk] = [c for c in layout.chunks(chunk_blocks) if c.nbytes]
         # Validate everything before the first byte lands (a bad plan fails fast, not mid-way).
@@ -817,8 +817,8 @@ class NixlTransport:
             pool = self.pools.get(seg.dst_pool)
             if pool is None:
                 raise BlockRangeError(f"destination pool {seg.dst_pool} is not on this rank")
-            _check_template(seg, None, pool)
-            _check_ids(ids[seg.layer_group], pool, seg.layer_group, "destination", unique=True)
+            check_template(seg, None, pool)
+            check_ids(ids[seg.layer_group], pool, seg.layer_group, "destination", unique=True)
         deadline = time.monotonic() + timeout_s
         tags = {self._chunk_tag(tag, i, len(chunks)): ch for i, ch in enumerate(chunks)}
         while tags:
@@ -842,19 +842,19 @@ class NixlTransport:
         """One WRITE whose descriptors are the route's fragments, pool to pool; returns bytes."""
         info = self._peer(peer)
         route = as_route(route)
-        bs = _normalize_blocks(route, src_blocks, "src_blocks")
-        bd = _normalize_blocks(route, dst_blocks, "dst_blocks")
+        bs = normalize_blocks(route, src_blocks, "src_blocks")
+        bd = normalize_blocks(route, dst_blocks, "dst_blocks")
         for seg in route.segments:
             sp = self.pools.get(seg.src_pool)
             dp = info.pools.get(seg.dst_pool)
             if sp is None or dp is None:
                 raise BlockRangeError(f"segment {seg.src_pool}->{seg.dst_pool}: unknown pool")
-            _check_template(seg, sp, dp)  # type: ignore[arg-type]
+            check_template(seg, sp, dp)  # type: ignore[arg-type]
             g = seg.layer_group
             if bs[g].shape[0] != bd[g].shape[0]:  # pairs (a ratio's small side is [n, r])
                 raise BlockRangeError(f"layer group {g}: block lists differ in length")
-            _check_ids(bs[g], sp, g, "source", unique=False)
-            _check_ids(bd[g], dp, g, "destination", unique=True)  # type: ignore[arg-type]
+            check_ids(bs[g], sp, g, "source", unique=False)
+            check_ids(bd[g], dp, g, "destination", unique=True)  # type: ignore[arg-type]
         p = self.post_fragments(peer, route, bs, bd, tag, "fragments")
         if p is None:
             return 0

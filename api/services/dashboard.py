@@ -1,11 +1,13 @@
-"""Read-only dashboard queries the services do not offer (counts, matrices, pages of transfers).
+"""The dashboard's read-only queries: fleet counts, the compatibility matrix, pages of
+transfers and the charts' time series.
 
 Every query is paginated or aggregated in SQL and filters on indexed columns (``status``,
 ``role``, ``pairing_id``, the pairings' instance ids), so a fleet of hundreds of instances and
 tens of thousands of transfers renders in one round trip per table.
 
 Workers and transfer parts themselves are read through ``api.services.workers`` and
-``api.services.execution``; only counts live here.
+``api.services.execution``; only counts live here. The pages are drawn by ``web``
+(``api.routers.dashboard`` hands it what these return).
 """
 
 from __future__ import annotations
