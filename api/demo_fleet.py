@@ -1,8 +1,8 @@
 """Demo fleet and registration-body builders (used by ``kvplane serve --demo-fleet``, tests, bench).
 
-Bodies follow the DESIGN's contract: one pool per rank holding a target K/V view and, optionally,
-a draft K/V view with its own (smaller) head count, both HND, bfloat16. They are thin defaults
-over :mod:`geometry.builders`, which lays out the bytes.
+Each rank has one pool holding a target K/V view and, optionally, a draft K/V view with its own
+(smaller) head count, both HND, bfloat16. The bodies are thin defaults over
+:mod:`geometry.builders`, which lays out the bytes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ p50 from one pass of ``--requests`` requests. This runs that burst ``--rounds`` 
 fleet of the same shape (``workers/testing/engine.py``, fill mode, the three paths taking turns
 within each round so that a drift in the machine's speed touches them alike) and prints every
 round's p50s and ratios to raw, their median, and the p50 over all rounds' requests per path.
-Issue 28's goal for the burst: engine path unchecked ≤ 3 × raw, every byte checked ≤ 10 × raw.
+The burst's goal: engine path unchecked ≤ 3 × raw, every byte checked ≤ 10 × raw.
 """
 
 from __future__ import annotations

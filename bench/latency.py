@@ -5,7 +5,7 @@
 One control plane (``kvplane serve``, SQLite) and six rank processes (``workers/testing/engine.py``:
 TP4 context with an 8-head target and a 2-head draft view → TP2 generation, each rank a fake
 engine embedding a Worker). For 1, 4, 16 and 64 blocks per request and 1, 4 and 16 requests in
-flight (closed loop), three paths between the same six processes:
+flight (closed loop), these paths between the same six processes:
 
 - **raw**: the same routes' byte counts as plain NIXL WRITEs, staging → staging, one notification
   per route, in a tight loop (the handover's progress thread paused meanwhile). A sender keeps
@@ -58,7 +58,8 @@ and for the engine and REST paths until the records the run queued are posted an
 rank's recorder flushed at once, rather than a fixed wait whose idle polling of six ranks was
 charged to the engine path alone). Cells at 4 blocks run a few hundred requests, so that the
 CPU clock's 10 ms ticks do not decide the per-request figure. Prints a markdown table, the CPU
-and the load average before and after, and whether the goals of issues 11 and 29 are met.
+and the load average before and after, and whether the latency goals (:func:`goals`) and the
+per-request CPU goals (:func:`cpu_goals`) are met.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ from workers.testing.engine import (  # noqa: E402
 
 BLOCKS = (1, 4, 16, 64)
 IN_FLIGHT = (1, 4, 16)
-REST_EXTRA = (4, 8)  # (blocks, in flight): the issue's REST goal
+REST_EXTRA = (4, 8)  # (blocks, in flight): the cell of the REST goals (p50, transfers/s, CPU)
 REST_GOAL_REQUESTS = 160
 REST_RETRIES = 5
 START_DELAY_S = 0.3  # raw and engine runs: the ranks start together this long after the call
@@ -566,13 +567,13 @@ def print_report(
             f"{net}{ratio} | {tput} | {cpu['ranks']:.1f} / {cpu['server']:.1f} |"
         )
     print()
-    print("Goals (issue 11):")
+    print("Goals:")
     for goal, met in goals(rows):
         print(f"- {goal}: {'met' if met else 'NOT met'}")
     cpu = cpu_goals(rows)
     if cpu:
         print()
-        print("CPU goals (issue 29; CPU ms/request as in the table):")
+        print("CPU goals (CPU ms/request as in the table):")
         for goal, met in cpu:
             print(f"- {goal}: {'met' if met else 'NOT met'}")
     ahead = [r for r in rows if r["path"] == AHEAD and (r["blocks"], r["in_flight"]) in raw]
@@ -683,7 +684,7 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
 
 
 def cpu_goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
-    """The per-request CPU goals (issue 29): the engine ranks' CPU per request ≤ 1.5 × raw's at
+    """The per-request CPU goals: the engine ranks' CPU per request ≤ 1.5 × raw's at
     4 blocks and 4 and 16 in flight; REST at 4 blocks and 8 in flight ≥ 100 transfers/s and
     ≤ 3 ms of control-plane CPU per transfer (its p50 goal, ≤ 30 ms, is in :func:`goals`)."""
     at = {(r["path"], r["blocks"], r["in_flight"]): r for r in rows}

@@ -1,5 +1,5 @@
-"""Reload drill (issue #28): a peer reloaded after a remote disconnect, in a loop, at the
-NixlTransport level, to see whether NIXL/UCX crashes.
+"""Reload drill: a peer reloaded after a remote disconnect, in a loop, at the NixlTransport
+level, to see whether NIXL/UCX crashes.
 
 The sequence a generation rank once met before it segfaulted in ``libuct``: the first transfer
 after a partition healed failed with ``NIXL_ERR_REMOTE_DISCONNECT``; the peer was reloaded

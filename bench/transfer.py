@@ -1,10 +1,10 @@
 """Data-mover benchmark: template executors and NIXL transports vs plain copies.
 
-Geometry (DESIGN.md "Transfer templates"): context TP4 → generation TP2, 80 layers, K+V,
-head_dim 128, bf16, 32 tokens per block, 256 blocks. Route sender rank 0 → receiver rank 0: the
-sender holds 2 heads, the receiver 4, the sender fills receiver heads [0, 2). HND: 160 runs of
-16 KiB per block; NHD: 160 runs × 32 tokens of 512 bytes; HND>NHD (conversion, ``--layouts
-HND>NHD``): 320 runs (one per layer, buffer and head) × 32 tokens of 256 bytes.
+Geometry: context TP4 → generation TP2, 80 layers, K+V, head_dim 128, bf16, 32 tokens per block,
+256 blocks. Route sender rank 0 → receiver rank 0: the sender holds 2 heads, the receiver 4, the
+sender fills receiver heads [0, 2). HND: 160 runs (one per layer and buffer) of 16 KiB per block;
+NHD: 160 runs × 32 tokens of 512 bytes; HND>NHD (conversion, ``--layouts HND>NHD``): 320 runs
+(one per layer, buffer and head) × 32 tokens of 256 bytes.
 
 Local rows compare an executor with a plain ``copy_`` of the same number of bytes between two
 touched contiguous buffers. NIXL rows run two processes (sender, receiver) and time from the

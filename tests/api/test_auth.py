@@ -241,7 +241,8 @@ def test_engines_plan_and_poll_their_own_transfers(
 ) -> None:
     register_fleet(api, tokens)
     planned = {**TRANSFER, "execute": False}
-    # the generation engine posts the transfer and long-polls it (DESIGN: "one transfer")
+    # the generation engine posts the request's transfer and long-polls it; the context engine
+    # only reads it
     created = api.post("/v1/transfers", json=planned, headers=bearer(tokens["gen"]))
     assert created.status_code == 201, created.text
     path = f"/v1/transfers/{created.json()['id']}"
@@ -473,7 +474,7 @@ def test_session_from_another_process_key_is_refused(
 
 
 def test_idempotency_keys_are_scoped_to_the_caller(api: TestClient, tokens: dict[str, str]) -> None:
-    """Issue 13 item 8: another principal's key neither collides nor reveals a transfer id."""
+    """Another principal's ``Idempotency-Key`` neither collides nor reveals a transfer id."""
     register_fleet(api, tokens)
     key = {"Idempotency-Key": "req-1"}
     planned = {**TRANSFER, "execute": False}
@@ -505,7 +506,8 @@ def test_idempotency_keys_are_scoped_to_the_caller(api: TestClient, tokens: dict
     "content", [b"{", b"\xff\xfe", b"[" * 1000 + b"]" * 1000], ids=["truncated", "utf8", "deep"]
 )
 def test_authentication_comes_before_parsing_the_body(api: TestClient, content: bytes) -> None:
-    """Issue 13 item 10: an anonymous malformed body got 400 before 401."""
+    """An anonymous malformed body is 401, not 400: the server authenticates before it reads a
+    body, so an anonymous caller gets nothing parsed."""
     for method, path in (
         ("PUT", "/v1/instances/ctx"),
         ("POST", "/v1/transfers"),
@@ -528,7 +530,8 @@ def test_authentication_comes_before_parsing_the_body(api: TestClient, content: 
 def test_a_rank_bound_worker_token_acts_only_for_its_rank(
     api: TestClient, db_url: str, tokens: dict[str, str]
 ) -> None:
-    """Issue 13 item 11: ``worker-ctx`` registered a worker for any rank of ctx."""
+    """A worker token bound to rank 0 of ``ctx`` acts for rank 0 only (it still reads the
+    instance, as any worker of it does): a leaked rank token cannot act for the other ranks."""
     bodies = register_fleet(api, tokens)
     rank0 = bearer(make_token(db_url, "worker", "ctx", rank=0)[1])
     rank1 = bearer(make_token(db_url, "worker", "ctx", rank=1)[1])

@@ -219,7 +219,7 @@ def test_unknown_route_is_problem(client: TestClient) -> None:
 def test_undecodable_bodies_are_malformed_json_with_a_detail(
     client: TestClient, content: bytes, says: str
 ) -> None:
-    """Issue 13 item 10: these were ``400 http_error`` without a detail."""
+    """Undecodable bodies are ``400 malformed_json`` with a detail that says what is wrong."""
     for method, path in (("PUT", "/v1/instances/ctx-a"), ("POST", "/v1/transfers")):
         response = client.request(
             method, path, content=content, headers={"content-type": "application/json"}
@@ -231,7 +231,7 @@ def test_undecodable_bodies_are_malformed_json_with_a_detail(
 
 
 def test_405_lists_every_method_of_the_path(client: TestClient) -> None:
-    """Issue 13 item 10: the Allow header named one method where several exist."""
+    """A 405's ``Allow`` header names every method of the path, not just one."""
     response = client.post("/v1/instances/ctx-a")
     problem = _assert_problem(response, 405)
     assert problem["code"] == "method_not_allowed"

@@ -1,6 +1,6 @@
 """Dashboard forms: CSRF token and Origin checked before anything else, auth on and off; logout
-revokes the session on the server (issue 13, items 2 and 9). The browser replay of the attacks
-is in ``tests/e2e/test_dashboard_csrf.py``."""
+revokes the session on the server, so a copied cookie stops working. The browser replay of the
+attacks is in ``tests/e2e/test_dashboard_csrf.py``."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_the_csrf_check_comes_before_the_session(
 def test_logout_revokes_the_session_on_the_server(
     make_app: Callable[..., FastAPI], db_url: str
 ) -> None:
-    """Issue 13 item 9: a copied cookie kept working after logout until its 8 h expiry."""
+    """After logout a copied session cookie is refused at once, not kept until its 8 h expiry."""
     _, secret = make_token(db_url, "operator")
     with TestClient(make_app(auth=True)) as client:
         assert form_post(client, "/ui/login", {"token": secret}).status_code == 303

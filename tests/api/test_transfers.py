@@ -195,7 +195,7 @@ def _rows(page: dict) -> list[tuple[int, int, list[int]]]:
 
 
 def test_fragments_page_through_the_whole_transfer(client: TestClient) -> None:
-    """Issue 13 item 3: ``?offset=&limit=`` pages, in the order of the full list."""
+    """``?offset=&limit=`` pages through the fragments in the order of the full list."""
     _setup(client)
     transfer = client.post("/v1/transfers", json=_transfer(blocks=4)).json()
     path = f"/v1/transfers/{transfer['id']}/fragments"
@@ -218,7 +218,8 @@ def test_fragments_page_through_the_whole_transfer(client: TestClient) -> None:
 
 
 def test_fragments_above_the_page_limit_are_a_4xx_naming_it(make_app: Any) -> None:
-    """Issue 13 item 3: the whole list of a big transfer is refused, never built."""
+    """The whole fragment list of a big transfer is refused, never built: its memory would be
+    unbounded."""
     with TestClient(make_app(max_fragments_per_page=10)) as client:
         _setup(client)
         transfer = client.post("/v1/transfers", json=_transfer(blocks=4)).json()

@@ -155,7 +155,7 @@ def test_serve_insecure_warns_at_every_start(
 
 
 def test_a_worker_token_bound_to_a_rank(db_url: str) -> None:
-    """Issue 13 item 11: ``--rank`` binds a worker token to one rank of its instance."""
+    """``--rank`` binds a worker token to one rank of its instance."""
     created = invoke(
         db_url,
         "tokens",

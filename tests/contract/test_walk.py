@@ -578,7 +578,8 @@ def test_every_operation_answered_2xx(walked: Walk) -> None:
 
 
 def test_the_plan_and_transfer_fields_arrived_declared(walked: Walk) -> None:
-    """The fields issue 16 found untyped are sent, and now declared (the walk above checks)."""
+    """The plan's and the transfer's fields that the spec once left untyped are sent and declared
+    (the walk above checks every key against the spec)."""
     plans = [x.body for x in walked.exchanges if x.path.endswith("/plan") and x.status == 200]
     plan = plans[0]
     assert {

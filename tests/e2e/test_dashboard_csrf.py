@@ -1,4 +1,4 @@
-"""The probe's two CSRF attacks on the dashboard, replayed in Chromium (issue 13, item 2).
+"""Two CSRF attacks on the dashboard that a security probe found, replayed in Chromium.
 
 An attacker page on another loopback port makes the victim's browser post the deregister form:
 

@@ -1,8 +1,9 @@
 """A test-side byte-provenance oracle for the planning core.
 
 Independent of ``geometry``'s math: the head geometry, the byte layout of every buffer and
-the block alignment are recomputed here from the DESIGN formulas, and the plan is judged only by
-what its expanded fragments do to memory.
+the block alignment are recomputed here from the formulas docs/planning.md states (and the
+planning core's module docstrings spell out), and the plan is judged only by what its expanded
+fragments do to memory.
 
 Every byte of every view buffer of every rank gets an int64 *label* saying what it holds::
 
@@ -127,7 +128,8 @@ def decode(label: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# head geometry, straight from DESIGN "Head geometry"
+# head geometry: shards = min(G, H), replicas = G / shards, shard = g // replicas, h = H / shards,
+# heads [shard·h, (shard+1)·h)
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ def is_state(instance: Instance, table: RankTable, view: View) -> bool:
 
 
 def state_axis(instance: Instance, rank: int) -> tuple[int, int]:
-    """``(G_s, g_s)`` straight from DESIGN "Recurrent state"."""
+    """``(G_s, g_s)``, the state axis: ``(1, 0)`` under attention-DP, else
+    ``(tp × cp, tp_rank × cp + cp_rank)``."""
     if instance.attention_dp:
         return 1, 0
     _, tp_rank, cp_rank = coords(instance, rank)
@@ -319,7 +322,7 @@ def _expand_indices(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _logical_pairs(ids: Sequence[Any], total: int, cp: int) -> list[tuple[int, int]]:
-    """``(slot, logical block)`` of one side, straight from DESIGN "Transfer templates".
+    """``(slot, logical block)`` of one side, logical blocks counted from the request's start.
 
     A flat list is a suffix of the request's blocks ``0 … total−1``; a list of lists holds one
     block table per CP rank ``c``: a suffix of that rank's blocks ``j ≡ c (mod cp)``, logical

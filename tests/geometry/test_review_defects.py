@@ -1,7 +1,8 @@
-"""Defects found in review (issue 12, part A) and the deviations from DESIGN.md fixed with them.
+"""Defects found in a review of the planning core, one test each.
 
 Each test here failed on the code before the fix: most of them by moving wrong bytes (the oracle
-says which), the others by crashing or by accepting what DESIGN.md refuses.
+says which), the others by crashing, by one error hiding another, or by accepting what the
+registration and pairing rules refuse (docs/integrators.md, docs/planning.md).
 """
 
 from __future__ import annotations

@@ -284,9 +284,9 @@ def test_an_engine_transfer_is_described_by_its_first_record_with_blocks(db: Dat
 
 
 def test_reaping_overdue_transfers_is_bounded_per_call(db: Database) -> None:
-    """Issue 13 item 1, on what replaced the claim: a rank whose worker vanished leaves many
-    dispatched transfers behind; one request fails a bounded batch of them, never all at once,
-    and the next calls take the rest."""
+    """A rank whose worker vanished leaves many dispatched transfers behind; one request fails a
+    bounded batch of them, never all at once, so no request does unbounded work, and the next
+    calls take the rest."""
     setup_fleet(db, ctx_tp=1, gen_tp=1)
     ids = [submit(db, f"r{i}", timeout_s=1.0) for i in range(7)]
     later = utcnow() + timedelta(seconds=1.0 + execution.RECORD_GRACE_S + 1)

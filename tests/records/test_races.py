@@ -153,7 +153,7 @@ def test_a_retry_after_a_re_registration_is_refused(db: Database) -> None:
 
 
 def test_a_pairing_validated_during_a_re_registration_is_never_left_current(db: Database) -> None:
-    """Issue 13 item 4: ``PUT /v1/instances/ctx`` (held open) racing ``POST /v1/pairings``.
+    """``PUT /v1/instances/ctx`` (held open) racing ``POST /v1/pairings``.
 
     The pairing must end either stale or validated against the new epoch; before the fix it was
     stored ``compatible`` with the old epoch on PostgreSQL (it read the instance, then waited on

@@ -1,4 +1,4 @@
-"""The reload drill of issue #28 (bench/reload_drill.py) in the handover's order: a peer whose
+"""The reload drill (bench/reload_drill.py) in the handover's order: a peer whose
 connection failed while WRITEs to it were queued is reloaded only after every WRITE was released
 and every notification read. Real NIXL over loopback TCP, rank a in a child process whose crash
 (an exit by signal) the drill counts; after each iteration a fresh peer checks every byte rank a

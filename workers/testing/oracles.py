@@ -1,9 +1,11 @@
 """Helpers for tests and benchmarks: hand-built head-slice templates and naive oracles.
 
 The naive oracles walk every fragment in Python; they are slow by design and exist only to check
-the executors byte for byte. The template builders follow DESIGN.md ("Transfer templates"): a slot
-holds ``layers × buffers`` buffers (K then V per layer), each ``heads × tokens × head_dim``
-elements, in HND (head-major) or NHD (token-major) order.
+the executors byte for byte. The template builders build the planner's templates by hand for one
+slot layout: a slot holds ``layers × buffers`` buffers (K then V per layer), each
+``heads × tokens × head_dim`` elements, in HND (head-major) or NHD (token-major) order. HND gives
+one run per layer and buffer, NHD one run per layer and buffer repeated per token, a conversion
+one run per layer, buffer and head repeated per token, as in docs/planning.md ("Templates").
 """
 
 from __future__ import annotations
