@@ -20,6 +20,7 @@ from api.limits import BodyLimitMiddleware, DirectoryThrottle, EncodedSlashMiddl
 from api.logs import RequestIdMiddleware
 from api.metrics import Metrics, TimingMiddleware
 from api.migrate import head_revisions, upgrade
+from api.records import RecordWriter
 from api.routers import dashboard, docs, execution, health, instances, pairings, transfers
 from api.services import stats
 from api.settings import Settings
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
+            app.state.records.close()
             if own_relay and hub.relay is not None:
                 hub.relay.close()
                 hub.relay = None
@@ -121,6 +123,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.clock = utcnow
     app.state.hub = hub
     app.state.completions = completions
+    app.state.records = RecordWriter(
+        lambda: app.state.db,
+        lambda: app.state.clock(),
+        completions,
+        metrics,
+        lambda: hub.relay,
+    )
     app.state.migration_heads = head_revisions()
 
     install_error_handlers(app)
@@ -144,6 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(transfers.router, dependencies=guard)
     app.include_router(execution.workers_router, dependencies=guard)
     app.include_router(execution.records_router, dependencies=guard)
+    app.include_router(execution.stream_router)  # checks its caller itself
     auth.install(app)
     openapi.document(app)
     docs.install(app)

@@ -20,6 +20,7 @@ Depends on httpx only (no FastAPI, no SQLAlchemy): workers import it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -94,15 +95,17 @@ def _error_for(response: httpx.Response) -> ApiError:
     errors = body.get("errors") if isinstance(body.get("errors"), list) else None
     if status == 409 and code == "lease_lost":
         return LeaseLostError(status, code, detail, errors)
-    kind: type[ApiError] = {
-        400: BadRequestError,
-        404: NotFoundError,
-        409: ConflictError,
-        412: PreconditionFailedError,
-        422: BadRequestError,
-        503: UnavailableError,
-    }.get(status, ApiError)
-    return kind(status, code, detail, errors)
+    return _ERROR_TYPES.get(status, ApiError)(status, code, detail, errors)
+
+
+_ERROR_TYPES: dict[int, type[ApiError]] = {
+    400: BadRequestError,
+    404: NotFoundError,
+    409: ConflictError,
+    412: PreconditionFailedError,
+    422: BadRequestError,
+    503: UnavailableError,
+}
 
 
 def _retry_delay(
@@ -379,19 +382,135 @@ class _Retry:
 _NETWORK_ERRORS = (httpx.TransportError, httpx.TimeoutException)
 
 
-def encode_records(worker_id: str, records: Sequence[Mapping[str, Any]]) -> bytes:
-    """The JSON body ``{"worker_id": ..., "records": [...]}``, one record per ``json.dumps``
-    call; after every ``ENCODE_SLICE`` records the calling thread sleeps a moment so that the
-    process's other threads get the GIL (a bare release is not enough: the releasing thread
-    takes it straight back)."""
+def _encoded_list(records: Sequence[Mapping[str, Any]]) -> str:
+    """``[record, ...]`` as JSON, one record per ``json.dumps`` call; after every
+    ``ENCODE_SLICE`` records the calling thread sleeps a moment so that the process's other
+    threads get the GIL (a bare release is not enough: the releasing thread takes it straight
+    back)."""
     parts = []
     for i, record in enumerate(records, start=1):
         parts.append(json.dumps(record, separators=(",", ":")))
         if i % ENCODE_SLICE == 0 and i < len(records):
             time.sleep(ENCODE_PAUSE_S)
+    return "[" + ",".join(parts) + "]"
+
+
+def encode_records(worker_id: str, records: Sequence[Mapping[str, Any]]) -> bytes:
+    """The JSON body ``{"worker_id": ..., "records": [...]}``, encoded in slices."""
     return (
-        '{"worker_id":' + json.dumps(worker_id) + ',"records":[' + ",".join(parts) + "]}"
+        '{"worker_id":' + json.dumps(worker_id) + ',"records":' + _encoded_list(records) + "}"
     ).encode()
+
+
+class StreamUnsupported(Exception):
+    """The control plane (or the client's transport) has no two-way worker stream: use the
+    command stream and ``POST /v1/transfers/records`` instead."""
+
+
+class WorkerStream:
+    """A worker's two-way stream (``/v1/workers/{id}/stream``, a WebSocket): iterate it for the
+    command lines, call :meth:`record` from another thread to send a batch of records and wait
+    for its answer. Iteration raises :class:`ApiError` when the server closed it with a problem
+    (404, 409, 401, 403) and :class:`TransportError` when the connection dropped."""
+
+    def __init__(self, connection: Any, read_timeout_s: float) -> None:
+        self._connection = connection
+        self._read_timeout_s = read_timeout_s
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._answers: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self.closed = threading.Event()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
+
+        try:
+            while True:
+                try:
+                    data = self._connection.recv(timeout=self._read_timeout_s)
+                except TimeoutError:
+                    raise TransportError(
+                        0, "unreachable", "the worker stream went silent"
+                    ) from None
+                except ConnectionClosedOK as closed:
+                    raise _closed_error(closed) from None
+                except ConnectionClosed as closed:
+                    raise TransportError(
+                        0, "unreachable", f"the worker stream dropped: {closed}"
+                    ) from None
+                for line in (data if isinstance(data, bytes) else data.encode()).splitlines():
+                    if not line.strip():
+                        continue
+                    message = json.loads(line)
+                    if message.get("type") == "recorded":
+                        self._answered(message)
+                    else:
+                        yield message
+        finally:
+            self.close()
+
+    def _answered(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            waiting = self._answers.pop(message.get("seq"), None)  # type: ignore[arg-type]
+        if waiting is not None:
+            waiting[1].append(message)
+            waiting[0].set()
+
+    def record(self, worker_id: str, records: Sequence[Mapping[str, Any]], timeout_s: float) -> Any:
+        """Send one batch of records and wait for its answer (``{"accepted", "settled"}``).
+        Raises :class:`ApiError` for a refused batch and :class:`TransportError` when the
+        stream is closed or the answer does not come within ``timeout_s`` (send it again: a
+        repeated record is ignored)."""
+        if self.closed.is_set():
+            raise TransportError(0, "unreachable", "the worker stream is closed")
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            waiting: tuple[threading.Event, list[dict[str, Any]]] = (threading.Event(), [])
+            self._answers[seq] = waiting
+        message = (
+            '{"type":"records","seq":' + str(seq) + ',"records":' + _encoded_list(records) + "}"
+        )
+        try:
+            self._connection.send(message.encode())
+        except Exception as error:
+            with self._lock:
+                self._answers.pop(seq, None)
+            raise TransportError(0, "unreachable", f"the worker stream dropped: {error}") from error
+        if not waiting[0].wait(timeout_s) or not waiting[1]:
+            with self._lock:
+                self._answers.pop(seq, None)
+            raise TransportError(0, "unreachable", "no answer to a record batch on the stream")
+        answer = waiting[1][0]
+        problem = answer.get("error")
+        if isinstance(problem, dict):
+            status = int(problem.get("status", 500))
+            kind = _ERROR_TYPES.get(status, ApiError)
+            raise kind(status, str(problem.get("code", "error")), str(problem.get("detail", "")))
+        return answer
+
+    def close(self) -> None:
+        self.closed.set()
+        with self._lock:
+            pending, self._answers = self._answers, {}
+        for event, _ in pending.values():  # their callers raise TransportError at once
+            event.set()
+        with contextlib.suppress(Exception):
+            self._connection.close()
+
+
+def _closed_error(closed: Any) -> ApiError:
+    """The problem a server-side close names (code 4000 + status), else a plain end."""
+    rcvd = getattr(closed, "rcvd", None)
+    code = getattr(rcvd, "code", 1000)
+    reason = getattr(rcvd, "reason", "") or ""
+    if 4000 <= code < 5000:
+        status = code - 4000
+        kind = _ERROR_TYPES.get(status, ApiError)
+        return kind(
+            status, reason or "closed", f"the control plane closed the worker stream ({reason})"
+        )
+    return TransportError(0, "unreachable", "the control plane closed the worker stream")
 
 
 class Client(_Calls):
@@ -412,6 +531,8 @@ class Client(_Calls):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._auth_headers = headers
+        self._transport = transport
         self._endpoints = _Endpoints(base_urls(base_url))
         self._http = httpx.Client(
             base_url=self._endpoints.urls[0],
@@ -484,6 +605,40 @@ class Client(_Calls):
         except _NETWORK_ERRORS as error:
             self._endpoints.fail_over(index, error)
             raise TransportError(0, "unreachable", str(error)) from error
+
+    def open_stream(self, worker_id: str, *, read_timeout_s: float = 30.0) -> WorkerStream:
+        """The worker's two-way stream on the URL in use (with several URLs, one that cannot be
+        reached moves the client to the next). Raises :class:`StreamUnsupported` when the
+        server has no such route or this client talks through a transport of its own."""
+        if self._transport is not None:
+            raise StreamUnsupported("a client on a custom transport")
+        try:
+            from websockets.exceptions import InvalidStatus
+            from websockets.sync.client import connect
+        except ImportError as error:  # pragma: no cover - a dependency of the worker extra
+            raise StreamUnsupported("the websockets package is not installed") from error
+        index = self._endpoints.index
+        url = self._endpoints.url(index, f"/v1/workers/{worker_id}/stream")
+        url = "ws" + url[len("http") :] if url.startswith("http") else url
+        try:
+            connection = connect(
+                url,
+                additional_headers=dict(self._auth_headers),
+                open_timeout=DEFAULT_TIMEOUT_S,
+                close_timeout=1.0,
+                compression=None,
+                max_size=None,
+            )
+        except InvalidStatus as error:
+            status = error.response.status_code
+            if status in RETRY_STATUSES:
+                self._endpoints.fail_over(index, f"HTTP {status}")
+                raise TransportError(status, "unavailable", str(error)) from error
+            raise StreamUnsupported(f"the control plane answered {status}") from error
+        except (OSError, TimeoutError, Exception) as error:
+            self._endpoints.fail_over(index, error)
+            raise TransportError(0, "unreachable", str(error)) from error
+        return WorkerStream(connection, read_timeout_s)
 
     def close(self) -> None:
         self._http.close()

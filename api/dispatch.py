@@ -313,26 +313,35 @@ class CommandHub:
 
     # --- pushing -------------------------------------------------------------------------
 
-    def push(self, commands: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    def remote(
+        self, commands: Iterable[tuple[str, dict[str, Any]]]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The commands the relay must carry: those of workers whose stream is not held here,
+        and, with a relay, of those whose stream here dropped moments ago (it may come back
+        here, or reconnect to another API process: both get the command, the worker drops the
+        second)."""
+        return [
+            (worker_id, message)
+            for worker_id, message in commands
+            if not self.holds(worker_id)
+            or (self.relay is not None and not self.connected(worker_id))
+        ]
+
+    def push(
+        self, commands: Iterable[tuple[str, dict[str, Any]]], *, relayed: bool = False
+    ) -> list[str]:
         """Deliver ``(worker_id, command)`` pairs; returns the worker ids whose commands wait
-        here for a stream that is not open (none when a relay publishes them). Raises
-        :class:`RelayError` when the relay could not publish."""
-        local: list[tuple[str, Line]] = []
-        remote: list[tuple[str, dict[str, Any]]] = []
-        for worker_id, message in commands:
-            if self.holds(worker_id):
-                local.append((worker_id, encode(message)))
-                if self.relay is not None and not self.connected(worker_id):
-                    # Its stream dropped moments ago: it may come back here, or it may be
-                    # reconnecting to another API process (this one's peer died, or a load
-                    # balancer moved it). Both get the command; the worker drops the second.
-                    remote.append((worker_id, message))
-            else:
-                remote.append((worker_id, message))
+        here for a stream that is not open (none when a relay publishes them). ``relayed``:
+        the relay's share (:meth:`remote`) was notified already, in the transaction that
+        stored the commands. Raises :class:`RelayError` when the relay could not publish."""
+        commands = list(commands)
+        local = [(w, encode(message)) for w, message in commands if self.holds(w)]
+        remote = self.remote(commands)
         if local and self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, local)
         if remote and self.relay is not None:
-            self.relay.publish(remote)
+            if not relayed:
+                self.relay.publish(remote)
             return []
         if remote and self._loop is not None:
             # A worker attached moments ago may not have opened its stream yet: its commands
@@ -446,6 +455,8 @@ class Completions:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, tuple[asyncio.Event, int]] = {}
+        # What a transfer settled as, when whoever settled it here read it for its waiters
+        self._results: dict[str, Any] = {}
 
     def event(self, transfer_id: str) -> asyncio.Event:
         """The event of ``transfer_id`` (call on the event loop; :meth:`release` after)."""
@@ -461,6 +472,7 @@ class Completions:
             return
         if found[1] <= 1:
             del self._events[transfer_id]
+            self._results.pop(transfer_id, None)
         else:
             self._events[transfer_id] = (found[0], found[1] - 1)
 
@@ -468,16 +480,24 @@ class Completions:
         """The transfer ids somebody waits for here now."""
         return list(self._events)
 
-    def settled(self, transfer_ids: Iterable[str]) -> None:
-        """Wake the waiters of ``transfer_ids`` (thread-safe)."""
+    def result(self, transfer_id: str) -> Any | None:
+        """The transfer as it settled, when its settler read it for this process's waiters
+        (call on the event loop, once its event is set)."""
+        return self._results.get(transfer_id)
+
+    def settled(self, transfer_ids: Iterable[str], results: dict[str, Any] | None = None) -> None:
+        """Wake the waiters of ``transfer_ids`` (thread-safe); ``results``: some of them as
+        they settled, which their waiters answer with instead of reading them again."""
         ids = list(transfer_ids)
         if ids and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._set, ids)
+            self._loop.call_soon_threadsafe(self._set, ids, results or {})
 
-    def _set(self, ids: list[str]) -> None:
+    def _set(self, ids: list[str], results: dict[str, Any]) -> None:
         for transfer_id in ids:
             found = self._events.get(transfer_id)
             if found is not None:
+                if transfer_id in results:
+                    self._results[transfer_id] = results[transfer_id]
                 found[0].set()
 
 
@@ -522,20 +542,33 @@ class PostgresRelay:
 
     def publish(self, messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
         """Publish references to these commands (raises :class:`RelayError` on failure)."""
+        self._notify(self.ref_payloads(messages), required=True)
+
+    def ref_payloads(self, messages: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+        """The notifications that carry references to these commands."""
         refs = [
             [worker_id, m["transfer_id"], int(m["attempt"]), m["side"], int(m["rank"])]
             for worker_id, m in messages
         ]
-        self._notify(
-            [
-                json.dumps(
-                    {"refs": refs[i : i + REFS_PER_NOTIFY], "origin": self.hub.origin},
-                    separators=(",", ":"),
-                )
-                for i in range(0, len(refs), REFS_PER_NOTIFY)
-            ],
-            required=True,
-        )
+        return [
+            json.dumps(
+                {"refs": refs[i : i + REFS_PER_NOTIFY], "origin": self.hub.origin},
+                separators=(",", ":"),
+            )
+            for i in range(0, len(refs), REFS_PER_NOTIFY)
+        ]
+
+    @staticmethod
+    def notify_in(session: Any, payloads: Sequence[str]) -> None:
+        """Send ``payloads`` with the transaction of ``session`` (a SQLAlchemy session on this
+        database): PostgreSQL delivers them when it commits, and never if it rolls back."""
+        from sqlalchemy import text
+
+        for payload in payloads:
+            session.execute(
+                text("SELECT pg_notify(:channel, :payload)"),
+                {"channel": NOTIFY_CHANNEL, "payload": payload},
+            )
 
     def publish_close(self, worker_id: str, message: dict[str, Any]) -> None:
         """Tell the other processes to end ``worker_id``'s stream with ``message``."""
@@ -550,18 +583,17 @@ class PostgresRelay:
 
     def publish_settled(self, transfer_ids: list[str]) -> None:
         """Tell the other processes that these transfers settled (their waiters wake)."""
-        self._notify(
-            [
-                json.dumps(
-                    {
-                        "settled": transfer_ids[i : i + SETTLED_PER_NOTIFY],
-                        "origin": self.hub.origin,
-                    },
-                    separators=(",", ":"),
-                )
-                for i in range(0, len(transfer_ids), SETTLED_PER_NOTIFY)
-            ]
-        )
+        self._notify(self.settled_payloads(transfer_ids))
+
+    def settled_payloads(self, transfer_ids: list[str]) -> list[str]:
+        """The notifications that say these transfers settled."""
+        return [
+            json.dumps(
+                {"settled": transfer_ids[i : i + SETTLED_PER_NOTIFY], "origin": self.hub.origin},
+                separators=(",", ":"),
+            )
+            for i in range(0, len(transfer_ids), SETTLED_PER_NOTIFY)
+        ]
 
     def _notify(self, payloads: list[str], *, required: bool = False) -> None:
         if not payloads:

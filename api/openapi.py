@@ -74,6 +74,15 @@ def move_request_defaults(spec: dict[str, Any]) -> None:
             field["description"] = f"{description} {note}".strip()
 
 
+def add_stream_schemas(spec: dict[str, Any]) -> None:
+    """The models of streamed lines (no route returns them as a body, so FastAPI does not add
+    them): ``TransferCommand``, the ``transfer`` line of a worker's command stream."""
+    from api.schemas_exec import TransferCommand
+
+    schema = TransferCommand.model_json_schema(ref_template=SCHEMA_REF_PREFIX + "{model}")
+    spec.setdefault("components", {}).setdefault("schemas", {})["TransferCommand"] = schema
+
+
 def document(app: FastAPI) -> None:
     """Apply the touches above once, when the spec is first built."""
     build = app.openapi
@@ -83,6 +92,7 @@ def document(app: FastAPI) -> None:
             return app.openapi_schema
         spec = build()
         move_request_defaults(spec)
+        add_stream_schemas(spec)
         return spec
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -237,6 +237,42 @@ class PartList(BaseModel):
     items: list[PartRead]
 
 
+class TransferCommand(BaseModel):
+    """One rank's part of a REST ``execute=true`` transfer: a ``transfer`` line of its worker's
+    stream (``GET /v1/workers/{id}/commands``, ``/v1/workers/{id}/stream``). The control plane
+    builds it; the worker parses it (fields a newer control plane adds are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["transfer"] = "transfer"
+    transfer_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    xid: str = Field(
+        min_length=1, description="The attempt's id on the wire: the handover's request id"
+    )
+    request_id: str = Field(min_length=1)
+    context: str
+    generation: str
+    context_epoch: str
+    generation_epoch: str
+    context_dp_rank: int | None = None
+    generation_dp_rank: int | None = None
+    side: PartKind = Field(description="send (a context rank) or receive (a generation rank)")
+    rank: int = Field(ge=0, lt=MAX_PARALLEL, description="The rank this command is for")
+    blocks: dict[str, dict[str, list[int] | list[list[int]]]] = Field(
+        description="The transfer's block lists by layer group, as POST /v1/transfers took them"
+    )
+    num_tokens: int | None = Field(
+        default=None, ge=1, description="The request's prompt tokens, when the transfer named them"
+    )
+    mode: Literal["auto", "staged", "fragments"] = "staged"
+    verify: bool = False
+    deadline_at: float = Field(description="The attempt's deadline (Unix seconds)")
+    timeout_s: float = Field(
+        description="What was left of the deadline when the line left the control plane"
+    )
+
+
 class TransferRecord(_Request):
     """One rank's finished part of one transfer (engine path or REST-dispatched)."""
 

@@ -43,13 +43,23 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import ValidationError
 
-from api.client import ApiError, BadRequestError, Client, ConflictError, NotFoundError
+from api.client import (
+    ApiError,
+    BadRequestError,
+    Client,
+    ConflictError,
+    NotFoundError,
+    StreamUnsupported,
+    WorkerStream,
+)
+from api.schemas_exec import TransferCommand
 from workers.crc import crc32, crc32_combine
 from workers.directory import Directory, HandoverError
 from workers.executors import (
@@ -168,6 +178,8 @@ class Worker:
         self.directory: Directory = Directory.empty(instance, rank)
         self.worker_id: str | None = None
         self.heartbeat_interval_s = 1.0
+        self._two_way = True  # try the two-way stream until the control plane has none
+        self._stream: WorkerStream | None = None  # open while the command loop reads it
         self.stats = WorkerStats()
         self.recorder: Recorder | None = None
         self._listeners: list[Callable[[Handle], None]] = []
@@ -312,7 +324,7 @@ class Worker:
         if self._threads:
             return
         self.refresh_directory()
-        self.recorder = Recorder(self.client, lambda: self.worker_id)
+        self.recorder = Recorder(self.client, lambda: self.worker_id, stream=lambda: self._stream)
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands")):
             thread = threading.Thread(target=target, daemon=True, name=f"kvplane-{name}")
             thread.start()
@@ -538,9 +550,7 @@ class Worker:
             url = getattr(self.client, "url", None)
             reattached = False  # this worker attached again: its new id's stream, at once
             try:
-                for command in self.client.stream_commands(
-                    worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S
-                ):
+                for command in self._commands(worker_id):
                     failures = 0
                     if self._stop.is_set():
                         break
@@ -565,6 +575,8 @@ class Worker:
                     log.warning("command stream on %s closed (%s); reconnecting", url, error)
             except Exception:  # never lose the stream thread to one bad line
                 log.exception("command stream failed; reconnecting")
+            finally:
+                self._close_stream()
             if reattached:
                 continue
             failures += 1
@@ -575,6 +587,27 @@ class Worker:
             )
             delay = FAILOVER_DELAY_S if moved else OUTAGE_BACKOFF_S
             self._stop.wait(delay if not self._stop.is_set() else 0)
+
+    def _commands(self, worker_id: str) -> Iterator[dict[str, Any]]:
+        """The command lines of the worker's two-way stream (its records go up the same
+        connection, see workers/records.py), or of ``GET .../commands`` where the control plane
+        or the client has no such stream."""
+        open_stream = getattr(self.client, "open_stream", None) if self._two_way else None
+        if open_stream is not None:
+            try:
+                stream = open_stream(worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S)
+            except StreamUnsupported as why:
+                log.info("no two-way stream (%s); records go by POST", why)
+                self._two_way = False
+            else:
+                self._stream = stream
+                return iter(stream)
+        return iter(self.client.stream_commands(worker_id, read_timeout_s=STREAM_READ_TIMEOUT_S))
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
     def _superseded_unless_reattached(self, stale_id: str | None, why: str) -> bool:
         """``stale_id`` was superseded: stop (True), unless this worker attached again since
@@ -598,9 +631,9 @@ class Worker:
         if self.handover is not None:
             self.handover.close("superseded: another worker attached to this rank")
 
-    def _first_time(self, command: Mapping[str, Any]) -> bool:
+    def _first_time(self, command: TransferCommand) -> bool:
         """Whether this command (its ``xid`` and side) is new here; remembers it."""
-        key = (str(command["xid"]), str(command["side"]))
+        key = (command.xid, command.side)
         with self._seen_lock:
             if key in self._seen:
                 self.duplicate_commands += 1
@@ -610,41 +643,48 @@ class Worker:
                 self._seen.popitem(last=False)
         return True
 
-    def run_command(self, command: Mapping[str, Any]) -> Handle | None:
+    def run_command(self, line: Mapping[str, Any] | TransferCommand) -> Handle | None:
         """Start this rank's side of a REST-dispatched transfer (None: refused, or a command
-        this worker already had)."""
+        this worker already had). ``line``: the stream's ``transfer`` line, or its model."""
+        try:
+            command = (
+                line if isinstance(line, TransferCommand) else TransferCommand.model_validate(line)
+            )
+        except ValidationError as error:  # nothing to record it under: it fails at its deadline
+            log.error("dropped a transfer command this worker cannot read: %s", error)
+            return None
         if not self._first_time(command):
-            log.debug("command %s (%s) arrived again; dropped", command["xid"], command["side"])
+            log.debug("command %s (%s) arrived again; dropped", command.xid, command.side)
             return None
         if not self.accept_commands:
             log.warning(
                 "refused REST transfer %s: %s rank %d takes no pushed transfers",
-                command["transfer_id"],
+                command.transfer_id,
                 self.instance,
                 self.rank,
             )
             self._record_refusal(command, CommandRefused(self.instance))
             return None
-        epochs = (command["context_epoch"], command["generation_epoch"])
-        peer = command["generation"] if command["side"] == "send" else command["context"]
+        epochs = (command.context_epoch, command.generation_epoch)
+        peer = command.generation if command.side == "send" else command.context
         entry = self.directory.plans.get(
-            (peer, command["context_dp_rank"], command["generation_dp_rank"])
+            (peer, command.context_dp_rank, command.generation_dp_rank)
         )
         if entry is None or entry.epochs() != epochs:
             self._refresh_quietly()  # a pairing or epoch newer than the cached directory
-        call = self.send if command["side"] == "send" else self.expect
+        call = self.send if command.side == "send" else self.expect
         try:
             handle = call(
-                command["xid"],
+                command.xid,
                 peer,
-                command["blocks"],
-                context_dp_rank=command["context_dp_rank"],
-                generation_dp_rank=command["generation_dp_rank"],
-                timeout_s=float(command["timeout_s"]),
-                mode=command["mode"],
-                verify=bool(command["verify"]),
-                num_tokens=command.get("num_tokens"),
-                context={"transfer_id": command["transfer_id"], "attempt": int(command["attempt"])},
+                command.blocks,
+                context_dp_rank=command.context_dp_rank,
+                generation_dp_rank=command.generation_dp_rank,
+                timeout_s=command.timeout_s,
+                mode=command.mode,
+                verify=command.verify,
+                num_tokens=command.num_tokens,
+                context={"transfer_id": command.transfer_id, "attempt": command.attempt},
             )
         except Exception as error:  # bad blocks, unknown pairing, ...: the transfer fails now
             self._record_refusal(command, error)
@@ -653,33 +693,33 @@ class Worker:
             log.warning(
                 "transfer %s was planned with other epochs than this worker's "
                 "directory; it will fail as peer_restarted",
-                command["transfer_id"],
+                command.transfer_id,
             )
         return handle
 
-    def _record_refusal(self, command: Mapping[str, Any], error: Exception) -> None:
+    def _record_refusal(self, command: TransferCommand, error: Exception) -> None:
         now = time.time()
         if self.recorder is None:
             return
         self.recorder.add(
             {
-                "transfer_id": command["transfer_id"],
-                "attempt": int(command["attempt"]),
-                "request_id": command["request_id"],
+                "transfer_id": command.transfer_id,
+                "attempt": command.attempt,
+                "request_id": command.request_id,
                 "pairing_id": "unknown",
-                "context": command["context"],
-                "generation": command["generation"],
-                "context_epoch": command["context_epoch"],
-                "generation_epoch": command["generation_epoch"],
-                "context_dp_rank": command["context_dp_rank"],
-                "generation_dp_rank": command["generation_dp_rank"],
-                "side": command["side"],
+                "context": command.context,
+                "generation": command.generation,
+                "context_epoch": command.context_epoch,
+                "generation_epoch": command.generation_epoch,
+                "context_dp_rank": command.context_dp_rank,
+                "generation_dp_rank": command.generation_dp_rank,
+                "side": command.side,
                 "rank": self.rank,
                 "status": "failed",
                 "error": f"{type(error).__name__}: {error}"[:2000],
                 "bytes": 0,
-                "mode": command["mode"],
-                "verify": bool(command["verify"]),
+                "mode": command.mode,
+                "verify": command.verify,
                 "started_at": now,
                 "finished_at": now,
             },

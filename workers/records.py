@@ -1,18 +1,20 @@
 """The record of finished transfers follows the hot path asynchronously, in batches.
 
-A worker's :class:`Recorder` collects one record per finished handle and posts them to
-``POST /v1/transfers/records``: one request per ``batch`` records or per ``interval_s``, whichever
-comes first, and at once for a record somebody waits for (a REST-dispatched transfer, whose
-``GET ?wait=`` long-poll wakes when it settles). Posting happens on its own thread: recording
-never blocks a transfer, nor holds the GIL for long: :meth:`api.client.Client.record_transfers`
-encodes a batch record by record and sleeps briefly between slices (``json.dumps`` of a whole
-batch is one C call, and every other thread of the rank, the progress thread included, waits
-until it returns). While the control plane is unreachable records stay queued (at most
-``max_pending``; the oldest are dropped beyond that, and counted) and are retried with backoff,
-so the record catches up when it returns. A repeated record is ignored by the control plane, so a
-batch whose answer was lost is simply sent again. A batch refused with a 4xx (other than 401,
-408 and 429) is split record by record and each refused record is dropped and logged: retrying
-it cannot succeed, and at the head of the queue it would hold back every later record.
+A worker's :class:`Recorder` collects one record per finished handle and sends them over the
+worker's two-way stream (``/v1/workers/{id}/stream``) while it is open, else posts them to
+``POST /v1/transfers/records``; a batch the stream cannot deliver (it dropped, or no answer came
+in :data:`STREAM_ANSWER_S`) is posted instead. One batch per ``batch`` records or per
+``interval_s``, whichever comes first, and at once for a record somebody waits for (a
+REST-dispatched transfer, whose ``GET ?wait=`` long-poll wakes when it settles). Sending happens
+on its own thread: recording never blocks a transfer, nor holds the GIL for long (a batch is
+encoded record by record, with brief sleeps between slices: ``json.dumps`` of a whole batch is
+one C call, and every other thread of the rank, the progress thread included, waits until it
+returns). While the control plane is unreachable records stay queued (at most ``max_pending``;
+the oldest are dropped beyond that, and counted) and are retried with backoff, so the record
+catches up when it returns. A repeated record is ignored by the control plane, so a batch whose
+answer was lost is simply sent again. A batch refused with a 4xx (other than 401, 408 and 429)
+is split record by record and each refused record is dropped and logged: retrying it cannot
+succeed, and at the head of the queue it would hold back every later record.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from api.client import ApiError, Client
+from api.client import ApiError, Client, TransportError, WorkerStream
 
 log = logging.getLogger("kvplane.records")
 
@@ -32,6 +34,7 @@ BATCH = 256
 INTERVAL_S = 1.0
 MAX_PENDING = 100_000
 MAX_BACKOFF_S = 10.0
+STREAM_ANSWER_S = 10.0  # a batch sent over the stream and not answered by then is posted
 _TRANSIENT = (401, 408, 429)  # 4xx worth retrying: a token being rotated, a timeout, a limit
 
 
@@ -52,9 +55,11 @@ class Recorder:
         batch: int = BATCH,
         interval_s: float = INTERVAL_S,
         max_pending: int = MAX_PENDING,
+        stream: Callable[[], WorkerStream | None] | None = None,
     ) -> None:
         self.client = client
         self.worker_id = worker_id
+        self.stream = stream  # the worker's open two-way stream, if any (read per batch)
         self.batch = batch
         self.interval_s = interval_s
         self.max_pending = max_pending
@@ -62,6 +67,8 @@ class Recorder:
         self.dropped = 0
         self.refused = 0  # records the control plane refused with a 4xx, dropped
         self.failures = 0
+        self.streamed = 0  # records answered over the stream
+        self.stream_fallbacks = 0  # batches the stream could not deliver, posted instead
         self._pending: deque[dict[str, Any]] = deque()
         self._urgent = False
         self._cond = threading.Condition()
@@ -160,7 +167,7 @@ class Recorder:
         good). A batch the control plane refuses is split, so that one bad record (a bug, or a
         worker the control plane no longer knows) does not take the good ones with it."""
         try:
-            self.client.record_transfers(worker_id, batch)
+            self._send(worker_id, batch)
         except ApiError as error:
             if not _refused(error.status):
                 raise
@@ -175,3 +182,16 @@ class Recorder:
             return done
         self.posted += len(batch)
         return len(batch)
+
+    def _send(self, worker_id: str, batch: list[dict[str, Any]]) -> None:
+        """Over the stream when it is open (a refusal raises as from the route), else posted."""
+        stream = self.stream() if self.stream is not None else None
+        if stream is not None:
+            try:
+                stream.record(worker_id, batch, STREAM_ANSWER_S)
+                self.streamed += len(batch)
+                return
+            except TransportError as error:  # a repeated record is ignored: post it
+                self.stream_fallbacks += 1
+                log.debug("record batch not answered on the stream (%s); posting it", error)
+        self.client.record_transfers(worker_id, batch)

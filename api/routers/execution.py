@@ -8,37 +8,50 @@ its batched records of finished transfer parts.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, Query, Request, Response, status
+import anyio
+from anyio.abc import TaskGroup
+from fastapi import APIRouter, Body, Path, Query, Request, Response, WebSocket, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.websockets import WebSocketDisconnect
 
+from api import auth
 from api import schemas_exec as wire
+from api.db import Database
 from api.dispatch import (
     HELLO,
     KEEPALIVE_S,
     PING,
+    WRITE_TIMEOUT_S,
     CommandHub,
     CommandStreamResponse,
-    Completions,
     Line,
     Ticket,
     encode,
     render,
 )
-from api.errors import problem_responses
+from api.errors import BadRequest, KvplaneError, problem_responses
+from api.records import RecordWriter
 from api.routers.deps import DbDep, MetricsDep
-from api.services import execution, stats
+from api.services import execution
 from api.services import workers as service
+from api.services.liveness import MEMO
 
 log = logging.getLogger(__name__)
 
 workers_router = APIRouter(prefix="/v1/workers", tags=["workers"])
 records_router = APIRouter(prefix="/v1/transfers", tags=["transfers"])
+# The workers' WebSocket stream checks its caller itself (the routers' guard reads HTTP requests).
+stream_router = APIRouter(prefix="/v1/workers")
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=64, description="Worker id")]
 
@@ -112,29 +125,64 @@ def list_workers(
     response_model=wire.WorkerRead,
     responses=problem_responses(404, 409, 422, 503),
 )
-def worker_heartbeat(
+async def worker_heartbeat(
     worker_id: WorkerId,
     request: Request,
     db: DbDep,
     metrics: MetricsDep,
     body: Annotated[wire.WorkerHeartbeat | None, Body()] = None,
-) -> wire.WorkerRead:
+) -> Response:
     """A worker is alive, and says what UCX uses for its peer connections once it knows (the
     body is optional). The answer's `directory_revision` tells it when to refetch its
-    directory (409 `worker_stale`: its instance re-registered, attach again)."""
+    directory (409 `worker_stale`: its instance re-registered, attach again). A live worker's
+    `heartbeat_at` is written at most every 2 s; the heartbeats in between are answered from
+    memory (`heartbeat_at` is then the last written one)."""
     now = now_of(request)
-    with db.write() as session:  # one UPDATE and one read of the kept revision, O(1)
-        row = service.heartbeat(
-            session=session,
-            worker_id=worker_id,
-            now=now,
-            ucx_in_use=body.ucx_in_use if body is not None else None,
+    hub = hub_of(request)
+    report = body.ucx_in_use if body is not None else None
+    kept = MEMO.answer(worker_id, now) if report is None else None
+    if kept is not None:
+        read = kept.model_copy(
+            update={
+                "connected": hub.connected(worker_id),
+                "heartbeat_age_s": max(0.0, (now - kept.heartbeat_at).total_seconds()),
+            }
         )
-        revision = service.directory_revision(session=session, worker=row, now=now)
-        read = service.worker_read(
-            row, now, connected=hub_of(request).connected(row.id), revision=revision
-        )
+    else:
+        read = await run_in_threadpool(_heartbeat_written, db, hub, worker_id, now, report)
     metrics.worker_heartbeats.inc()
+    # Built and validated here: serialized directly, not validated again on the way out.
+    return Response(content=read.model_dump_json(), media_type="application/json")
+
+
+def _heartbeat_written(
+    db: Database,
+    hub: CommandHub,
+    worker_id: str,
+    now: datetime,
+    report: wire.UcxInUse | None,
+) -> wire.WorkerRead:
+    """A heartbeat that writes: one UPDATE and one read for a live worker (then kept in
+    :data:`MEMO`), the whole row otherwise (a UCX report, a worker back from "gone", or a 409)."""
+    generation = MEMO.generation()
+    with db.write() as session:
+        live = (
+            None
+            if report is not None
+            else service.live_heartbeat(session=session, worker_id=worker_id, now=now)
+        )
+        if live is not None:
+            revision = service.revision_of(live.instance_epoch, live.directory_revision, live.rank)
+            read = service.worker_read(
+                live, now, connected=hub.connected(worker_id), revision=revision
+            )
+        else:
+            row = service.heartbeat(
+                session=session, worker_id=worker_id, now=now, ucx_in_use=report
+            )
+            revision = service.directory_revision(session=session, worker=row, now=now)
+            read = service.worker_read(row, now, connected=hub.connected(row.id), revision=revision)
+    MEMO.keep(worker_id, now, read, generation)
     return read
 
 
@@ -169,9 +217,12 @@ def get_worker_directory(worker_id: WorkerId, request: Request, db: DbDep) -> Re
     response_class=StreamingResponse,
     responses={
         200: {
-            "description": "Newline-delimited JSON: `hello`, then `transfer` commands and "
-            "`ping` keep-alives",
-            "content": {"application/x-ndjson": {}},
+            "description": "Newline-delimited JSON: `hello`, then `transfer` commands "
+            "(each line a `TransferCommand`) and `ping` keep-alives, and a last `stopped` or "
+            "`superseded` line",
+            "content": {
+                "application/x-ndjson": {"schema": {"$ref": "#/components/schemas/TransferCommand"}}
+            },
         },
         **problem_responses(404, 409, 422, 503),
     },
@@ -188,19 +239,6 @@ def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> 
     hub = hub_of(request)
     claim: list[Ticket] = []
 
-    def owed() -> list[tuple[str, Line]]:
-        try:
-            with db.read() as session:
-                commands = execution.commands_owed_to(
-                    session=session, worker_id=worker_id, now=now_of(request)
-                )
-            return [(worker, encode(command)) for worker, command in commands]
-        except Exception as error:  # the stream itself must not fail for it
-            log.warning(
-                "worker %s: cannot look up the commands it may have missed: %s", worker_id, error
-            )
-            return []
-
     async def lines() -> AsyncIterator[bytes]:
         ticket = hub.connect(worker_id)
         claim.append(ticket)
@@ -208,7 +246,7 @@ def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> 
             yield HELLO
             # After connecting (a push from now on lands in this queue): what the worker may
             # have missed while it held no stream here (see api/dispatch.py).
-            hub.deliver_now(await run_in_threadpool(owed))
+            hub.deliver_now(await run_in_threadpool(_owed, db, worker_id, now_of(request)))
             while True:
                 batch, final, ended = await hub.next_lines(ticket, KEEPALIVE_S)
                 # Commands queued meanwhile leave together (a chunk per MiB): few writes, and
@@ -233,6 +271,138 @@ def stream_worker_commands(worker_id: WorkerId, request: Request, db: DbDep) -> 
     )
 
 
+def _owed(db: Database, worker_id: str, now: datetime) -> list[tuple[str, Line]]:
+    """The commands a stream that opens re-sends: what its worker may have missed while it held
+    no stream here (see api/dispatch.py)."""
+    try:
+        with db.read() as session:
+            commands = execution.commands_owed_to(session=session, worker_id=worker_id, now=now)
+        return [(worker, encode(command)) for worker, command in commands]
+    except Exception as error:  # the stream itself must not fail for it
+        log.warning(
+            "worker %s: cannot look up the commands it may have missed: %s", worker_id, error
+        )
+        return []
+
+
+@stream_router.websocket("/{worker_id}/stream")
+async def worker_stream(websocket: WebSocket, worker_id: str) -> None:
+    """A worker's two-way stream (WebSocket): the command stream's lines down, its records up.
+
+    Down, each binary message holds one or more JSON lines, those of
+    `GET /v1/workers/{id}/commands` (`hello`, `transfer`, `ping`, a last `stopped` or
+    `superseded`), and `recorded` lines that answer the worker's record batches. Up, a message
+    is `{"type": "records", "seq": N, "records": [...]}` (the records of
+    `POST /v1/transfers/records`); its answer is `{"type": "recorded", "seq": N, "accepted",
+    "settled"}` or `{"type": "recorded", "seq": N, "error": {"status", "code", "detail"}}`.
+    Batches are answered in order. A stream that cannot serve closes with code 4000 + the HTTP
+    status it would have answered (4401, 4403, 4404, 4409) and the problem's code as reason."""
+    app = websocket.app
+    db: Database = app.state.db
+    await websocket.accept()
+    try:
+        if app.state.settings.auth:
+            principal = await auth.authenticate(websocket)  # type: ignore[arg-type]
+            await auth.check(websocket, principal, "stream_worker_commands")  # type: ignore[arg-type]
+        await run_in_threadpool(_current, db, worker_id)
+    except KvplaneError as error:
+        await websocket.close(code=4000 + error.status, reason=error.code[:120])
+        return
+    hub: CommandHub = app.state.hub
+    writer: RecordWriter = app.state.records
+    ticket = hub.connect(worker_id)
+    lock = asyncio.Lock()
+
+    async def send(data: bytes) -> None:
+        async with lock, asyncio.timeout(WRITE_TIMEOUT_S):
+            await websocket.send_bytes(data)
+
+    async def commands() -> None:
+        await send(HELLO)
+        hub.deliver_now(await run_in_threadpool(_owed, db, worker_id, app.state.clock()))
+        while True:
+            batch, final, ended = await hub.next_lines(ticket, KEEPALIVE_S)
+            chunks = render(batch, app.state.clock().timestamp())
+            for chunk in chunks:
+                await send(chunk)
+            if final is not None:
+                await send(final)
+            if ended:  # replaced by a newer stream of the worker, stopped, or cut
+                return
+            if not chunks:
+                await send(PING)
+
+    async def records() -> None:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            data = message.get("bytes") or (message.get("text") or "").encode()
+            answer = await _recorded(writer, worker_id, data)
+            await send(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
+
+    async def until_either_ends(job: Callable[[], Awaitable[None]], group: TaskGroup) -> None:
+        try:
+            await job()
+        except TimeoutError:  # a send that did not complete: the worker does not read
+            hub.cut(ticket, "a write stalled")
+        except WebSocketDisconnect:
+            pass
+        group.cancel_scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(until_either_ends, commands, group)
+            group.start_soon(until_either_ends, records, group)
+        with contextlib.suppress(Exception):
+            await websocket.close()
+    finally:
+        hub.disconnect(ticket)
+
+
+def _current(db: Database, worker_id: str) -> None:
+    with db.read() as session:
+        service.current_worker(session=session, worker_id=worker_id)
+
+
+async def _recorded(writer: RecordWriter, worker_id: str, data: bytes) -> dict[str, Any]:
+    """The answer to one message of a worker's stream: its record batch written, or why not."""
+    seq: Any = None
+    try:
+        message = json.loads(data)
+        if not isinstance(message, dict) or message.get("type") != "records":
+            raise BadRequest(
+                'a worker stream message is {"type": "records", "seq": N, "records": [...]}',
+                code="invalid_message",
+            )
+        seq = message.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            seq = None
+            raise BadRequest("a records message needs an integer seq", code="invalid_message")
+        body = wire.TransferRecords.model_validate(
+            {"worker_id": worker_id, "records": message.get("records")}
+        )
+        accepted = await asyncio.wrap_future(writer.submit(body))
+    except ValueError as error:  # not JSON, or records that do not validate
+        detail = str(error)[:2000]
+        return {"type": "recorded", "seq": seq, "error": _problem(422, "validation_error", detail)}
+    except KvplaneError as error:
+        return {
+            "type": "recorded",
+            "seq": seq,
+            "error": _problem(error.status, error.code, error.detail),
+        }
+    except SQLAlchemyError as error:
+        log.warning("worker %s: a record batch was not written: %s", worker_id, error)
+        detail = "the database did not take the batch; send it again"
+        return {"type": "recorded", "seq": seq, "error": _problem(503, "unavailable", detail)}
+    return {"type": "recorded", "seq": seq, **accepted.model_dump(mode="json")}
+
+
+def _problem(status: int, code: str, detail: str) -> dict[str, Any]:
+    return {"status": status, "code": code, "detail": detail}
+
+
 @workers_router.delete(
     "/{worker_id}",
     operation_id="stop_worker",
@@ -254,48 +424,17 @@ def stop_worker(worker_id: WorkerId, request: Request, db: DbDep) -> Response:
     response_model=wire.RecordsAccepted,
     responses=problem_responses(403, 404, 409, 413, 422, 503),
 )
-def record_transfers(
-    body: wire.TransferRecords, request: Request, db: DbDep, metrics: MetricsDep
-) -> wire.RecordsAccepted:
+async def record_transfers(body: wire.TransferRecords, request: Request) -> wire.RecordsAccepted:
     """A worker's batch of finished transfer parts (repeats are ignored). Settles transfers
     and wakes their `?wait=` long-polls. Refused whole: times outside a window of the control
     plane's clock (422 `record_time_out_of_range`), a pairing that is not the record's own
     instances' (403 `pairing_mismatch`), blocks its plan cannot expand, a layer group without
     its context or generation list included (422 `invalid_blocks`; the transfer, if another
-    record opened it, fails with the reason)."""
-    now = now_of(request)
-    stored: list[wire.TransferRecord] = []
-    try:
-        with db.write() as session:
-            accepted, settled = execution.record_parts(
-                session=session, body=body, now=now, stored=stored
-            )
-            finished = stats.finished(session=session, transfer_ids=settled)
-    except execution.UnexpandableBlocks as error:
-        # Refused whole; a transfer the other side's records already opened fails now, with
-        # the reason, instead of waiting for a part that will never be stored.
-        with db.write() as session:
-            failed = execution.fail_transfers(
-                session=session,
-                transfer_ids=[error.extra["transfer_id"]],
-                now=now,
-                reason=error.detail,
-            )
-            finished = stats.finished(session=session, transfer_ids=failed)
-        request.app.state.completions.settled(failed)
-        metrics.transfers_settled(finished)
-        raise
-    completions: Completions = request.app.state.completions
-    completions.settled(settled)
-    relay = hub_of(request).relay
-    if settled and relay is not None:  # waiters on the other API processes wake too
-        relay.publish_settled(settled)
-    metrics.record_batches.inc()
-    for record in stored:  # repeats, other attempts' and unknown transfers' records: not
-        metrics.part_results.labels(state=record.status).inc()
-        metrics.moved_bytes.labels(kind=record.side).inc(record.bytes)
-    metrics.transfers_settled(finished)
-    return wire.RecordsAccepted(accepted=accepted, settled=settled)
+    record opened it, fails with the reason). Workers send their records over their stream
+    (`/v1/workers/{id}/stream`) where they can; both ways are written alike, together with
+    the batches that arrive meanwhile."""
+    writer: RecordWriter = request.app.state.records
+    return await asyncio.wrap_future(writer.submit(body))
 
 
 @records_router.get(

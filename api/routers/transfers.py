@@ -71,6 +71,8 @@ async def create_transfer(
     `execute`) answers when it settles, like `GET /v1/transfers/{id}?wait=S`."""
     deadline = time.monotonic() + wait
     principal = getattr(request.state, "principal", None)
+    hub: CommandHub = request.app.state.hub
+    relay = hub.relay
 
     def create() -> tuple[schemas.TransferRead, bool, list[tuple[str, dict[str, Any]]]]:
         commands: list[tuple[str, dict[str, Any]]] = []
@@ -89,6 +91,13 @@ async def create_transfer(
                 commands = execution.commands_owed(
                     session=session, now=request.app.state.clock(), transfers=[row]
                 )
+            if relay is not None and commands:
+                # The other API processes' share leaves with this transaction (PostgreSQL
+                # delivers a NOTIFY at commit): stored and pushed together, or neither.
+                try:
+                    relay.notify_in(session, relay.ref_payloads(hub.remote(commands)))
+                except RelayError as error:
+                    raise _undelivered(str(error)) from None
             return service.transfer_read(row), created, commands
 
     result, created, commands = await run_in_threadpool(create)
@@ -97,7 +106,7 @@ async def create_transfer(
     # Listen before the push: a transfer that settles at once still wakes the wait.
     event = completions.event(result.id) if waiting else None
     try:
-        await run_in_threadpool(push_commands, request, commands)
+        await run_in_threadpool(push_commands, request, commands, relay is not None)
         if created:
             metrics.transfer_planned(
                 context=result.context,
@@ -109,7 +118,9 @@ async def create_transfer(
         if event is not None:
             # A new transfer's commands left after the event listened: no need to read it
             # again before the first wait.
-            result = await _settled(db, result.id, event, deadline, result if created else None)
+            result = await _settled(
+                db, result.id, event, deadline, result if created else None, completions
+            )
     finally:
         if event is not None:
             completions.release(result.id)
@@ -123,6 +134,7 @@ async def _settled(
     event: asyncio.Event,
     deadline: float,
     current: schemas.TransferRead | None = None,
+    completions: Completions | None = None,
 ) -> schemas.TransferRead:
     """The transfer once it is no longer queued or running, or as it is at ``deadline``.
     Nothing here polls the database: the records route of this process, the relay from the
@@ -138,9 +150,13 @@ async def _settled(
 
     while True:
         # A set before this read is answered by the read (or was stale: a transfer that
-        # settled, was retried and runs again); a set after it ends the wait below.
+        # settled, was retried and runs again); a set after it ends the wait below. The
+        # record writer of this process hands over what it settled: no read then.
+        kept = completions.result(transfer_id) if completions is not None else None
         if current is not None:
             result, current = current, None
+        elif kept is not None and kept.status not in ("queued", "running"):
+            return kept  # type: ignore[no-any-return]
         else:
             event.clear()
             result = await run_in_threadpool(read)
@@ -154,9 +170,14 @@ async def _settled(
                 await event.wait()
         if not event.is_set():
             return await run_in_threadpool(read)
+        kept = completions.result(transfer_id) if completions is not None else None
+        if kept is not None and kept.status not in ("queued", "running"):
+            return kept  # type: ignore[no-any-return]
 
 
-def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) -> None:
+def push_commands(
+    request: Request, commands: list[tuple[str, dict[str, Any]]], relayed: bool = False
+) -> None:
     """Hand the commands to the workers' streams (after the commit: a worker that reports at
     once must find the transfer). A worker whose stream is not open gets its commands if it
     opens it within the reconnect grace; else its part fails at the deadline. Say so now.
@@ -164,7 +185,7 @@ def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) 
     503 ``commands_undelivered``, never a ``201`` for a command nobody will get."""
     hub: CommandHub = request.app.state.hub
     try:
-        missed = hub.push(commands)
+        missed = hub.push(commands, relayed=relayed)
     except RelayError as error:
         ids = sorted({command["transfer_id"] for _, command in commands})
         db = request.app.state.db
@@ -175,12 +196,7 @@ def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) 
                 now=request.app.state.clock(),
                 reason=f"commands_undelivered: {error}",
             )
-        raise Unavailable(
-            f"the commands of transfer(s) {', '.join(ids)} could not be relayed to the API "
-            f"process that holds the workers' streams ({error}); they are failed: retry",
-            code="commands_undelivered",
-            headers={"Retry-After": "1"},
-        ) from None
+        raise _undelivered(f"{error}; transfer(s) {', '.join(ids)} failed") from None
     if missed:
         log.warning(
             "no command stream open for worker(s) %s; their commands wait %.0f s for "
@@ -188,6 +204,15 @@ def push_commands(request: Request, commands: list[tuple[str, dict[str, Any]]]) 
             ", ".join(sorted(set(missed))),
             RECONNECT_GRACE_S,
         )
+
+
+def _undelivered(why: str) -> Unavailable:
+    return Unavailable(
+        "commands could not be relayed to the API process that holds the workers' streams "
+        f"({why}): retry",
+        code="commands_undelivered",
+        headers={"Retry-After": "1"},
+    )
 
 
 @router.get(
@@ -259,7 +284,7 @@ async def get_transfer(
     # Listen before the first read: a settle between the read and the wait still wakes us.
     event = completions.event(transfer_id)
     try:
-        return await _settled(db, transfer_id, event, deadline)
+        return await _settled(db, transfer_id, event, deadline, completions=completions)
     finally:
         completions.release(transfer_id)
 

@@ -103,8 +103,8 @@ def dispatch_commands(
         now + timedelta(seconds=timeout_s),
         now,
     )
-    commands = [(ctx[r], {**command, "side": "send", "rank": r}) for r in sorted(senders)]
-    commands += [(gen[r], {**command, "side": "receive", "rank": r}) for r in sorted(receivers)]
+    commands = [(ctx[r], _for_rank(command, "send", r)) for r in sorted(senders)]
+    commands += [(gen[r], _for_rank(command, "receive", r)) for r in sorted(receivers)]
     return commands
 
 
@@ -150,7 +150,8 @@ def _command(
     deadline: datetime,
     now: datetime,
 ) -> dict[str, Any]:
-    """What every rank of one attempt is told (``side`` and ``rank`` added per rank).
+    """What every rank of one attempt is told (``side`` and ``rank`` added per rank, then the
+    whole checked as a :class:`~api.schemas_exec.TransferCommand` by :func:`_for_rank`).
 
     ``deadline_at`` is the attempt's deadline (Unix seconds); ``timeout_s`` what is left of it
     now. The command stream writes ``timeout_s`` again as each line leaves
@@ -174,6 +175,12 @@ def _command(
         "deadline_at": deadline.timestamp(),
         "timeout_s": (deadline - now).total_seconds(),
     }
+
+
+def _for_rank(command: dict[str, Any], side: str, rank: int) -> dict[str, Any]:
+    """The command line of one rank: :class:`~api.schemas_exec.TransferCommand`, checked here
+    (a few microseconds) so that a worker never gets a line its model refuses."""
+    return wire.TransferCommand.model_validate({**command, "side": side, "rank": rank}).model_dump()
 
 
 MIN_RESEND_S = 0.5  # a command with less time left than this would only fail at its worker
@@ -254,7 +261,7 @@ def commands_owed(
                     or (worker is not None and target.id != worker.id)
                 ):
                     continue
-                owed.append((target.id, {**command, "side": side, "rank": rank}))
+                owed.append((target.id, _for_rank(command, side, rank)))
     return owed
 
 
@@ -302,7 +309,7 @@ def commands_for_refs(
             transfer.deadline_at,
             now,
         )
-        commands.append((worker_id, {**command, "side": side, "rank": rank}))
+        commands.append((worker_id, _for_rank(command, side, rank)))
     return commands
 
 

@@ -23,6 +23,7 @@ from api.db import utcnow
 from api.errors import BadRequest, Conflict, Incompatible, NotFound
 from api.models import NO_DP_RANK, InstanceRow, PairingRow, PlanRow
 from api.services.instances import geometry_problem, load_geometry
+from api.services.liveness import MEMO
 from geometry import GeometryError, Instance, Plan, compile_plan, parse_instance
 from geometry import validate_pairing as validate_geometry
 
@@ -91,7 +92,10 @@ def _drop_pending_plans(session: Session) -> None:
 
 def bump_directories(session: Session, instance_ids: set[int] | list[int]) -> None:
     """The directories of these instances' workers changed: bump their kept revision (the
-    heartbeat answer carries it; each worker refetches its directory when it changes)."""
+    heartbeat answer carries it; each worker refetches its directory when it changes). Every
+    change a heartbeat answers (a worker's status, its directory) comes through here: the
+    answers kept between liveness windows are forgotten."""
+    MEMO.forget_with(session)
     if instance_ids:
         session.execute(
             update(InstanceRow)

@@ -171,6 +171,35 @@ def current_worker(*, session: Session, worker_id: str) -> WorkerRow:
     return row
 
 
+def live_heartbeat(*, session: Session, worker_id: str, now: datetime) -> Any | None:
+    """The common heartbeat, as one small UPDATE: a worker that is current (not stopped nor
+    superseded, attached to its instance's epoch) and was heard from within
+    ``WORKER_GONE_S`` gets its ``heartbeat_at`` moved to ``now``. Returns its listed columns
+    (see ``_LISTED``) and its instance's directory counter; None when the update matched
+    nothing (:func:`heartbeat` then says why, or brings a "gone" worker back)."""
+    current_epoch = (
+        select(InstanceRow.epoch).where(InstanceRow.id == WorkerRow.instance_id).scalar_subquery()
+    )
+    updated = session.execute(
+        update(WorkerRow)
+        .where(
+            WorkerRow.id == worker_id,
+            WorkerRow.superseded_by.is_(None),
+            WorkerRow.epoch == current_epoch,
+            *_live(now - timedelta(seconds=WORKER_GONE_S)),
+        )
+        .values(heartbeat_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    if getattr(updated, "rowcount", 0) != 1:
+        return None
+    return session.execute(
+        select(*_LISTED, InstanceRow.directory_revision)
+        .join(InstanceRow, InstanceRow.id == WorkerRow.instance_id)
+        .where(WorkerRow.id == worker_id)
+    ).one()
+
+
 def heartbeat(
     *, session: Session, worker_id: str, now: datetime, ucx_in_use: wire.UcxInUse | None = None
 ) -> WorkerRow:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api import schemas, schemas_exec
@@ -197,3 +199,62 @@ def db(db_url: str) -> Any:
     database = Database(db_url)
     yield database
     database.dispose()
+
+
+def register_over_http(api: TestClient, name: str, body: dict[str, Any]) -> dict[int, str]:
+    """Register ``name`` and attach a worker to each of its ranks, over HTTP: rank -> id."""
+    assert api.put(f"/v1/instances/{name}", json=body).status_code == 201
+    workers = {}
+    for rank_body in body["ranks"]:
+        answer = api.post(
+            "/v1/workers",
+            json={
+                "instance": name,
+                "rank": rank_body["rank"],
+                "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
+            },
+        )
+        assert answer.status_code == 201, answer.text
+        workers[rank_body["rank"]] = answer.json()["id"]
+    return workers
+
+
+def fleet_over_http(
+    api: TestClient, *, ctx_tp: int = 1, gen_tp: int = 1, views: Any = VIEWS, gen_dp: bool = False
+) -> dict[str, Any]:
+    """ctx and gen registered, paired and attached over HTTP."""
+    ctx = register_over_http(
+        api, "ctx", instance_body(role="context", views=views, tp=ctx_tp, tokens_per_block=4)
+    )
+    gen = register_over_http(
+        api,
+        "gen",
+        instance_body(
+            role="generation", views=views, tp=gen_tp, attention_dp=gen_dp, tokens_per_block=4
+        ),
+    )
+    pairing = api.post("/v1/pairings", json={"context": "ctx", "generation": "gen"}).json()
+    assert pairing["compatible"], pairing
+    epochs = {name: api.get(f"/v1/instances/{name}").json()["epoch"] for name in ("ctx", "gen")}
+    return {"ctx": ctx, "gen": gen, "pairing": pairing["id"], "epochs": epochs}
+
+
+def engine_record(fleet: dict[str, Any], side: str, rank: int, **fields: Any) -> dict[str, Any]:
+    """An engine-path record of ``fleet`` (``fleet_over_http``), finished just now."""
+    now = time.time()
+    return {
+        "request_id": "r1",
+        "pairing_id": fleet["pairing"],
+        "context": "ctx",
+        "generation": "gen",
+        "context_epoch": fleet["epochs"]["ctx"],
+        "generation_epoch": fleet["epochs"]["gen"],
+        "side": side,
+        "rank": rank,
+        "status": "done",
+        "bytes": 64,
+        "started_at": now - 0.01,
+        "finished_at": now,
+        "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}},
+        **fields,
+    }

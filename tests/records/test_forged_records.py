@@ -3,72 +3,16 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.demo_fleet import fake_peer
 from geometry.builders import ViewSpec, instance_body
 
+from .conftest import engine_record, fleet_over_http
+
 VIEWS = [ViewSpec("target", layers=2, kv_heads=4, head_dim=8)]
-
-
-def _register(api: TestClient, name: str, body: dict[str, Any]) -> dict[int, str]:
-    assert api.put(f"/v1/instances/{name}", json=body).status_code == 201
-    workers = {}
-    for rank_body in body["ranks"]:
-        answer = api.post(
-            "/v1/workers",
-            json={
-                "instance": name,
-                "rank": rank_body["rank"],
-                "peer": fake_peer(rank_body, f"{name}.r{rank_body['rank']}"),
-            },
-        )
-        assert answer.status_code == 201, answer.text
-        workers[rank_body["rank"]] = answer.json()["id"]
-    return workers
-
-
-def _fleet(
-    api: TestClient, *, ctx_tp: int = 1, gen_tp: int = 1, views: Any = VIEWS, gen_dp: bool = False
-) -> dict[str, Any]:
-    ctx = _register(
-        api, "ctx", instance_body(role="context", views=views, tp=ctx_tp, tokens_per_block=4)
-    )
-    gen = _register(
-        api,
-        "gen",
-        instance_body(
-            role="generation", views=views, tp=gen_tp, attention_dp=gen_dp, tokens_per_block=4
-        ),
-    )
-    pairing = api.post("/v1/pairings", json={"context": "ctx", "generation": "gen"}).json()
-    assert pairing["compatible"], pairing
-    epochs = {name: api.get(f"/v1/instances/{name}").json()["epoch"] for name in ("ctx", "gen")}
-    return {"ctx": ctx, "gen": gen, "pairing": pairing["id"], "epochs": epochs}
-
-
-def _record(fleet: dict[str, Any], side: str, rank: int, **fields: Any) -> dict[str, Any]:
-    now = time.time()
-    return {
-        "request_id": "r1",
-        "pairing_id": fleet["pairing"],
-        "context": "ctx",
-        "generation": "gen",
-        "context_epoch": fleet["epochs"]["ctx"],
-        "generation_epoch": fleet["epochs"]["gen"],
-        "side": side,
-        "rank": rank,
-        "status": "done",
-        "bytes": 64,
-        "started_at": now - 0.01,
-        "finished_at": now,
-        "blocks": {"0": {"context": [0, 1], "generation": [2, 3]}},
-        **fields,
-    }
 
 
 def _post(api: TestClient, worker_id: str, *records: dict[str, Any]) -> Any:
@@ -93,8 +37,8 @@ def _transfers(api: TestClient) -> list[dict[str, Any]]:
 def test_record_times_outside_the_control_planes_window_are_refused(
     client: TestClient, field: str, value: float
 ) -> None:
-    fleet = _fleet(client)
-    record = _record(fleet, "receive", 0)
+    fleet = fleet_over_http(client)
+    record = engine_record(fleet, "receive", 0)
     record[field] = record["started_at"] + value
     if field == "started_at" and value > 0:
         record["finished_at"] = record["started_at"] + 1
@@ -109,8 +53,8 @@ def test_record_times_outside_the_control_planes_window_are_refused(
 def test_record_times_outside_the_datetime_range_are_422_not_500(
     client: TestClient, raw: str
 ) -> None:
-    fleet = _fleet(client)
-    record = _record(fleet, "receive", 0)
+    fleet = fleet_over_http(client)
+    record = engine_record(fleet, "receive", 0)
     body = json.dumps({"worker_id": fleet["gen"][0], "records": [record]})
     body = body.replace(json.dumps(record["finished_at"]), raw)
     answer = client.post(
@@ -121,14 +65,14 @@ def test_record_times_outside_the_datetime_range_are_422_not_500(
 
 
 def test_an_engine_record_must_name_its_own_instances_pairing(client: TestClient) -> None:
-    fleet = _fleet(client)
+    fleet = fleet_over_http(client)
     victim = instance_body(role="generation", views=VIEWS, tp=1, tokens_per_block=4)
     assert client.put("/v1/instances/victim", json=victim).status_code == 201
     victim_epoch = client.get("/v1/instances/victim").json()["epoch"]
     # The context worker makes up a "ctx -> victim" transfer with its own pairing's id, or
     # with an id that names no pairing at all.
     for pairing_id in (fleet["pairing"], "no-such-pairing"):
-        forged = _record(
+        forged = engine_record(
             fleet,
             "send",
             0,
@@ -143,27 +87,31 @@ def test_an_engine_record_must_name_its_own_instances_pairing(client: TestClient
         assert answer.json()["code"] == "pairing_mismatch"
     assert _transfers(client) == []
     # Its own pairing's record is stored as before.
-    assert _post(client, fleet["gen"][0], _record(fleet, "receive", 0)).status_code == 200
+    assert _post(client, fleet["gen"][0], engine_record(fleet, "receive", 0)).status_code == 200
     assert [t["status"] for t in _transfers(client)] == ["done"]
 
 
 def test_a_rank_that_takes_no_part_cannot_fail_an_engine_transfer(client: TestClient) -> None:
     # Attention-DP generation (TP2): a transfer to DP rank 0 lands on generation rank 0 only.
-    fleet = _fleet(client, ctx_tp=1, gen_tp=2, gen_dp=True)
-    outsider = _record(fleet, "receive", 1, generation_dp_rank=0, status="failed", error="forged")
+    fleet = fleet_over_http(client, ctx_tp=1, gen_tp=2, gen_dp=True)
+    outsider = engine_record(
+        fleet, "receive", 1, generation_dp_rank=0, status="failed", error="forged"
+    )
     answer = _post(client, fleet["gen"][1], outsider)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"accepted": 0, "settled": []}
     (transfer,) = _transfers(client)
     assert transfer["status"] == "running"
     # The rank that takes part settles it.
-    answer = _post(client, fleet["gen"][0], _record(fleet, "receive", 0, generation_dp_rank=0))
+    answer = _post(
+        client, fleet["gen"][0], engine_record(fleet, "receive", 0, generation_dp_rank=0)
+    )
     assert answer.json()["accepted"] == 1
     assert [t["status"] for t in _transfers(client)] == ["done"]
 
 
 def test_a_rank_that_takes_no_part_cannot_fail_a_rest_transfer(client: TestClient) -> None:
-    fleet = _fleet(client, ctx_tp=1, gen_tp=2, gen_dp=True)
+    fleet = fleet_over_http(client, ctx_tp=1, gen_tp=2, gen_dp=True)
     answer = client.post(
         "/v1/transfers",
         json={
@@ -178,7 +126,7 @@ def test_a_rank_that_takes_no_part_cannot_fail_a_rest_transfer(client: TestClien
     assert answer.status_code == 201, answer.text
     transfer = answer.json()
     assert {route["receiver_rank"] for route in transfer["routes"]} == {0}
-    forged = _record(
+    forged = engine_record(
         fleet,
         "receive",
         1,
@@ -206,8 +154,10 @@ def test_a_rank_that_takes_no_part_cannot_fail_a_rest_transfer(client: TestClien
 def test_an_engine_record_whose_blocks_cannot_be_expanded_is_refused(
     client: TestClient, blocks: dict[str, Any]
 ) -> None:
-    fleet = _fleet(client)
-    answer = _post(client, fleet["gen"][0], _record(fleet, "receive", 0, blocks=blocks, bytes=0))
+    fleet = fleet_over_http(client)
+    answer = _post(
+        client, fleet["gen"][0], engine_record(fleet, "receive", 0, blocks=blocks, bytes=0)
+    )
     assert answer.status_code == 422, answer.text
     assert answer.json()["code"] == "invalid_blocks"
     assert _transfers(client) == []  # not settled "done" with 0 bytes
@@ -222,12 +172,13 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_metrics_count_only_records_that_changed_state(client: TestClient) -> None:
-    fleet = _fleet(client)
-    record = _record(fleet, "receive", 0, bytes=1000)
+    fleet = fleet_over_http(client)
+    record = engine_record(fleet, "receive", 0, bytes=1000)
     for _ in range(5):  # a batch retried five times
         assert _post(client, fleet["gen"][0], record).status_code == 200
     bogus = [
-        _record(fleet, "receive", 0, transfer_id=f"bogus{i}", bytes=1 << 50) for i in range(20)
+        engine_record(fleet, "receive", 0, transfer_id=f"bogus{i}", bytes=1 << 50)
+        for i in range(20)
     ]  # transfers that do not exist
     assert _post(client, fleet["gen"][0], *bogus).json() == {"accepted": 0, "settled": []}
     text = client.get("/metrics").text
@@ -240,12 +191,12 @@ def test_a_refused_record_fails_the_transfer_it_names_at_once(client: TestClient
     to another); the receiver's names no generation list. The receiver's batch is refused, and
     the transfer fails now with the reason, instead of waiting as `running` for a part that
     will never be stored."""
-    fleet = _fleet(client)
-    opened = _post(client, fleet["ctx"][0], _record(fleet, "send", 0, blocks=None))
+    fleet = fleet_over_http(client)
+    opened = _post(client, fleet["ctx"][0], engine_record(fleet, "send", 0, blocks=None))
     assert opened.status_code == 200, opened.text
     (transfer,) = _transfers(client)
     assert transfer["status"] == "running"
-    bad = _record(fleet, "receive", 0, blocks={"0": {"context": [0, 1]}})
+    bad = engine_record(fleet, "receive", 0, blocks={"0": {"context": [0, 1]}})
     answer = _post(client, fleet["gen"][0], bad)
     assert answer.status_code == 422 and answer.json()["code"] == "invalid_blocks"
     assert answer.json()["transfer_id"] == transfer["id"]
