@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-import workers.agent as agent_module
+import workers.fillcheck as fillcheck_module
 from api.client import ApiError, TransportError, UnavailableError
 from workers.agent import Worker
 from workers.directory import PlanEntry
@@ -83,6 +83,14 @@ def resolved(
 def worker() -> Worker:
     agent = Worker(StubClient(), "ctx", 1, device="cpu")  # type: ignore[arg-type]
     agent.worker_id = "w-1"
+    return agent
+
+
+@pytest.fixture
+def receiver() -> Worker:
+    """Rank 0 of a generation instance in fill mode; each test hands its check the pools."""
+    agent = Worker(StubClient(), "gen", 0, device="cpu", fill=True)  # type: ignore[arg-type]
+    agent.worker_id = "w-0"
     return agent
 
 
@@ -262,7 +270,7 @@ def test_the_backlog_is_bounded_and_counts_what_it_dropped() -> None:
         recorder.close(timeout_s=0.1)
 
 
-def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> None:
+def test_fill_mode_verification_judges_only_targeted_bytes(receiver: Worker) -> None:
     """Bytes an earlier transfer wrote are not corruption; bytes nobody targeted are."""
     import torch
 
@@ -270,14 +278,14 @@ def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> No
     from workers.pools import Pool, PoolSpec, pattern_tensor
 
     spec = PoolSpec(id=0, slot_bytes=64, slot_stride_bytes=64, num_slots=4)
-    worker.rank = 0
+    worker = receiver
     worker.pools = {0: Pool(spec, pattern_tensor(0, 0, spec.nbytes).clone())}
-    worker._touched = {0: np.zeros(spec.nbytes, dtype=bool)}
+    worker.fillcheck.fill(worker.pools)
     assert worker.verify_untouched() == spec.nbytes  # nothing targeted, nothing changed
     worker.pools[0].tensor[70] ^= 0xFF  # an earlier transfer's byte in slot 1 ...
     with pytest.raises(VerificationError, match="no transfer targeted"):
         worker.verify_untouched()
-    worker._touched[0][64:128] = True  # ... is fine once that transfer had targeted slot 1
+    worker.fillcheck._touched[0][64:128] = True  # ... is fine once a transfer targeted slot 1
     assert worker.verify_untouched() == spec.nbytes - 64
     assert worker.verify_transfer(resolved("receive", ARRIVED)) == 0  # it wrote nothing
     assert torch.equal(worker.pools[0].tensor[:64], pattern_tensor(0, 0, 64))
@@ -288,7 +296,7 @@ def test_fill_mode_verification_judges_only_targeted_bytes(worker: Worker) -> No
     [(4, 8), (16, 128)],  # 128-byte fragments: compared byte by byte; 8 KiB: by crc32 first
 )
 def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
-    worker: Worker, tokens_per_block: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+    receiver: Worker, tokens_per_block: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real head-slice route (sender rank 1's 2 heads into heads 2-3 of receiver rank 0, HND,
     blocks 3 and 0 into slots 1 and 2): a correct copy passes and counts both slots; a wrong
@@ -319,9 +327,10 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     route = dataclasses.replace(hs.route(), sender_rank=1, receiver_rank=0)
     send_spec, recv_spec = hs.sender_spec(4), hs.receiver_spec(4)
     sender = {0: Pool(send_spec, pattern_tensor(1, 0, send_spec.nbytes).clone())}
-    worker.rank = 0
+    worker = receiver
     worker.pools = {0: Pool(recv_spec, pattern_tensor(0, 0, recv_spec.nbytes).clone())}
-    worker._touched = {0: np.zeros(recv_spec.nbytes, dtype=bool)}
+    check = worker.fillcheck
+    check.fill(worker.pools)
     pools_wire = [{"id": 0, "slot_bytes": send_spec.slot_bytes, "num_slots": 4}]
     worker.handover = SimpleNamespace(  # type: ignore[assignment]
         peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire})
@@ -331,8 +340,8 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
         {"blocks": {"0": {"context": [3, 0], "generation": [1, 2]}}, "verify": True}
     )
 
-    worker._note_receive(handle)  # as the handover's on_start: noted, nothing marked yet
-    assert not worker._touched[0].any() and list(worker._unmarked) == [handle]
+    check.note_receive(handle)  # as the handover's on_start: noted, nothing marked yet
+    assert not check._touched[0].any() and list(check._unmarked) == [handle]
     target = worker.pools[0].tensor
     before = target.clone()
     reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
@@ -340,18 +349,18 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     written = 2 * route.segments[0].runs[0].len * len(route.segments[0].runs)
     long_fragments = route.segments[0].runs[0].len >= GATHER_MAX
     compared = []  # pool pairs compared byte by byte
-    gather = agent_module.gather_bytes
+    gather = fillcheck_module.gather_bytes
     monkeypatch.setattr(
-        agent_module, "gather_bytes", lambda *a, **k: compared.append(1) or gather(*a, **k)
+        fillcheck_module, "gather_bytes", lambda *a, **k: compared.append(1) or gather(*a, **k)
     )
     assert worker.verify_transfer(handle) == 2 * recv_spec.slot_bytes  # written + the rest
     assert bool(compared) != long_fragments  # long fragments: by their sums alone
     assert (
-        not long_fragments or len(worker._pattern_sums) == written // route.segments[0].runs[0].len
+        not long_fragments or len(check._pattern_sums) == written // route.segments[0].runs[0].len
     )
-    assert not worker._unmarked  # the check marked what was noted first:
-    assert int(worker._touched[0].sum()) == written  # exactly the fragments' bytes ...
-    assert not (changed & ~worker._touched[0]).any()  # ... and every changed byte among them
+    assert not check._unmarked  # the check marked what was noted first:
+    assert int(check._touched[0].sum()) == written  # exactly the fragments' bytes ...
+    assert not (changed & ~check._touched[0]).any()  # ... and every changed byte among them
     # As the handover runs it: from the receive's own aligned routes; a fragments-mode route
     # gets the crc32 of the gathered bytes, equal to the sender's sum over its sources.
     aligned, src, dst = align_request(route, normalize_blocks(handle.context["blocks"]))
@@ -360,7 +369,7 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     frags = expand_fragments(aligned, {0: send_spec}, worker.pools, src, dst)
     assert state.checksum == fragments_crc32(sender, frags, side="src")
 
-    written_at = int(np.flatnonzero(worker._touched[0])[5])
+    written_at = int(np.flatnonzero(check._touched[0])[5])
     target[written_at] ^= 0x01
     state.checksum = None
     with pytest.raises(VerificationError, match="1 wrong bytes among those written from rank 1"):
@@ -376,7 +385,7 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
         worker.verify_transfer(handle)
     reference_copy(route, sender, worker.pools, {0: [3, 0]}, {0: [1, 2]})
     stray = recv_spec.slot_stride_bytes * 2 + int(
-        np.flatnonzero(~worker._touched[0][recv_spec.slot_stride_bytes * 2 :])[0]
+        np.flatnonzero(~check._touched[0][recv_spec.slot_stride_bytes * 2 :])[0]
     )
     target[stray] ^= 0x80  # beside the fragments of slot 2: nobody targeted it
     with pytest.raises(
@@ -387,7 +396,7 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
 
 
 def test_fill_mode_marks_unverified_receives_only_when_a_check_needs_them(
-    worker: Worker, monkeypatch: pytest.MonkeyPatch
+    receiver: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A receive without verify is only noted when it starts. A check marks the noted bytes
     before it judges a slot they share (sender rank 2 wrote heads 0-1 of the slot whose heads
@@ -396,7 +405,6 @@ def test_fill_mode_marks_unverified_receives_only_when_a_check_needs_them(
     import dataclasses
     from types import SimpleNamespace
 
-    import workers.agent
     from workers.pools import Pool, pattern_tensor
     from workers.testing.oracles import HeadSlice, reference_copy
 
@@ -423,56 +431,57 @@ def test_fill_mode_marks_unverified_receives_only_when_a_check_needs_them(
         r: {0: Pool(send_spec, pattern_tensor(r, 0, send_spec.nbytes).clone())} for r in (1, 2)
     }
     pools_wire = [{"id": 0, "slot_bytes": send_spec.slot_bytes, "num_slots": 4}]
+    worker = receiver
     worker.handover = SimpleNamespace(  # type: ignore[assignment]
         peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire})
     )
-    worker.rank = 0
+    check = worker.fillcheck
 
     def reset() -> None:
         worker.pools = {0: Pool(recv_spec, pattern_tensor(0, 0, recv_spec.nbytes).clone())}
-        worker._touched = {0: np.zeros(recv_spec.nbytes, dtype=bool)}
+        check.fill(worker.pools)
 
     def receive(route: Any, src: list[int], dst: list[int], verify: bool = False) -> Handle:
         handle = Handle("r", "receive", "ctx", dataclasses.replace(ENTRY, routes=(route,)), 30.0)
         handle.context.update({"blocks": {"0": {"context": src, "generation": dst}}})
         handle.context["verify"] = verify
-        worker._note_receive(handle)
+        check.note_receive(handle)
         reference_copy(route, senders[route.sender_rank], worker.pools, {0: src}, {0: dst})
         return handle
 
     reset()
     first, second = receive(high, [0], [1]), receive(low, [1], [3])
-    assert not worker._touched[0].any() and list(worker._unmarked) == [first, second]
+    assert not check._touched[0].any() and list(check._unmarked) == [first, second]
     assert worker.verify_untouched() == recv_spec.nbytes - 2 * per_block  # the sweep marks
-    assert not worker._unmarked
+    assert not check._unmarked
 
     reset()
     other = receive(low, [2], [1])  # unverified, into heads 0-1 of slot 1 ...
     checked = receive(high, [3], [1], verify=True)  # ... whose heads 2-3 this one writes
     assert worker.verify_transfer(checked) == recv_spec.slot_bytes - per_block
-    assert not worker._unmarked and int(worker._touched[0].sum()) == 2 * per_block
-    assert other not in worker._unmarked
+    assert not check._unmarked and int(check._touched[0].sum()) == 2 * per_block
+    assert other not in check._unmarked
 
     reset()
-    monkeypatch.setattr(workers.agent, "UNMARKED_MAX", 1)
+    monkeypatch.setattr(fillcheck_module, "UNMARKED_MAX", 1)
     receive(high, [2], [0])
-    assert not worker._touched[0].any()
+    assert not check._touched[0].any()
     second = receive(high, [3], [2])  # past the bound: the oldest is marked now, on this call
-    assert list(worker._unmarked) == [second]
-    assert int(worker._touched[0].sum()) == per_block
+    assert list(check._unmarked) == [second]
+    assert int(check._touched[0].sum()) == per_block
     assert worker.verify_untouched() == recv_spec.nbytes - 2 * per_block
 
     # While the rank is idle (the handover's on_idle hook), a few noted receives at a time.
     reset()
-    monkeypatch.setattr(workers.agent, "UNMARKED_MAX", 1024)
-    monkeypatch.setattr(workers.agent, "MARK_WHEN_IDLE", 2)
+    monkeypatch.setattr(fillcheck_module, "UNMARKED_MAX", 1024)
+    monkeypatch.setattr(fillcheck_module, "MARK_WHEN_IDLE", 2)
     noted = [receive(high, [0], [0]), receive(high, [1], [1]), receive(high, [2], [2])]
-    worker._mark_some()
-    assert list(worker._unmarked) == noted[2:]
-    assert int(worker._touched[0].sum()) == 2 * per_block
-    worker._mark_some()
-    worker._mark_some()  # nothing left: nothing to do
-    assert not worker._unmarked and int(worker._touched[0].sum()) == 3 * per_block
+    check.mark_some()
+    assert list(check._unmarked) == noted[2:]
+    assert int(check._touched[0].sum()) == 2 * per_block
+    check.mark_some()
+    check.mark_some()  # nothing left: nothing to do
+    assert not check._unmarked and int(check._touched[0].sum()) == 3 * per_block
 
 
 def test_the_progress_thread_runs_the_idle_hook_only_while_nothing_is_pending() -> None:
