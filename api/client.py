@@ -14,7 +14,9 @@
 - Errors: problem+json answers become :class:`ApiError` subclasses carrying ``status``, the stable
   ``code``, ``detail`` and the field ``errors``.
 
-Depends on httpx only (no FastAPI, no SQLAlchemy): workers import it.
+Depends on httpx and the wire models (pydantic) only, no FastAPI, no SQLAlchemy: workers import
+it, and it is all they import of ``api``. The models a worker reads from the control plane are
+re-exported here (:class:`TransferCommand`, a ``transfer`` line of its stream).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
+
+from api.schemas_exec import TransferCommand as TransferCommand  # re-exported for workers
 
 log = logging.getLogger("kvplane.client")
 

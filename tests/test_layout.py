@@ -227,9 +227,17 @@ LAYERS = [
     Layer(
         ("workers",),
         ("api",),
-        "workers reach the control plane only through the client, the wire schemas, the logs "
-        "and the planning core",
-        allowed=("api.client", "api.schemas", "api.schemas_exec", "api.logs", "geometry"),
+        "workers reach the control plane only through its client (api.client re-exports the "
+        "wire models a worker reads)",
+        allowed=("api.client",),
+        exempt=("workers.testing",),
+    ),
+    Layer(
+        ("workers.testing",),
+        ("api",),
+        "the test and bench equipment drives the control plane through its client and shares "
+        "its log settings",
+        allowed=("api.client", "api.logs"),
     ),
     Layer(
         ("geometry",),

@@ -54,9 +54,9 @@ from api.client import (
     ConflictError,
     NotFoundError,
     StreamUnsupported,
+    TransferCommand,
     WorkerStream,
 )
-from api.schemas_exec import TransferCommand
 from workers.directory import Directory, HandoverError
 from workers.fillcheck import FillCheck
 from workers.fillcheck import VerificationError as VerificationError  # its old home
