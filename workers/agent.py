@@ -661,7 +661,7 @@ class Worker:
 
     def _on_finished(self, handle: Handle) -> None:
         """Progress thread: stats, fill-mode verification, the record, listeners."""
-        verified = handle.context.get("verified_bytes")
+        verified = handle.verified_bytes
         if handle.state != FAILED:
             if handle.side == "send":
                 self.stats.sent += 1
@@ -679,7 +679,7 @@ class Worker:
             urgent = "transfer_id" in handle.context and (
                 handle.side == "receive"
                 or handle.state == FAILED
-                or (bool(handle.context.get("verify")) and not handle.context.get("compared"))
+                or (handle.verify and not handle.compared)
             )
             self.recorder.add(self._record(handle, verified), urgent=urgent)
         for listener in self._listeners:
@@ -706,7 +706,7 @@ class Worker:
             or handle.state == FAILED
             or self.record_releases
             or "transfer_id" in handle.context
-            or (bool(handle.context.get("verify")) and not handle.context.get("compared"))
+            or (handle.verify and not handle.compared)
         )
 
     def _record(self, handle: Handle, verified: int | None) -> dict[str, Any]:
@@ -727,8 +727,8 @@ class Worker:
             "status": "failed" if handle.state == FAILED else "done",
             "error": None if handle.reason is None else str(handle.reason)[:2000],
             "bytes": handle.bytes,
-            "mode": context.get("mode", "staged"),
-            "verify": bool(context.get("verify", False)),
+            "mode": handle.mode,
+            "verify": handle.verify,
             "started_at": handle.started_at,
             "finished_at": handle.finished_at or time.time(),
             "routes": handle.routes,
@@ -738,9 +738,9 @@ class Worker:
         if "transfer_id" in context:
             record["transfer_id"] = context["transfer_id"]
         else:  # engine path: whichever rank's record comes first creates the transfer's row
-            record["blocks"] = context.get("blocks")
-            if context.get("num_tokens") is not None:
-                record["num_tokens"] = context["num_tokens"]
+            record["blocks"] = handle.blocks
+            if handle.num_tokens is not None:
+                record["num_tokens"] = handle.num_tokens
         return record
 
     # --- fill-pattern verification (workers/fillcheck.py) ---------------------------------

@@ -195,8 +195,8 @@ class FillCheck:
         from workers.executors import align_request
         from workers.handover import normalize_blocks
 
-        pairs = normalize_blocks(handle.context["blocks"])
-        num_tokens = handle.context.get("num_tokens")
+        pairs = normalize_blocks(handle.blocks)
+        num_tokens = handle.num_tokens
         out = []
         for route in handle.entry.routes:
             if route.receiver_rank != self.rank:
@@ -259,11 +259,11 @@ class FillCheck:
         """Before a verified receive resolves (fill mode): check its bytes; a reason fails it.
         The receive's own ``routes`` (aligned already) give the fragments; a route written
         fragment by fragment gets its receiver crc32 here, from the bytes the check gathers."""
-        if not handle.context.get("verify", False):
+        if not handle.verify:
             return None
         started = time.perf_counter()
         try:
-            handle.context["verified_bytes"] = self.verify_transfer(handle, routes)
+            handle.verified_bytes = self.verify_transfer(handle, routes)
         except VerificationError as error:
             return str(error)
         finally:

@@ -107,7 +107,7 @@ handle = call("engine-r20-" + mode, peer, blocks, num_tokens=20, mode=mode, veri
               timeout_s=30)
 state = handle.wait(60)
 print(json.dumps({"state": state, "reason": handle.reason, "bytes": handle.bytes,
-                  "verified": handle.context.get("verified_bytes")}), flush=True)
+                  "verified": handle.verified_bytes}), flush=True)
 worker.stop()
 """
 

@@ -71,7 +71,12 @@ def resolved(
     **context: Any,
 ) -> Handle:
     handle = Handle(f"r-{side}-{state}", side, "gen" if side == "send" else "ctx", ENTRY, 30.0)
-    handle.context.update({"blocks": {"0": {"context": [1], "generation": [2]}}, **context})
+    handle.blocks = {"0": {"context": [1], "generation": [2]}}
+    for key, value in context.items():  # what send/expect sets, else the caller's extras
+        if hasattr(handle, key):
+            setattr(handle, key, value)
+        else:
+            handle.context[key] = value
     handle.bytes = nbytes
     handle._resolve(state, reason)
     assert handle.finished_at is not None
@@ -336,9 +341,8 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
         peer=lambda name, rank: SimpleNamespace(info={"pools": pools_wire})
     )
     handle = Handle("r-1", "receive", "ctx", dataclasses.replace(ENTRY, routes=(route,)), 30.0)
-    handle.context.update(
-        {"blocks": {"0": {"context": [3, 0], "generation": [1, 2]}}, "verify": True}
-    )
+    handle.blocks = {"0": {"context": [3, 0], "generation": [1, 2]}}
+    handle.verify = True
 
     check.note_receive(handle)  # as the handover's on_start: noted, nothing marked yet
     assert not check._touched[0].any() and list(check._unmarked) == [handle]
@@ -363,7 +367,7 @@ def test_fill_mode_verification_checks_every_written_byte_against_the_sender(
     assert not (changed & ~check._touched[0]).any()  # ... and every changed byte among them
     # As the handover runs it: from the receive's own aligned routes; a fragments-mode route
     # gets the crc32 of the gathered bytes, equal to the sender's sum over its sources.
-    aligned, src, dst = align_request(route, normalize_blocks(handle.context["blocks"]))
+    aligned, src, dst = align_request(route, normalize_blocks(handle.blocks))
     state = SimpleNamespace(route=aligned, src=src, dst=dst, mode="fragments", checksum=None)
     assert worker.verify_transfer(handle, [state]) == 2 * recv_spec.slot_bytes  # type: ignore[list-item]
     frags = expand_fragments(aligned, {0: send_spec}, worker.pools, src, dst)
@@ -443,8 +447,8 @@ def test_fill_mode_marks_unverified_receives_only_when_a_check_needs_them(
 
     def receive(route: Any, src: list[int], dst: list[int], verify: bool = False) -> Handle:
         handle = Handle("r", "receive", "ctx", dataclasses.replace(ENTRY, routes=(route,)), 30.0)
-        handle.context.update({"blocks": {"0": {"context": src, "generation": dst}}})
-        handle.context["verify"] = verify
+        handle.blocks = {"0": {"context": src, "generation": dst}}
+        handle.verify = verify
         check.note_receive(handle)
         reference_copy(route, senders[route.sender_rank], worker.pools, {0: src}, {0: dst})
         return handle

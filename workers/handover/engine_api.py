@@ -355,7 +355,7 @@ class Handover:
         pairs = normalize_blocks(blocks)
         handle = Handle(request_id, side, peer, entry, timeout)
         handle.context.update(context or {})
-        handle.context.update(blocks=blocks_of(pairs), verify=verify, num_tokens=num_tokens)
+        handle.blocks, handle.verify, handle.num_tokens = blocks_of(pairs), verify, num_tokens
         now = time.monotonic()
         op = Op(
             handle,
@@ -412,7 +412,7 @@ class Handover:
                 )
             )
         modes = {state.mode for state in op.routes}
-        handle.context["mode"] = modes.pop() if len(modes) == 1 else mode
+        handle.mode = modes.pop() if len(modes) == 1 else mode
         self._validate_ids(op)
         if self.on_start is not None:
             self.on_start(handle)

@@ -246,11 +246,11 @@ class GrantExchange:
         ce, ge = op.handle.entry.epochs()
         payload = ask_payload(
             request_id=op.handle.request_id,
-            blocks=op.handle.context["blocks"],
+            blocks=op.handle.blocks,
             dp=op.dp,
             mode=op.mode,
             verify=op.verify,
-            num_tokens=op.handle.context.get("num_tokens"),
+            num_tokens=op.handle.num_tokens,
             timeout_s=op.deadline - time.monotonic(),
             source=op.source,
         )

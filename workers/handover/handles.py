@@ -71,7 +71,17 @@ class Handle:
         # is over, plus a margin).
         self.reusable_at: float | None = None
         self._quiet_s = 0.0
-        self.context: dict[str, Any] = {}  # caller's extras (e.g. REST transfer id, verify)
+        # What send/expect was asked: the request's block lists (REST form, see blocks_of),
+        # its prompt tokens, whether it is verified; then how its routes move (``mode``, one
+        # for all, else as asked), whether its receivers compared every route's checksum
+        # (``compared``, a verified send) and the bytes a fill check verified.
+        self.blocks: dict[str, Any] = {}
+        self.num_tokens: int | None = None
+        self.verify = False
+        self.mode = "staged"
+        self.compared = False
+        self.verified_bytes: int | None = None
+        self.context: dict[str, Any] = {}  # the caller's extras (e.g. a REST transfer's id)
         self._event: threading.Event | None = None  # made by the first wait(): most never wait
         self._callbacks: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
@@ -277,7 +287,7 @@ class Handles:
         if reason is None and op.verify and op.side == "receive":
             reason = checksum_mismatch(op.routes)
         if op.verify and op.side == "send":  # every receiver compares: this send decides nothing
-            handle.context["compared"] = bool(op.routes) and all(s.compared for s in op.routes)
+            handle.compared = bool(op.routes) and all(s.compared for s in op.routes)
         handle.bytes = sum(state.layout.nbytes for state in op.routes)
         handle.routes = self._route_results(op)
         if reason is not None:
