@@ -383,7 +383,7 @@ async def _recorded(writer: RecordWriter, worker_id: str, data: bytes) -> dict[s
             {"worker_id": worker_id, "records": message.get("records")}
         )
         accepted = await asyncio.wrap_future(writer.submit(body))
-    except ValueError as error:  # not JSON, or records that do not validate
+    except (ValueError, RecursionError) as error:  # not JSON, too deep, or invalid records
         detail = str(error)[:2000]
         return {"type": "recorded", "seq": seq, "error": _problem(422, "validation_error", detail)}
     except KvplaneError as error:

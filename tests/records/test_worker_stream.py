@@ -99,6 +99,8 @@ def test_a_rest_transfer_is_pushed_down_the_stream_and_settled_up_it(client: Tes
         (b'{"type": "records", "seq": true, "records": []}', "invalid_message"),
         (b'{"type": "records", "seq": 3, "records": "nope"}', "validation_error"),
         (b'{"type": "records", "seq": 3, "records": [{"side": "sideways"}]}', "validation_error"),
+        (b"[" * 100_000 + b"]" * 100_000, "validation_error"),  # deeper than the parser goes
+        (b"\xff\xfe not utf-8", "validation_error"),
     ],
 )
 def test_a_bad_message_gets_an_answer_and_the_stream_goes_on(
