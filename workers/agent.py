@@ -391,7 +391,6 @@ class Worker:
         directory = Directory.from_json(self.client.get_directory(self.worker_id))
         self.directory = directory
         if self.handover is not None:
-            self.handover.directory = directory  # visible to the next send/expect at once
             self.handover.set_directory(directory)
         if self.fill:
             self.fillcheck.prepare_patterns(directory)

@@ -270,8 +270,15 @@ class Handover:
         return self.handles.take_finished()
 
     def set_directory(self, directory: Directory) -> None:
-        """Swap in a refreshed directory (applied on the progress thread)."""
+        """Swap in a refreshed directory: the next send/expect plans with it at once, and the
+        progress thread applies it to its peers (connections, retired workers)."""
+        self.directory = directory
         self.call_soon(lambda: self._apply_directory(directory))
+
+    def hold(self, seconds: float) -> None:
+        """Fault injection for tests and chaos drills: receivers hold their grants, senders
+        their writes, this long after each handle started (a frozen or dying peer)."""
+        self.hold_s = float(seconds)
 
     def close(self, reason: str = "the worker stopped") -> None:
         """Fail every pending handle with ``reason`` and stop the progress thread."""

@@ -795,7 +795,7 @@ class EngineRank:
         """Fault injection: this rank's handover holds its grants or WRITEs ``seconds`` after
         each handle starts (a frozen peer); 0 undoes it."""
         assert self.worker.handover is not None
-        self.worker.handover.hold_s = float(seconds)
+        self.worker.handover.hold(seconds)
 
     def stats(self, sweep: bool = False) -> dict[str, Any]:
         """Counters; with ``sweep`` (fill mode) first check every untouched pool byte."""
