@@ -254,7 +254,8 @@ def test_a_decode_aborted_before_it_loads_releases_the_prefill(servers: dict[str
     sequences are busy with long streams): the prefill frees the request's blocks at once, while
     the streams still run, not after ``hold_s``."""
     prompt = prompts(108, (90,))[0]
-    long_body = _body(servers, prompts(109, (40,))[0], max_tokens=1500, stream=True)
+    # As long as the model allows (2,048 positions): both streams must outlast the case.
+    long_body = _body(servers, prompts(109, (40,))[0], max_tokens=2000, stream=True)
     started = threading.Barrier(3)
     stop = threading.Event()
 
