@@ -151,7 +151,10 @@ class Worker:
         self.directory: Directory = Directory.empty(instance, rank)
         self.worker_id: str | None = None
         self.heartbeat_interval_s = 1.0
-        self._two_way = True  # try the two-way stream until the control plane has none
+        # The two-way stream carries pushed commands and their urgent records: a worker that
+        # takes no pushed transfers (embedded in a serving engine) keeps the plain command
+        # stream and posts its batched records, as it always has.
+        self._two_way = accept_commands  # then: until the control plane turns out to have none
         self._stream: WorkerStream | None = None  # open while the command loop reads it
         self.stats = WorkerStats()
         self.recorder: Recorder | None = None
