@@ -251,45 +251,53 @@ def test_a_local_prefix_hit_releases_the_prefill_at_once(servers: dict[str, Any]
 
 def test_a_decode_aborted_before_it_loads_releases_the_prefill(servers: dict[str, Any]) -> None:
     """A client gives up on its decode request while it waits to be scheduled (the engine's two
-    sequences are busy with long streams): the prefill frees the request's blocks at once, while
-    the streams still run, not after ``hold_s``."""
+    sequences are busy with long streams, two more wait ahead of it): the prefill frees the
+    request's blocks at once, while the streams still run, not after ``hold_s``."""
     prompt = prompts(108, (90,))[0]
-    # As long as the model allows (2,048 positions): both streams must outlast the case.
+    # As long as the model allows (2,048 positions). Two streams fill the engine's two
+    # sequences and two more wait ahead of the victim: a fast machine decodes one in ~5 s.
     long_body = _body(servers, prompts(109, (40,))[0], max_tokens=2000, stream=True)
     started = threading.Barrier(3)
     stop = threading.Event()
 
-    def stream() -> int:
+    def stream(first: bool) -> int:
         lines = 0
         with httpx.stream(
-            "POST", f"{servers['decode']}/v1/completions", json=long_body, timeout=60
+            "POST", f"{servers['decode']}/v1/completions", json=long_body, timeout=120
         ) as answer:
             assert answer.status_code == 200
             for _ in answer.iter_lines():
                 lines += 1
-                if lines == 3:
-                    started.wait(30)  # both sequences decode: a third request waits
+                if lines == 3 and first:
+                    started.wait(30)  # both sequences decode: later requests wait
                 if stop.is_set():
                     break
         return lines
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        busy = [pool.submit(stream) for _ in range(2)]
+    # First the prefill, while the engines are idle (a cold prefill under the streams' load
+    # took up to 17 s here); its hold is still running when the victim is aborted.
+    params = _prefill(servers, prompt)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(stream, True) for _ in range(2)]
+        queued: list[concurrent.futures.Future[int]] = []
         try:
             started.wait(30)
-            params = _prefill(servers, prompt)
-            assert _usage(servers["prefill"]) > 0.0  # held for the decode
+            queued = [pool.submit(stream, False) for _ in range(2)]
+            time.sleep(0.5)  # both in the engine's queue before the victim
+            assert _usage(servers["prefill"]) > 0.0  # still held for the decode
             # The client closes its connection after 1 s, unanswered: vLLM aborts the request.
             with pytest.raises(httpx.TimeoutException):
                 _post(servers["decode"], _body(servers, prompt, kv_transfer_params=params), 1.0)
             aborted = time.monotonic()
+            # The victim never got a slot: it waits behind both queued streams (first come,
+            # first served), and neither has ended.
+            assert not any(future.done() for future in queued)
             assert _settled(servers["prefill"], SETTLE_S) == 0.0
             assert time.monotonic() - aborted < HOLD_S / 2
-            assert not any(future.done() for future in busy)  # the victim never got a slot
         finally:
             stop.set()
-            for future in busy:
-                assert future.result() > 3
+            for future in busy + queued:
+                assert future.result() > 0
     _unharmed(servers)
 
 

@@ -220,18 +220,30 @@ def test_the_token_never_comes_from_the_logged_config(tmp_path, monkeypatch) -> 
 
 
 def test_a_release_notice_reaches_the_context_engine_from_paired_workers_only() -> None:
-    """``Handover.release`` on a generation rank sends ``R`` to each writer of its plan; the
-    context rank hands it to ``on_release`` only when it comes from a paired worker."""
+    """``Handover.release`` on a generation rank sends ``R`` to each writer of its plan, from
+    the progress thread, loading a writer it has not met first; it answers None for a pairing
+    its directory does not know. The context rank hands the notice to ``on_release`` only when
+    it comes from a paired worker."""
     import torch
 
     from workers.directory import Directory, PeerWorker, PlanEntry
     from workers.handover import Handover
 
     sent: list[tuple[str, bytes]] = []
+    loaded: list[str] = []
+    sent_one = threading.Event()
+
+    def send_notif(agent: str, msg: bytes) -> None:
+        assert agent in loaded, "a notice to a peer that is not loaded"
+        sent.append((agent, msg))
+        sent_one.set()
+
     transport = SimpleNamespace(
         staging=torch.empty(64, dtype=torch.uint8),
         pools={},
-        send_notif=lambda agent, msg: sent.append((agent, msg)),
+        send_notif=send_notif,
+        has_peer=lambda agent: agent in loaded,
+        add_peer=lambda info: loaded.append(info["agent"]),
     )
     released: list[tuple[str, str]] = []
     seen = threading.Event()
@@ -242,7 +254,7 @@ def test_a_release_notice_reaches_the_context_engine_from_paired_workers_only() 
 
     route = SimpleNamespace(sender_rank=1, receiver_rank=0)  # all release() reads of a route
     entry = PlanEntry("p", "ctx", "gen", "ce", "ge", None, None, (1,), (0,), (route,), ({},))  # type: ignore[arg-type]
-    writer = PeerWorker("ctx", 1, "ce", "w-ctx-1", "agent-ctx-1", {})
+    writer = PeerWorker("ctx", 1, "ce", "w-ctx-1", "agent-ctx-1", {"agent": "agent-ctx-1"})
     reader = PeerWorker("gen", 0, "ge", "w-gen-0", "agent-gen-0", {})
     generation = Handover(
         transport,  # type: ignore[arg-type]
@@ -267,14 +279,34 @@ def test_a_release_notice_reaches_the_context_engine_from_paired_workers_only() 
     )
     try:
         assert generation.release("cmpl-1", "ctx") == 1
-        assert generation.release("cmpl-1", "unpaired") == 0
+        assert generation.release("cmpl-1", "unpaired") is None
         assert generation.release("bad|id", "ctx") == 0
+        assert sent_one.wait(5)
+        assert loaded == ["agent-ctx-1"]
         assert sent == [("agent-ctx-1", b"R|cmpl-1|ce|ge|1|0")]
 
-        context._on_notification("agent-stranger", sent[0][1])  # not a paired worker: dropped
+        context._on_notification("agent-stranger", sent[0][1])  # not a paired worker: parked
         context._on_notification("agent-gen-0", sent[0][1])
         assert seen.wait(5)
         assert released == [("cmpl-1", "gen")]
+        # A worker the context rank's directory does not name yet (its pairing is newer): its
+        # notice waits for the refresh that names it; the stranger's is never handed on.
+        seen.clear()
+        context._on_notification("agent-gen-1", b"R|cmpl-2|ce|ge|1|1")
+        assert released == [("cmpl-1", "gen")]
+        newcomer = PeerWorker("gen", 1, "ge", "w-gen-1", "agent-gen-1", {})
+        context.set_directory(
+            Directory(
+                "r2",
+                "ctx",
+                "context",
+                1,
+                "ce",
+                peers={("gen", 0): reader, ("gen", 1): newcomer},
+            )
+        )
+        assert seen.wait(5)
+        assert released == [("cmpl-1", "gen"), ("cmpl-2", "gen")]
     finally:
         generation.close()
         context.close()

@@ -49,8 +49,9 @@ decode engine with the ``kv_transfer_params`` that came back):
 Release notices: a decode request that loads nothing after all (its own prefix cache holds the
 prompt, its prompt differs, it is aborted before its blocks are allocated) makes the decode's
 ranks tell the prefill's (``Handover.release``), which free the blocks at once; ``hold_s`` only
-covers a decode that never comes. A prefill rank that sends in none of its pairings' routes
-(prefill TP above the model's KV heads) reports each request sent at once.
+covers a decode that never comes. At first contact the notice waits (``_release_later``) for the
+pairing the scheduler asks for, up to ``timeout_s``. A prefill rank that sends in none of its
+pairings' routes (prefill TP above the model's KV heads) reports each request sent at once.
 
 Live KV is the engine's alone: the connector's workers refuse REST-pushed transfer commands
 (recorded as failed transfers on the control plane), fault injection acts only with
@@ -129,6 +130,7 @@ DEFAULT_TIMEOUT_S = 30.0  # a decode rank's receive fails after this
 PARK_S = 5.0  # an ask that came before its request's hold reached this rank waits this long
 DEFAULT_STAGING_MIB = 32
 IDLE_STEP_S = 0.01  # the longest a step that runs no model waits for a handover to resolve
+RELEASE_RETRY_S = 0.25  # a release to a prefill this rank has not met yet is tried this often
 _DP_SUFFIX = re.compile(r"^(.*?)(?:_dp(\d+))?$")
 CLAIMS_KEPT = 65_536  # prefill requests whose KV a decode engine loaded, remembered
 
@@ -340,6 +342,8 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         self._done_sending: set[str] = set()
         self._receiving: dict[str, tuple[Receive, Handle]] = {}  # decode rank: by transfer id
         self._deferred: dict[str, tuple[Receive, float]] = {}  # waiting for the pairing: until
+        self._unsent: dict[tuple[str, str], float] = {}  # releases waiting for it: until
+        self._releasing = False  # a thread sends them (_release_later)
         self._quarantined: Quarantine[Receive] = Quarantine()  # failed loads, until reusable
         self._done_receiving: set[str] = set()
         self._load_errors: set[int] = set()  # one KV cache group: vLLM recomputes from there
@@ -542,9 +546,10 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
             elif isinstance(params, dict) and params.get("do_remote_prefill"):
                 try:  # aborted before the scheduler looked at it
                     remote = parse_params(params)
-                    self._releases.append((remote.context, remote.request_id))
                 except ParamsError:
-                    pass
+                    return False, None
+                self._releases.append((remote.context, remote.request_id))
+                self.pairings.state(remote.context)  # a first contact: its ranks need it
             return False, None
         if not isinstance(params, dict) or not params.get("do_remote_decode"):
             return False, None
@@ -747,7 +752,50 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         if worker is None or worker.handover is None:
             return
         sent = worker.handover.release(source, context)
-        log.debug("kvplane: released %s at %s (%d notices)", source, context, sent)
+        if sent is not None:
+            log.debug("kvplane: released %s at %s (%d notices)", source, context, sent)
+            return
+        # First contact (a request aborted before its first load): the pairing is being made
+        # (the scheduler asked for it); send the notice once this rank's directory has it.
+        with self._lock:
+            self._unsent[(context, source)] = time.monotonic() + self.timeout_s
+            if self._releasing:
+                return
+            self._releasing = True
+        threading.Thread(target=self._release_later, daemon=True, name="kvplane-release").start()
+
+    def _release_later(self) -> None:
+        """Releases whose pairing this rank's directory did not know: sent after a directory
+        refresh brings it, or given up after ``timeout_s`` (the prefill's hold frees them)."""
+        worker = self.worker
+        assert worker is not None and worker.handover is not None
+        while True:
+            time.sleep(RELEASE_RETRY_S)
+            try:
+                worker.refresh_directory()
+            except Exception as error:  # the control plane is down: the holds run out
+                log.debug("kvplane: directory refresh for a release failed: %s", error)
+            now = time.monotonic()
+            with self._lock:
+                unsent = list(self._unsent.items())
+            for (context, source), until in unsent:
+                sent = worker.handover.release(source, context)
+                if sent is None and until > now:
+                    continue
+                if sent is None:
+                    log.info(
+                        "kvplane: %s does not know %s within %g s: its hold frees request %s",
+                        self.instance,
+                        context,
+                        self.timeout_s,
+                        source,
+                    )
+                with self._lock:
+                    self._unsent.pop((context, source), None)
+            with self._lock:
+                if not self._unsent:
+                    self._releasing = False
+                    return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

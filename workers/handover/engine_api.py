@@ -58,6 +58,8 @@ log = logging.getLogger("kvplane.handover")
 
 DEFAULT_TIMEOUT_S = 30.0
 EARLY_TTL_S = 120.0  # grants and aborts that arrive before their send() are kept this long
+STRANGER_RELEASE_S = 5.0  # a release notice from an agent not in the directory waits this long
+STRANGER_RELEASES = 1024  # ... and at most this many wait
 IDLE_WAIT_S = 0.005  # an idle progress loop still drains stray notifications this often ...
 IDLE_SLOW_AFTER_S = 1.0  # ... and, idle this long (its idle hook done), only every
 IDLE_SLOW_WAIT_S = 0.025  # IDLE_SLOW_WAIT_S: each wake costs ~80 us of CPU, 16 ms a second
@@ -120,6 +122,8 @@ class Handover:
         self._closed = False
         # Grants and aborts that came before their send()/expect(): (agent, fields, when)
         self._early: dict[RouteKey, tuple[str, list[str], float]] = {}
+        # Release notices from agents not in the directory yet: (agent, request id, when)
+        self._strangers: list[tuple[str, str, float]] = []
         self._next_resend = 0.0  # when the progress loop next re-sends quiet grants
         self.peers = Peers(transport, wake=self._wake.set, name=f"{instance}-{rank}")
         self.handles = Handles(
@@ -236,30 +240,40 @@ class Handover:
         *,
         context_dp_rank: int | None = None,
         generation_dp_rank: int | None = None,
-    ) -> int:
+    ) -> int | None:
         """Generation side: tell each context rank of ``peer`` that writes to this rank that
         its request ``request_id`` (the context engine's id) will not be asked for, so it frees
-        the blocks now rather than when its hold runs out. Returns the notices sent (0 when
-        the pairing or its writers are not known here: the hold then runs out)."""
+        the blocks now rather than when its hold runs out. The notices go from the progress
+        thread, which loads a writer's endpoint first where this rank has not met it yet.
+        Returns the notices queued (0 for an invalid id, or where no writer of ``peer`` writes
+        to this rank), or None where this rank's directory does not know the pairing (yet):
+        refresh it and release again, or let the hold run out."""
         if not isinstance(request_id, str) or not REQUEST_ID.match(request_id):
             return 0
         entry = self.directory.plans.get((peer, context_dp_rank, generation_dp_rank))
         if entry is None:
-            return 0
+            return None
         ce, ge = entry.epochs()
-        sent = 0
-        for sender in sorted({r.sender_rank for r in entry.routes if r.receiver_rank == self.rank}):
+        senders = sorted({r.sender_rank for r in entry.routes if r.receiver_rank == self.rank})
+        if senders:
+            self.call_soon(lambda: self._send_releases(request_id, peer, senders, ce, ge))
+        return len(senders)
+
+    def _send_releases(
+        self, request_id: str, peer: str, senders: list[int], ce: str, ge: str
+    ) -> None:
+        """Progress thread: :meth:`release`'s notices (the hold covers one that cannot go)."""
+        for sender in senders:
             worker = self.peers.get(peer, sender)
-            if worker is None:
+            if worker is None or not self.peers.load(worker):
+                log.debug("release of %s: %s rank %d is not reachable", request_id, peer, sender)
                 continue
             try:
                 self.transport.send_notif(
                     worker.agent, notice("R", request_id, ce, ge, sender, self.rank)
                 )
-                sent += 1
-            except Exception as error:  # the hold covers a release that does not get through
+            except Exception as error:
                 log.debug("release of %s to %s failed: %s", request_id, worker.agent, error)
-        return sent
 
     def refuse(self, ask: Ask, reason: str) -> None:
         """Answer ``ask`` with an abort: the receiver's handle fails at once with ``reason``."""
@@ -609,14 +623,38 @@ class Handover:
         self._on_message(agent, fields, state)
 
     def _on_release(self, agent: str, request_id: str) -> None:
-        """A paired generation rank will not ask for ``request_id`` (see :meth:`release`)."""
+        """A paired generation rank will not ask for ``request_id`` (see :meth:`release`).
+
+        A notice from an agent this rank does not know yet (a generation engine's first
+        contact: its pairing is newer than this rank's directory) waits up to
+        ``STRANGER_RELEASE_S`` for the directory refresh it asks for; a notice whose agent the
+        refreshed directory does not name either is dropped: only a paired instance's worker
+        may release."""
+        if self.on_release is None or self.directory.role != "context":
+            return
         peer = self.peers.by_agent(agent)
-        if self.on_release is None or self.directory.role != "context" or peer is None:
-            return  # a stranger's notice: only a paired instance's worker may release
+        if peer is None:
+            if len(self._strangers) < STRANGER_RELEASES:
+                self._strangers.append((agent, request_id, time.monotonic()))
+            if self.grants.on_unknown_agent is not None:
+                self.grants.on_unknown_agent(agent)
+            return
         try:
             self.on_release(request_id, peer.instance)
         except Exception:
             log.exception("on_release hook failed for %s", request_id)
+
+    def _strangers_again(self) -> None:
+        """After a directory refresh: the parked notices of agents it names go through."""
+        now = time.monotonic()
+        parked, self._strangers = self._strangers, []
+        for agent, request_id, since in parked:
+            if self.peers.by_agent(agent) is not None:
+                self._on_release(agent, request_id)
+            elif now - since < STRANGER_RELEASE_S:
+                self._strangers.append((agent, request_id, since))
+        if self._strangers and self.grants.on_unknown_agent is not None:
+            self.grants.on_unknown_agent(self._strangers[0][0])  # a refresh may have raced it
 
     def _on_message(
         self, agent: str, fields: list[str], state: RouteState, received_at: float | None = None
@@ -670,3 +708,5 @@ class Handover:
         self.directory = directory
         retired = self.peers.apply(directory)
         self.handles.peers_changed(directory.peer_epochs, retired)
+        if self._strangers:
+            self._strangers_again()
