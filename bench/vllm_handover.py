@@ -15,7 +15,8 @@ decode is TP 1); ``--prompt-tokens 128,1000,2000``; ``--in-flight 1,4,8``; ``--r
 (measured rounds per cell and connector, after the cell's first round); ``--max-tokens 4``
 (online); ``--settle-s 1.2`` (pause before every round); ``--isolation restart|freeze``;
 ``--nixl-affinity vllm|engine``; ``--idle-probe-s 3``; ``--round-timeout-s 300``; ``--seed 0``;
-``--workdir DIR`` (keeps the engines' logs; a temporary folder otherwise).
+``--workdir DIR`` (keeps the engines' logs; a temporary folder otherwise); ``--first-run 1``,
+``--save FILE`` and ``--summarize FILE...`` (below).
 
 How a cell runs. Each round draws new random prompts (no engine has seen them: vLLM serves with
 prefix caching on, and a repeated prompt would measure a cache hit), the same ones for both
@@ -110,8 +111,16 @@ Estimated full default run (3 runs × 2 modes × 2 TPs × 9 cells, 216 pair star
 connector and cell): 10-13 hours: ~3.5-4.5 h of pair starts, ~1.5 h of kvplane's and TP 1
 NixlConnector's rounds, and 5-7 h of NixlConnector's TP 2 rounds, the least certain part.
 ``--tp 1`` alone: ~2.5-3 h. ``--isolation freeze`` saves ~3.5 h of starts (see above for why it
-is not the default). Split with ``--tp``, ``--modes`` and ``--runs``; run it on a quiet machine
-(the header prints the load average at the start).
+is not the default). Run it on a quiet machine (the header prints the load average at the start).
+
+Split over several invocations (a quiet window of a few hours each): ``--tp``, ``--modes``,
+``--runs`` and ``--first-run N`` (the first run's number) choose the piece, ``--save FILE``
+appends each measured cell to a JSON-lines file as its pair finishes (with the header it was
+measured under), and ``--summarize FILE...`` prints the per-run tables and the summary of every
+saved piece together, starting no engine::
+
+    .venv/bin/python bench/vllm_handover.py --runs 1 --first-run 2 --tp 1 --save runs.jsonl
+    .venv/bin/python bench/vllm_handover.py --summarize runs.jsonl
 """
 
 from __future__ import annotations
@@ -131,7 +140,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -859,10 +868,10 @@ def print_run(
     sys.stdout.flush()
 
 
-def print_summary(args: argparse.Namespace, results: Results) -> None:
+def print_summary(modes: Sequence[str], results: Results) -> None:
     runs = sorted({r for (r, _, _, _) in results})
     print(f"\n## Summary: median over {len(runs)} run(s) of each cell's p50 (range over runs)")
-    for mode in args.modes:
+    for mode in modes:
         cells = list(
             dict.fromkeys(cell for (_, m, cell, c) in results if m == mode and c == "kvplane")
         )
@@ -925,6 +934,22 @@ def _modes(text: str) -> list[str]:
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="whole comparisons (default 3)")
+    parser.add_argument(
+        "--first-run", type=int, default=1, help="the number of the first run (pieces of a run)"
+    )
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="append every cell's samples to this JSON-lines file",
+    )
+    parser.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print the tables of these --save files (no engines start)",
+    )
     parser.add_argument("--modes", type=_modes, default=["offline", "online"])
     parser.add_argument("--tp", type=_ints, default=[1, 2], help="prefill TP: 1, 2 or both")
     parser.add_argument("--prompt-tokens", type=_ints, default=[128, 1000, 2000])
@@ -951,8 +976,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(tp not in (1, 2) for tp in args.tp):
         parser.error("--tp: 1 or 2 (two cores)")
-    if args.runs < 1 or args.rounds < 1 or min(args.in_flight) < 1:
-        parser.error("--runs, --rounds and --in-flight must be at least 1")
+    if args.runs < 1 or args.rounds < 1 or min(args.in_flight) < 1 or args.first_run < 1:
+        parser.error("--runs, --first-run, --rounds and --in-flight must be at least 1")
     if max(args.prompt_tokens) + args.max_tokens > MAX_MODEL_LEN or min(args.prompt_tokens) < 1:
         parser.error(f"prompts of 1 to {MAX_MODEL_LEN - args.max_tokens} tokens")
     return args
@@ -970,6 +995,8 @@ def _workdir(path: Path | None) -> Iterator[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    if args.summarize:
+        return summarize(args.summarize)
     missing = vllm_missing()
     if missing:
         sys.exit(f"vllm_handover: {missing}")
@@ -981,23 +1008,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(header(args), flush=True)
     failure: BaseException | None = None
     printed: set[tuple[int, str]] = set()
+    saved: set[tuple[int, str, Cell, str]] = set()
     with _workdir(args.workdir) as workdir:
         model = write_model(workdir)
         try:
-            for run in range(1, args.runs + 1):
+            for run in range(args.first_run, args.first_run + args.runs):
                 for mode in args.modes:
                     for tp in args.tp:
                         measure(run, mode, tp, workdir, model, args, results, idle)
+                        save(args, results, saved)
                     print_run(run, mode, results, idle)
                     printed.add((run, mode))
         except (Exception, KeyboardInterrupt, SystemExit) as error:
             failure = error
             if not isinstance(error, BenchError | KeyboardInterrupt | SystemExit):
                 traceback.print_exc()
+            save(args, results, saved)  # what the failed run measured before it failed
             for run, mode in dict.fromkeys((r, m) for (r, m, _, _) in results):
-                if (run, mode) not in printed:  # what the failed run measured before it failed
+                if (run, mode) not in printed:
                     print_run(run, mode, results, idle)
-    print_summary(args, results)
+    print_summary(args.modes, results)
     print(f"\nWall time: {(time.monotonic() - started) / 60:.1f} min", flush=True)
     if failure is not None:
         print(f"\nvllm_handover FAILED: {failure}", file=sys.stderr)
@@ -1007,6 +1037,82 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nvllm_handover: {failed} connector cell(s) failed (listed above)", file=sys.stderr)
         return 2
     return 0
+
+
+# --- runs split over several invocations -----------------------------------------------------
+
+
+def save(
+    args: argparse.Namespace, results: Results, saved: set[tuple[int, str, Cell, str]]
+) -> None:
+    """Append to ``--save`` the samples not written yet, one JSON line each, with what the run
+    was measured under (the header)."""
+    if args.save is None:
+        return
+    with args.save.open("a") as out:
+        for key, sample in results.items():
+            if key in saved or (not sample.requests and sample.error is None):
+                continue  # written, or a cell not measured yet
+            run, mode, cell, connector = key
+            line = {
+                "run": run,
+                "mode": mode,
+                "cell": asdict(cell),
+                "connector": connector,
+                "sample": asdict(sample),
+                "header": header(args),
+            }
+            out.write(json.dumps(line) + "\n")
+            saved.add(key)
+
+
+def load(paths: Sequence[Path]) -> tuple[Results, list[str]]:
+    """The samples of ``--save`` files (a later line for the same run, mode, cell and
+    connector replaces an earlier one) and the distinct headers they were measured under."""
+    results: Results = {}
+    headers: list[str] = []
+    for path in paths:
+        try:
+            texts = path.read_text().splitlines()
+        except OSError as error:
+            sys.exit(f"vllm_handover: {path}: cannot read it ({error.strerror})")
+        for number, text in enumerate(texts, 1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+                key = (
+                    int(line["run"]),
+                    str(line["mode"]),
+                    Cell(**line["cell"]),
+                    str(line["connector"]),
+                )
+                results[key] = Sample(**line["sample"])
+            except (ValueError, KeyError, TypeError) as error:
+                sys.exit(f"vllm_handover: {path}:{number}: not a saved sample ({error})")
+            if line.get("header") and line["header"] not in headers:
+                headers.append(line["header"])
+    for run, mode, cell, _ in list(results):  # a connector a failed piece never reached
+        for connector in CONNECTORS:
+            results.setdefault((run, mode, cell, connector), Sample())
+    return results, headers
+
+
+def summarize(paths: Sequence[Path]) -> int:
+    """``--summarize``: the per-run tables and the summary of saved samples."""
+    results, headers = load(paths)
+    if not results:
+        sys.exit("vllm_handover: no saved samples in " + ", ".join(map(str, paths)))
+    print("# vLLM handover, kvplane vs NixlConnector: saved runs\n")
+    print("Measured under:\n")
+    for line in headers:
+        print(f"- {line.removeprefix('# ')}")
+    modes = [m for m in ("offline", "online") if any(k[1] == m for k in results)]
+    for run in sorted({k[0] for k in results}):
+        for mode in modes:
+            print_run(run, mode, results, {})
+    print_summary(modes, results)
+    return 2 if any(sample.error is not None for sample in results.values()) else 0
 
 
 if __name__ == "__main__":
