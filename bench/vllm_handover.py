@@ -1005,7 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: Results = {}
     idle: dict[tuple[int, str, int], dict[str, Idle]] = {}
     started = time.monotonic()
-    print(header(args), flush=True)
+    measured_under = header(args)
+    print(measured_under, flush=True)
     failure: BaseException | None = None
     printed: set[tuple[int, str]] = set()
     saved: set[tuple[int, str, Cell, str]] = set()
@@ -1016,14 +1017,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for mode in args.modes:
                     for tp in args.tp:
                         measure(run, mode, tp, workdir, model, args, results, idle)
-                        save(args, results, saved)
+                        save(args, results, saved, measured_under)
                     print_run(run, mode, results, idle)
                     printed.add((run, mode))
         except (Exception, KeyboardInterrupt, SystemExit) as error:
             failure = error
             if not isinstance(error, BenchError | KeyboardInterrupt | SystemExit):
                 traceback.print_exc()
-            save(args, results, saved)  # what the failed run measured before it failed
+            # what the failed run measured before it failed
+            save(args, results, saved, measured_under)
             for run, mode in dict.fromkeys((r, m) for (r, m, _, _) in results):
                 if (run, mode) not in printed:
                     print_run(run, mode, results, idle)
@@ -1043,10 +1045,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def save(
-    args: argparse.Namespace, results: Results, saved: set[tuple[int, str, Cell, str]]
+    args: argparse.Namespace,
+    results: Results,
+    saved: set[tuple[int, str, Cell, str]],
+    measured_under: str,
 ) -> None:
     """Append to ``--save`` the samples not written yet, one JSON line each, with what the run
-    was measured under (the header)."""
+    was measured under (the header printed at its start)."""
     if args.save is None:
         return
     with args.save.open("a") as out:
@@ -1060,7 +1065,7 @@ def save(
                 "cell": asdict(cell),
                 "connector": connector,
                 "sample": asdict(sample),
-                "header": header(args),
+                "header": measured_under,
             }
             out.write(json.dumps(line) + "\n")
             saved.add(key)

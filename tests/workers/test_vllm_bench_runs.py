@@ -52,8 +52,8 @@ def test_pieces_of_runs_saved_apart_summarize_as_one(
             (run, "online", bench.Cell(1, 1000, 1), "kvplane"): bench.Sample(),  # not measured
         }
         written: set[tuple[object, ...]] = set()
-        bench.save(args, results, written)
-        bench.save(args, results, written)  # written once
+        bench.save(args, results, written, f"run {run}")
+        bench.save(args, results, written, f"run {run}")  # written once
     lines = saved.read_text().splitlines()
     assert len(lines) == 4
     assert {json.loads(line)["run"] for line in lines} == {1, 2}
@@ -61,6 +61,7 @@ def test_pieces_of_runs_saved_apart_summarize_as_one(
     assert bench.main(["--summarize", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "## Run 1, online" in out and "## Run 2, online" in out
+    assert "- run 1\n- run 2" in out  # what each piece was measured under
     summary = out.split("## Summary")[1]
     assert "median over 2 run(s)" in summary
     row = next(line for line in summary.splitlines() if line.startswith("| 1 → 1"))
