@@ -139,7 +139,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -677,8 +677,10 @@ def measure(
     args: argparse.Namespace,
     results: Results,
     idle: dict[tuple[int, str, int], dict[str, Idle]],
+    on_cell: Callable[[], None] = lambda: None,
 ) -> None:
-    """Every cell of one run, mode and TP, for both connectors (``--isolation``)."""
+    """Every cell of one run, mode and TP, for both connectors (``--isolation``); ``on_cell``
+    is called after each (``--save``)."""
     cells = [Cell(tp, t, n) for t in args.prompt_tokens for n in args.in_flight]
     name = f"run{run}-{mode}-tp{tp}"
     for position, cell in enumerate(cells):
@@ -697,6 +699,7 @@ def measure(
             for cell in cells:
                 _log(f"{name}: {cell}")
                 run_cell(keys[cell], cell, pairs, samples_of(cell), args)
+                on_cell()
         return
     for position, cell in enumerate(cells):  # restart: one pair at a time, fresh per cell
         order = CONNECTORS if position % 2 == 0 else CONNECTORS[::-1]
@@ -712,6 +715,7 @@ def measure(
             except BenchError as error:  # this cell's pair only: the next cell starts afresh
                 results[(run, mode, cell, connector)].error = str(error)
                 _log(f"{name}: {cell} {connector} FAILED: {error}")
+            on_cell()
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -1016,8 +1020,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for run in range(args.first_run, args.first_run + args.runs):
                 for mode in args.modes:
                     for tp in args.tp:
-                        measure(run, mode, tp, workdir, model, args, results, idle)
-                        save(args, results, saved, measured_under)
+                        measure(
+                            run,
+                            mode,
+                            tp,
+                            workdir,
+                            model,
+                            args,
+                            results,
+                            idle,
+                            lambda: save(args, results, saved, measured_under),
+                        )
                     print_run(run, mode, results, idle)
                     printed.add((run, mode))
         except (Exception, KeyboardInterrupt, SystemExit) as error:
