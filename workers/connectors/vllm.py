@@ -109,6 +109,7 @@ from workers.connectors.boundary import (
 )
 from workers.connectors.layouts import describe
 from workers.connectors.vllm_stats import HandoverNotes, KvplaneConnectorStats, KvplanePromMetrics
+from workers.watchdog import StallWatch, stall_dump_s
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -350,6 +351,8 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads: set[str] = set()  # several: vLLM takes failures per request
         self._resolved = threading.Event()  # a handle of this rank resolved (progress thread)
         self._notes = HandoverNotes()  # for vLLM's KVConnectorStats
+        self._stepped_at = time.monotonic()  # the model runner's last get_finished
+        self._watch: StallWatch | None = None  # KVPLANE_STALL_DUMP_S
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -627,6 +630,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         worker.attach(tensors=tensors)
         worker.start()
         self.worker = worker
+        self._start_watch(rank)
         log.info(
             "kvplane: %s rank %d registered at %s (%d pools)",
             self.instance,
@@ -638,6 +642,23 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
             self._revalidate_pairings(client)
         elif extra.get("peer"):
             self._pair_at_start(str(extra["peer"]))
+
+    def _start_watch(self, rank: int) -> None:
+        """``KVPLANE_STALL_DUMP_S``: every thread's stack to stderr when the handover's progress
+        loop, or the engine's steps while this rank has KV held or on its way, stop moving."""
+        after = stall_dump_s()
+        handover = self.worker.handover if self.worker is not None else None
+        if after is None or handover is None:
+            return
+        watch = StallWatch(f"{self.instance}-{rank}", after)
+        watch.watch("the handover's progress loop", lambda: handover.ticked_at, lambda: True)
+        watch.watch("the engine's steps", lambda: self._stepped_at, self._outstanding)
+        self._watch = watch.start()
+        log.info("kvplane: %s rank %d: stall watch on (%g s)", self.instance, rank, after)
+
+    def _outstanding(self) -> bool:
+        """Whether this rank has KV held, on its way or waiting: vLLM then keeps stepping."""
+        return bool(self._held or self._receiving or self._deferred or self._parked or self._unsent)
 
     def _revalidate_pairings(self, client: Any) -> None:
         """A restarted prefill (new epoch) puts its pairings back in service once every rank
@@ -902,6 +923,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
     # both ----------------------------------------------------------------------------------
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._stepped_at = time.monotonic()
         if self.worker is None:
             return None, None
         with self._lock:
@@ -989,6 +1011,9 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self.worker is not None:
             self.worker.stop()
             self.worker = None

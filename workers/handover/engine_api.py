@@ -125,6 +125,7 @@ class Handover:
         # Release notices from agents not in the directory yet: (agent, request id, when)
         self._strangers: list[tuple[str, str, float]] = []
         self._next_resend = 0.0  # when the progress loop next re-sends quiet grants
+        self.ticked_at = time.monotonic()  # the progress loop's last turn (a stall watch reads it)
         self.peers = Peers(transport, wake=self._wake.set, name=f"{instance}-{rank}")
         self.handles = Handles(
             transport,
@@ -484,6 +485,7 @@ class Handover:
         idle_since: float | None = None  # when the last pending handle resolved
         try:
             while not self._closed:
+                self.ticked_at = time.monotonic()
                 woken = self._wake.is_set()
                 self._wake.clear()
                 try:

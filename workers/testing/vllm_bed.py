@@ -26,6 +26,8 @@ from workers.testing.engine import ControlPlane, free_port
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "tests" / "vllm"  # engine.py, tiny_model.py
 VLLM_PYTHON = Path(os.environ.get("KVPLANE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+# An engine whose handover or steps stop this long (KV outstanding) dumps its threads to its log.
+STALL_DUMP_S = "10"
 
 
 def vllm_missing() -> str | None:
@@ -91,6 +93,7 @@ class Engine:
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "PYTHONPATH": str(ROOT),
             "KVPLANE_LOG_LEVEL": "INFO",  # a failure's reason, with times, in the engine's log
+            "KVPLANE_STALL_DUMP_S": STALL_DUMP_S,  # and where a stalled engine's threads stood
             **(env or {}),
         }
         self.log_path = workdir / f"{log_name or instance or role}.log"
@@ -301,7 +304,12 @@ def openai_server(
             *args,
         ],
         workdir / f"{name}.log",
-        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})},
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": core,
+            "KVPLANE_STALL_DUMP_S": STALL_DUMP_S,
+            **(env or {}),
+        },
     )
 
 
