@@ -22,6 +22,7 @@ from workers.testing.engine import ControlPlane
 from workers.testing.vllm_bed import (
     complete,
     completion,
+    kvplane_holds,
     prompts,
     serve_pair,
     write_model,
@@ -123,3 +124,9 @@ def test_handovers_show_in_vllms_own_metrics(servers: dict[str, Any]) -> None:
     assert _series(servers["decode"], "vllm:kvplane_bytes_total")[("vllm-prefill", "receive", "")]
     sent = _series(servers["prefill"], "vllm:kvplane_handovers_total")
     assert sent.get(("vllm-decode", "send", "released"), 0) >= len(batch), sent
+    # ... and each held request's end: these were freed because the decode asked
+    while (holds := kvplane_holds(servers["prefill"])).get("sent", 0) < len(batch):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert holds.get("sent", 0) >= len(batch), holds

@@ -340,7 +340,8 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         self._parked: dict[str, tuple[Ask, float]] = {}  # asks that came before the metadata
         self._released: dict[str, float] = {}  # releases that came before the metadata
         self._sending: dict[str, set[str]] = {}  # prefill rank: held id -> transfers under way
-        self._done_sending: set[str] = set()
+        # prefill rank: held ids to free, with what freed them (vllm:kvplane_holds_total)
+        self._done_sending: dict[str, str] = {}
         self._receiving: dict[str, tuple[Receive, Handle]] = {}  # decode rank: by transfer id
         self._deferred: dict[str, tuple[Receive, float]] = {}  # waiting for the pairing: until
         self._unsent: dict[tuple[str, str], float] = {}  # releases waiting for it: until
@@ -831,11 +832,13 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         unused = self._routeless()
         with self._lock:
             if unused:  # no pairing has a route from this rank: nobody will ask it
-                self._done_sending.update(holds)
+                self._done_sending.update(dict.fromkeys(holds, "routeless"))
                 return
             self._held.update(holds)
             # released before the hold reached this rank (the decode was quick to decide)
-            self._done_sending.update(r for r in holds if self._released.pop(r, None) is not None)
+            for request_id in holds:
+                if self._released.pop(request_id, None) is not None:
+                    self._done_sending[request_id] = "released"
             for transfer, (ask, _) in list(self._parked.items()):
                 if (ask.source or ask.request_id) in holds:
                     del self._parked[transfer]
@@ -888,24 +891,25 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
         if reason is not None:
             handover.refuse(ask, reason)
             if held is not None:  # the decode that came loads nothing: free the blocks
-                self._sent(source, None)
+                self._sent(source, None, "refused")
             return
         try:
             handle = handover.send(ask.request_id, ask.peer, ask.blocks, **ask.send_options())
         except Exception as error:
             handover.refuse(ask, f"{self.instance} cannot send: {error}")
-            self._sent(source, ask.request_id)
+            self._sent(source, ask.request_id, "refused")
             return
         handle.add_done_callback(lambda h: self._sent(source, h.request_id))
 
-    def _sent(self, source: str, transfer: str | None) -> None:
-        """A send of held request ``source`` ended: its blocks are free once none is under way."""
+    def _sent(self, source: str, transfer: str | None, outcome: str = "sent") -> None:
+        """A send of held request ``source`` ended: its blocks are free once none is under way
+        (``outcome``: what freed them, unless something did first)."""
         with self._lock:
             sending = self._sending.get(source, set())
             sending.discard(transfer or "")
             if not sending:
                 self._sending.pop(source, None)
-                self._done_sending.add(source)
+                self._done_sending.setdefault(source, outcome)
 
     def _on_release(self, request_id: str, peer: str) -> None:
         """Progress thread: a decode engine will not ask for ``request_id``: free it now (or,
@@ -917,7 +921,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
                 if len(self._released) > CLAIMS_KEPT:
                     self._released = {k: t for k, t in self._released.items() if now - t < PARK_S}
             elif not self._sending.get(request_id):
-                self._done_sending.add(request_id)
+                self._done_sending.setdefault(request_id, "released")
         log.debug("kvplane: %s released %s", peer, request_id)
 
     # both ----------------------------------------------------------------------------------
@@ -950,14 +954,19 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed(receive)
             for request_id, (_, until) in list(self._held.items()):
                 if (routeless or until < now_wall) and request_id not in self._sending:
-                    self._done_sending.add(request_id)  # nobody asked in time, or will: free
+                    # nobody asked in time, or will: free
+                    self._done_sending.setdefault(
+                        request_id, "routeless" if routeless else "expired"
+                    )
             for transfer, (ask, since) in list(self._parked.items()):
                 if now - since > PARK_S:
                     del self._parked[transfer]
                     refuse.append(ask)
-            sending, self._done_sending = self._done_sending, set()
+            sending, self._done_sending = self._done_sending, {}
             for request_id in sending:
                 self._held.pop(request_id, None)
+        if sending:
+            self._notes.held(list(sending.values()))
         for receive, reason, quiet_until in failed:
             self._load_failed(receive, reason, quiet_until)
         with self._lock:
@@ -967,7 +976,7 @@ class KvplaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.handover.refuse(
                 ask, f"{self.instance} does not hold request {ask.source or ask.request_id}"
             )
-        return sending or None, receiving or None
+        return set(sending) or None, receiving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, receiving = self.get_finished(finished_req_ids)

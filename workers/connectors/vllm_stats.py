@@ -7,7 +7,12 @@ loggers, whose Prometheus logger records them on the OpenAI server's ``/metrics`
 - ``vllm:kvplane_handovers_total{peer, side, outcome}``: handles resolved (``send``:
   ``released`` or ``failed``; ``receive``: ``arrived`` or ``failed``);
 - ``vllm:kvplane_bytes_total{peer, side}``: bytes of the handovers that completed;
-- ``vllm:kvplane_handover_seconds{peer, side}``: from ``send``/``expect`` to the outcome.
+- ``vllm:kvplane_handover_seconds{peer, side}``: from ``send``/``expect`` to the outcome;
+- ``vllm:kvplane_holds_total{outcome}``: a prefill's finished requests whose blocks it held for
+  a decode, by what freed them: ``sent`` (a decode asked and the sends ended), ``refused`` (the
+  ask did not match what it holds), ``released`` (the decode said it will not ask: it finished,
+  was aborted or hit its own prefix cache), ``routeless`` (no pairing has a route from this
+  rank) or ``expired`` (``hold_s`` passed: the decode never came).
 
 Every series also carries vLLM's own labels (``model_name``, ``engine``). The same handles are
 in the control plane's record and, for a worker that serves them, in ``kvplane_worker_*``.
@@ -34,17 +39,21 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 @dataclass
 class KvplaneConnectorStats(KVConnectorStats):
-    """``data["handovers"]``: one ``[peer, side, outcome, bytes, seconds]`` row per handle."""
+    """``data["handovers"]``: one ``[peer, side, outcome, bytes, seconds]`` row per handle;
+    ``data["holds"]``: one outcome per hold a prefill rank ended."""
 
     def __post_init__(self) -> None:
         self.data.setdefault("handovers", [])
+        self.data.setdefault("holds", [])
 
     def reset(self) -> None:
         self.data.clear()
         self.data["handovers"] = []
+        self.data["holds"] = []
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        self.data["handovers"] = [*self.data["handovers"], *other.data.get("handovers", [])]
+        for key in ("handovers", "holds"):
+            self.data[key] = [*self.data.get(key, []), *other.data.get(key, [])]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -54,10 +63,13 @@ class KvplaneConnectorStats(KVConnectorStats):
             "Handovers": len(rows),
             "Failed": len(rows) - len(done),
             "MB moved": round(sum(row[3] for row in done) / 1e6, 3),
+            "Holds expired": sum(
+                1 for outcome in self.data.get("holds", []) if outcome == "expired"
+            ),
         }
 
     def is_empty(self) -> bool:
-        return not self.data["handovers"]
+        return not self.data["handovers"] and not self.data.get("holds")
 
 
 class HandoverNotes:
@@ -66,6 +78,7 @@ class HandoverNotes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rows: list[list[Any]] = []
+        self._holds: list[str] = []
 
     def note(self, handle: Handle) -> None:
         """``Worker.add_listener`` hook: runs on the progress thread, so it only appends."""
@@ -73,10 +86,18 @@ class HandoverNotes:
         with self._lock:
             self._rows.append(row)
 
+    def held(self, outcomes: list[str]) -> None:
+        """A prefill rank freed held requests, each for the outcome named."""
+        with self._lock:
+            self._holds.extend(outcomes)
+
     def take(self) -> KvplaneConnectorStats | None:
         with self._lock:
             rows, self._rows = self._rows, []
-        return KvplaneConnectorStats(data={"handovers": rows}) if rows else None
+            holds, self._holds = self._holds, []
+        if not rows and not holds:
+            return None
+        return KvplaneConnectorStats(data={"handovers": rows, "holds": holds})
 
 
 class KvplanePromMetrics(KVConnectorPromMetrics):
@@ -106,6 +127,12 @@ class KvplanePromMetrics(KVConnectorPromMetrics):
             buckets=list(SECONDS_BUCKETS),
             labelnames=[*labelnames, "peer", "side"],
         )
+        self.holds = self._counter_cls(
+            name="vllm:kvplane_holds",
+            documentation="Requests a prefill held for a decode, by what freed their blocks "
+            "(sent, refused, released, routeless, expired)",
+            labelnames=[*labelnames, "outcome"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
@@ -114,3 +141,5 @@ class KvplanePromMetrics(KVConnectorPromMetrics):
             self.seconds.labels(*engine, peer, side).observe(float(seconds))
             if outcome != "failed":
                 self.bytes.labels(*engine, peer, side).inc(int(nbytes))
+        for outcome in transfer_stats_data.get("holds", []):
+            self.holds.labels(*engine, str(outcome)).inc()

@@ -308,6 +308,7 @@ def openai_server(
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "KVPLANE_STALL_DUMP_S": STALL_DUMP_S,
+            "KVPLANE_LOG_LEVEL": "INFO",
             **(env or {}),
         },
     )
@@ -328,6 +329,16 @@ def proxy(workdir: Path, prefill: str, decode: str, port: int) -> Process:
         ],
         workdir / "proxy.log",
     )
+
+
+def kvplane_holds(url: str) -> dict[str, float]:
+    """An OpenAI server's ``vllm:kvplane_holds_total`` by outcome (what freed a held request)."""
+    found: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:kvplane_holds_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            found[outcome] = found.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def recorded(
